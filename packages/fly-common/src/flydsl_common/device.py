@@ -1,0 +1,187 @@
+"""Device building blocks shared by the kernel families.
+
+Every helper here is a ``@flyc.func`` (a Triton device function), written
+against ``flydsl.expr`` only, and runs both compiled and in the interpreter
+(which is why nothing here uses libdevice: the interpreter has no libdevice).
+
+- row addressing in int64, so M x N past 2**31 never overflows;
+- masked, vectorizable row loads/stores (upcast to fp32 on load, downcast on store);
+- fp32 reductions (sum, sum of squares, max, absolute max);
+- round-half-to-even and saturating casts to int8 and fp8 e4m3;
+- epilogue activations on fp32 values, selected by a constexpr code.
+"""
+
+from __future__ import annotations
+
+import flydsl
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+# Activation codes (constexpr ints in kernels; names on the host, see ACTIVATIONS).
+ACT_NONE = 0
+ACT_RELU = 1
+ACT_SILU = 2
+ACT_GELU_TANH = 3
+ACT_GELU_ERF = 4
+
+ACTIVATIONS = {
+    None: ACT_NONE,
+    "none": ACT_NONE,
+    "relu": ACT_RELU,
+    "silu": ACT_SILU,
+    "gelu_tanh": ACT_GELU_TANH,
+    "gelu": ACT_GELU_ERF,  # torch.nn.functional.gelu's default form
+    "gelu_erf": ACT_GELU_ERF,
+}
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+# Device-side copies: globals a kernel reads must be constexpr.
+_INT8_MAX = fx.constexpr(INT8_MAX)
+_FP8_MAX = fx.constexpr(FP8_E4M3_MAX)
+# Adding and subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the
+# nearest integer, ties to even (the rounding of the fp32 add itself).
+_RNE_MAGIC = fx.constexpr(12582912.0)
+_INTERPRET = fx.constexpr(flydsl.interpreting())
+
+
+# ---------------------------------------------------------------- addressing
+
+
+@flyc.func
+def row_offset(row, stride):
+    """Element offset of ``row`` for a row stride, computed in int64."""
+    return row.to(fx.int64) * stride
+
+
+@flyc.func
+def load_row_f32(ptr, cols, n, other, VEC: fx.constexpr):
+    """Load ``ptr[cols]`` where ``cols < n`` as fp32 (``other`` elsewhere).
+
+    ``VEC`` (a power of two dividing n and the row start) lets the compiler
+    issue 16-byte accesses: it declares runs of VEC contiguous, VEC-aligned
+    columns. Pass 1 when nothing is known.
+    """
+    if VEC > 1:
+        cols = fx.max_contiguous(fx.multiple_of(cols, VEC), VEC)
+    return fx.load(ptr + cols, mask=cols < n, other=other).to(fx.float32)
+
+
+@flyc.func
+def store_row(ptr, cols, n, value, VEC: fx.constexpr):
+    """Store ``value`` (converted to the pointer's element type) at ``ptr[cols]`` where ``cols < n``."""
+    if VEC > 1:
+        cols = fx.max_contiguous(fx.multiple_of(cols, VEC), VEC)
+    fx.store(ptr + cols, value.to(ptr.dtype.element_ty), mask=cols < n)
+
+
+# ---------------------------------------------------------------- reductions
+
+
+@flyc.func
+def sum_f32(x, axis: fx.constexpr):
+    return fx.sum(x.to(fx.float32), axis=axis)
+
+
+@flyc.func
+def sumsq_f32(x, axis: fx.constexpr):
+    xf = x.to(fx.float32)
+    return fx.sum(xf * xf, axis=axis)
+
+
+@flyc.func
+def max_f32(x, axis: fx.constexpr):
+    return fx.max(x.to(fx.float32), axis=axis)
+
+
+@flyc.func
+def absmax_f32(x, axis: fx.constexpr):
+    return fx.max(fx.abs(x.to(fx.float32)), axis=axis)
+
+
+# ----------------------------------------------------------------- rounding
+
+
+@flyc.func
+def round_half_even(x):
+    """Nearest integer (ties to even) of fp32 ``x`` with |x| < 2**22; larger values are returned unchanged."""
+    r = (x + _RNE_MAGIC) - _RNE_MAGIC
+    return fx.where(fx.abs(x) < 4194304.0, r, x)
+
+
+@flyc.func
+def cast_sat_int8(x):
+    """fp32 -> int8: round half to even, saturate to [-127, 127] (symmetric, so -x quantizes to -q)."""
+    c = fx.minimum(fx.maximum(x, -_INT8_MAX), _INT8_MAX)
+    return round_half_even(c).to(fx.int8)
+
+
+@flyc.func
+def _fp8e4m3_bits(c):
+    """Round-half-even e4m3fn encoding (as int32) of fp32 ``c`` with |c| <= 448, by integer arithmetic."""
+    bits = c.to(fx.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    a = fx.abs(c)
+    # Normal range (a >= 2**-6): keep 3 of the 23 mantissa bits, rounding half to even;
+    # a carry out of the mantissa correctly bumps the exponent.
+    exp8 = (mag >> 23) - 127 + 7
+    mant = mag & 0x7FFFFF
+    m3 = mant >> 20
+    rem = mant & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((m3 & 1) == 1))
+    normal = (exp8 << 3) + m3 + up.to(fx.int32)
+    # Subnormal range: multiples of 2**-9; scaling by 512 is exact.
+    sub = round_half_even(a * 512.0).to(fx.int32)
+    code = fx.where(a >= 0.015625, normal, sub)
+    return sign | code
+
+
+@flyc.func
+def cast_sat_fp8e4m3(x):
+    """fp32 -> fp8 e4m3 (fn), round half to even, saturating to +-448 (the hardware conversion gives NaN)."""
+    c = fx.minimum(fx.maximum(x, -_FP8_MAX), _FP8_MAX)
+    if _INTERPRET:
+        # The interpreter's own fp32 -> fp8 conversion is wrong for many values;
+        # build the encoding exactly instead.
+        return _fp8e4m3_bits(c).to(fx.uint8).to(fx.float8e4nv, bitcast=True)
+    else:
+        return c.to(fx.float8e4nv)
+
+
+# --------------------------------------------------------------- activations
+
+
+@flyc.func
+def tanh_f32(x):
+    """tanh from exp, stable for any x (no libdevice, so it also runs in the interpreter)."""
+    t = fx.exp(-2.0 * fx.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return fx.where(x < 0, -y, y)
+
+
+@flyc.func
+def activation(x, ACT: fx.constexpr):
+    """Apply activation ``ACT`` (an ACT_* code) to fp32 ``x``."""
+    if ACT == 1:  # relu
+        return fx.maximum(x, 0.0)
+    elif ACT == 2:  # silu
+        return x / (1.0 + fx.exp(-x))
+    elif ACT == 3:  # gelu, tanh approximation
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (1.0 + tanh_f32(inner))
+    elif ACT == 4:  # gelu, exact (erf) form
+        return 0.5 * x * (1.0 + fx.erf(x * 0.7071067811865476))
+    else:
+        return x
+
+
+def activation_code(name) -> int:
+    """Host side: activation name ("relu", "silu", "gelu_tanh", "gelu"/"gelu_erf", None) -> ACT_* code."""
+    from flydsl.errors import ArgumentError
+
+    try:
+        return ACTIVATIONS[name if name is None else str(name).lower()]
+    except KeyError:
+        names = sorted(k for k in ACTIVATIONS if k is not None)
+        raise ArgumentError(f"activation: expected None or one of {names}, got {name!r}") from None

@@ -1,0 +1,72 @@
+"""fp32/fp64 torch references for the kernels in flydsl-common.
+
+Tests and benchmarks import these; family packages keep their own references
+beside their kernels and may build on the ones here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .device import FP8_E4M3_MAX, INT8_MAX
+
+__all__ = ["vec_add_ref", "activation_ref", "quantize_per_token_ref", "quantize_per_tensor_ref", "dequantize_ref"]
+
+
+def vec_add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.double() + b.double()
+
+
+def activation_ref(x: torch.Tensor, name: str | None) -> torch.Tensor:
+    """Activation in float64 (names as in flydsl_common.device.ACTIVATIONS)."""
+    x = x.double()
+    if name in (None, "none"):
+        return x
+    if name == "relu":
+        return torch.relu(x)
+    if name == "silu":
+        return x * torch.sigmoid(x)
+    if name == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if name in ("gelu", "gelu_erf"):
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def _qmax(dtype: torch.dtype) -> float:
+    return INT8_MAX if dtype == torch.int8 else FP8_E4M3_MAX
+
+
+def _quantize(x32: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    qmax = _qmax(dtype)
+    v = (x32 * inv).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        return torch.round(v).to(torch.int8)  # torch.round: half to even, like the kernel
+    return v.to(dtype)
+
+
+def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's arithmetic in fp32: scale = amax/QMAX, q = sat(round(x * (QMAX/amax)))."""
+    qmax = _qmax(dtype)
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1) if x.shape[-1] else torch.zeros(x.shape[:-1], device=x.device)
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+    return _quantize(x32, inv[..., None], dtype), amax / qmax
+
+
+def quantize_per_tensor_ref(x: torch.Tensor, dtype: torch.dtype, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    qmax = _qmax(dtype)
+    x32 = x.float()
+    if scale is None:
+        amax = x32.abs().amax() if x.numel() else torch.zeros((), device=x.device)
+        scale = amax / qmax
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return _quantize(x32, inv, dtype), scale
+
+
+def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, per_token: bool) -> torch.Tensor:
+    s = scale.double()
+    return q.double() * (s[..., None] if per_token else s)

@@ -1,0 +1,251 @@
+"""The ``flydsl`` command.
+
+    flydsl info                      backend, arch, SM count, versions, installed families, FLYDSL_* variables
+    flydsl cache ls|size|clear       the cache root (--kind triton|tuning)
+    flydsl tune [FAMILY ...]         regenerate a family's shipped tuning artifacts on this GPU
+    flydsl bench FAMILY [ARGS ...]   run a family's benchmarks (ARGS go to the family)
+    flydsl demo [FAMILY ...]         every installed family's kernels on small problems, checked against torch
+
+Families are found through the ``flydsl.families`` entry points, so the
+command knows what is installed without importing any family up front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from typing import Sequence
+
+from . import __version__, _backend, cache, env
+from .families import DemoResult, Family, discover
+
+__all__ = ["main", "run_demo"]
+
+
+def _version_of(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _pick(families: dict[str, Family], names: Sequence[str]) -> list[Family]:
+    if not names:
+        return list(families.values())
+    unknown = [n for n in names if n not in families]
+    if unknown:
+        raise SystemExit(
+            f"flydsl: unknown family {', '.join(unknown)}; installed: {', '.join(families) or 'none'}"
+        )
+    return [families[n] for n in names]
+
+
+# --------------------------------------------------------------------- info
+
+
+def cmd_info(args) -> int:
+    from . import arch
+
+    a = arch.current()
+    fams = discover()
+    info = {
+        "flydsl": __version__,
+        "backend": a.backend,
+        "interpreter": _backend.interpreting(),
+        "arch": a.name,
+        "device": a.device_name,
+        "sm_count": a.sm_count,
+        "smem_per_block": a.smem_per_block,
+        "l2_bytes": a.l2_bytes,
+        "python": sys.version.split()[0],
+        "torch": _version_of("torch"),
+        "triton": _version_of("triton"),
+        "cache_root": str(cache.root()),
+        "families": {f.name: {"distribution": f.distribution, "version": f.version} for f in fams.values()},
+        "env": {name: value for name, _t, value, _h in env.describe()},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"flydsl {__version__}  (python {info['python']}, torch {info['torch']}, triton {info['triton']})")
+    mode = "Triton interpreter (CPU)" if info["interpreter"] else "compiled"
+    print(f"backend   {a.backend}, {mode}")
+    print(f"device    {a.device_name}  arch {a.name}  SMs {a.sm_count}  "
+          f"smem/block {_fmt_bytes(a.smem_per_block)}  L2 {_fmt_bytes(a.l2_bytes)}")
+    print(f"cache     {info['cache_root']}")
+    print("families  " + (", ".join(f"{f.name} ({f.distribution} {f.version})" for f in fams.values()) or "none"))
+    print("environment:")
+    for name, typ, value, help_ in env.describe():
+        print(f"  {name:<22} {typ:<5} {value:<28} {help_}")
+    return 0
+
+
+# -------------------------------------------------------------------- cache
+
+
+def cmd_cache(args) -> int:
+    if args.action == "ls":
+        rows = cache.entries()
+        if args.kind:
+            rows = [r for r in rows if r.kind == args.kind]
+        for r in rows:
+            print(f"{r.kind:<7} {_fmt_bytes(r.bytes):>10} {r.files:>6} files  {r.path}")
+        if not rows:
+            print(f"(empty) {cache.root()}")
+    elif args.action == "size":
+        kinds = [args.kind] if args.kind else list(cache.KINDS)
+        for k in kinds:
+            print(f"{k:<7} {_fmt_bytes(cache.size(k)):>10}")
+    else:
+        freed = cache.clear(args.kind)
+        print(f"cleared {args.kind or 'all caches'} under {cache.root()}: {_fmt_bytes(freed)} freed")
+    return 0
+
+
+# --------------------------------------------------------------------- tune
+
+
+def cmd_tune(args) -> int:
+    from pathlib import Path
+
+    from . import arch
+    from .autotune import tune_artifact
+
+    fams = _pick(discover(), args.family)
+    a = arch.current()
+    if a.is_interpreter and not args.allow_interpreter:
+        print("flydsl tune: no GPU visible; artifacts must be generated on the GPU they describe", file=sys.stderr)
+        return 2
+    total = 0
+    for fam in fams:
+        tunables = list(fam.tunables())
+        if args.only:
+            tunables = [t for t in tunables if t.name in args.only]
+        if not tunables:
+            print(f"{fam.name}: no tunables")
+            continue
+        for t in tunables:
+            keys = [json.loads(k) for k in args.key] if args.key else list(t.tune_keys(a.name))
+            if not keys:
+                print(f"{fam.name}/{t.name}: no tuning keys for {a.name}")
+                continue
+            out = Path(args.out) / f"{t.name}.json" if args.out else None
+            path = tune_artifact(t, keys, a.name, "cuda" if not a.is_interpreter else "cpu", out_path=out)
+            print(f"{fam.name}/{t.name}: {len(keys)} keys -> {path}")
+            total += 1
+    return 0
+
+
+# -------------------------------------------------------------------- bench
+
+
+def cmd_bench(args) -> int:
+    fam = _pick(discover(), [args.family])[0]
+    if fam.bench is None:
+        print(f"{fam.name}: no benchmarks registered")
+        return 0
+    return int(fam.bench(args.args) or 0)
+
+
+# --------------------------------------------------------------------- demo
+
+
+def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list[DemoResult]:
+    """Run every demo case of ``families``: check against the reference; time against torch on a GPU."""
+    import torch
+
+    from .testing import default_device, rel_error
+
+    device = default_device()
+    if time_it is None:
+        time_it = device.type == "cuda"
+    results = []
+    for fam in families:
+        for case in fam.demo_cases():
+            run = case.prepare(device)
+            out = run.ours()
+            ref = run.reference()
+            err = rel_error(out, ref)
+            ours_us = torch_us = None
+            if time_it:
+                from .autotune.timer import bench
+
+                ours_us = bench(run.ours).median_us
+                torch_us = bench(run.torch_op).median_us
+            results.append(DemoResult(fam.name, case.name, err, run.tolerance, ours_us, torch_us, run.torch_name))
+    return results
+
+
+def cmd_demo(args) -> int:
+    fams = _pick(discover(), args.family)
+    results = run_demo(fams, time_it=False if args.no_time else None)
+    if not results:
+        print("no demo cases in the installed families")
+        return 0
+    header = f"{'family':<8} {'problem':<44} {'rel err':>9} {'tol':>7}  {'ok':<4} {'flydsl us':>10} {'torch us':>10}  torch op"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        ours = f"{r.ours_us:10.2f}" if r.ours_us is not None else f"{'-':>10}"
+        theirs = f"{r.torch_us:10.2f}" if r.torch_us is not None else f"{'-':>10}"
+        print(f"{r.family:<8} {r.name:<44} {r.rel_error:9.2e} {r.tolerance:7.0e}  {'yes' if r.ok else 'NO':<4} "
+              f"{ours} {theirs}  {r.torch_name}")
+    failed = [r for r in results if not r.ok]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flydsl", description="FlyDSL runtime command line")
+    p.add_argument("--version", action="version", version=f"flydsl {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="backend, arch, versions, installed families, environment")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("cache", help="list, size or clear the cache root")
+    s.add_argument("action", choices=["ls", "size", "clear"])
+    s.add_argument("--kind", choices=list(cache.KINDS), default=None)
+    s.set_defaults(func=cmd_cache)
+
+    s = sub.add_parser("tune", help="regenerate families' tuning artifacts on this GPU")
+    s.add_argument("family", nargs="*", help="families to tune (default: all installed)")
+    s.add_argument("--only", action="append", default=[], help="tunable name (repeatable)")
+    s.add_argument("--key", action="append", default=[], help="tuning key as JSON (repeatable); default: the family's list")
+    s.add_argument("--out", default=None, help="folder for the artifacts (default: inside the family package)")
+    s.add_argument("--allow-interpreter", action="store_true", help=argparse.SUPPRESS)
+    s.set_defaults(func=cmd_tune)
+
+    s = sub.add_parser("bench", help="run a family's benchmarks")
+    s.add_argument("family")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the family's benchmark")
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("demo", help="run every installed family's kernels on small problems against torch")
+    s.add_argument("family", nargs="*")
+    s.add_argument("--no-time", action="store_true", help="check only, do not time")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Kernel and launcher decorators: ``import flydsl.compiler as flyc``.
+
+``@flyc.kernel`` marks a device function. It *is* a Triton JIT function (no
+wrapper object sits between a launch and Triton), so launching costs exactly
+what Triton costs and Triton's compile cache keys apply: the kernel's source,
+the sources of every function it calls, constexpr values, argument dtypes and
+divisibility specialization, the target and the compiler version.
+
+``@flyc.jit`` marks a host launcher: a plain Python function that checks its
+arguments, picks a launch configuration and launches kernels. The decorator
+adds, in one pass over the arguments:
+
+- device placement: every tensor argument must be on one device, and the
+  launch runs under that device (a tensor on cuda:1 never launches on cuda:0);
+- the stream: ``stream=None`` means torch's current stream of that device; a
+  ``torch.cuda.Stream`` or a raw ``cudaStream_t`` integer makes the launch go
+  there;
+- empty inputs: when any tensor argument has no elements the launcher returns
+  ``None`` without launching (``skip_empty=False`` turns this off for
+  launchers that must still write something, e.g. a GEMM with K = 0);
+- CPU tensors run through Triton's interpreter; on a process that compiles
+  for the GPU they raise a clear error instead of crashing in the driver.
+
+``launcher.__wrapped__`` is the undecorated function, for callers that manage
+devices and streams themselves and want no checks at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, TypeVar
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _backend
+from .errors import ArgumentError, DeviceError
+
+__all__ = ["kernel", "func", "jit", "cdiv", "next_power_of_2", "interpreting"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+interpreting = _backend.interpreting
+
+
+def kernel(
+    fn: Callable | None = None,
+    *,
+    repr: Callable | None = None,  # noqa: A002 - Triton's own argument name
+    launch_metadata: Callable | None = None,
+    do_not_specialize: tuple | list | None = None,
+    noinline: bool | None = None,
+    debug: bool | None = None,
+):
+    """Mark a device function (a kernel, or a helper that kernels call).
+
+    Arguments are Triton's: ``repr`` gives profilers a readable kernel name,
+    ``launch_metadata`` reports bytes/flops to them, ``do_not_specialize``
+    lists integer arguments that must not trigger a recompile when their value
+    changes (row counts, for instance), ``noinline`` keeps a helper out of line.
+    """
+
+    def decorate(f):
+        opts: dict[str, Any] = {}
+        if repr is not None:
+            opts["repr"] = repr
+        if launch_metadata is not None:
+            opts["launch_metadata"] = launch_metadata
+        if do_not_specialize:
+            opts["do_not_specialize"] = tuple(do_not_specialize)
+        if noinline is not None:
+            opts["noinline"] = noinline
+        if debug is not None:
+            opts["debug"] = debug
+        if _backend.interpreting():
+            # Triton's interpreter swaps triton.language's functions for
+            # interpreted ones while a kernel runs, and finds the module to
+            # patch among the kernel's globals. Kernels see the language only
+            # through flydsl.expr, so make triton.language visible to it.
+            f.__globals__.setdefault("__flydsl_triton_language__", tl)
+            return _interpreter_compatible(triton.jit(f, **opts) if opts else triton.jit(f))
+        return triton.jit(f, **opts) if opts else triton.jit(f)
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def _interpreter_compatible(jf):
+    """Let the interpreter recognise ``fx.constexpr`` parameters.
+
+    The interpreter re-executes the kernel's source with postponed annotations
+    and treats a parameter as constexpr only when its annotation string is
+    ``constexpr`` or ``tl.constexpr``; ``fx.constexpr`` would silently become a
+    runtime tensor. Normalise the annotations of the rewritten function.
+    """
+    rewrite = jf.rewrite
+
+    def rewrite_normalized():
+        fn = rewrite()
+        ann = fn.__annotations__
+        for name, value in ann.items():
+            if isinstance(value, str) and value.rsplit(".", 1)[-1].strip() == "constexpr":
+                ann[name] = "constexpr"
+        return fn
+
+    jf.rewrite = rewrite_normalized
+    return jf
+
+
+func = kernel  # device helpers are marked the same way; the alias reads better at call sites
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of two non-negative ints (host side)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _as_stream(stream: Any, device: torch.device):
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    if isinstance(stream, int):
+        return torch.cuda.ExternalStream(stream, device=device)
+    raise ArgumentError(f"stream: expected None, a torch.cuda.Stream or a raw stream handle (int), got {stream!r}")
+
+
+def _launch_context(device: torch.device, stream: Any):
+    """Context that makes `device` current and `stream` its current stream, or None if already so."""
+    guards = []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch.cuda.current_device():
+        guards.append(torch.cuda.device(index))
+    if stream is not None:
+        s = _as_stream(stream, device)
+        if s.device.index != index:
+            raise DeviceError(f"stream: belongs to {s.device}, but the tensors are on cuda:{index}")
+        if s != torch.cuda.current_stream(index):
+            guards.append(torch.cuda.stream(s))
+    return guards
+
+
+class _Launcher:
+    """The callable that ``@flyc.jit`` returns (see the module docstring)."""
+
+    def __init__(self, fn: Callable, skip_empty: bool):
+        functools.update_wrapper(self, fn)
+        self.__wrapped__ = fn
+        self._skip_empty = skip_empty
+        params = inspect.signature(fn).parameters
+        self._takes_stream = "stream" in params
+
+    def __call__(self, *args, stream=None, **kwargs):
+        fn = self.__wrapped__
+        device = None
+        first = None
+        for i, a in enumerate(args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor):
+                d = a.device
+                if device is None:
+                    device, first = d, i
+                elif d != device:
+                    raise DeviceError(
+                        f"{self.__name__}: tensor arguments are on different devices "
+                        f"(argument {first} on {device}, argument {i} on {d}); move them to one device"
+                    )
+                if self._skip_empty and a.numel() == 0:
+                    return None
+        if self._takes_stream:
+            kwargs["stream"] = stream
+        if device is None or device.type != "cuda":
+            if device is not None and device.type == "cpu" and not _backend.interpreting():
+                raise DeviceError(
+                    f"{self.__name__}: got CPU tensors, but this process compiles kernels for the GPU. "
+                    "Move the tensors to the GPU, or start Python with FLYDSL_INTERPRET=1 to run "
+                    "kernels on the CPU through Triton's interpreter."
+                )
+            return fn(*args, **kwargs)
+        guards = _launch_context(device, stream)
+        if not guards:
+            return fn(*args, **kwargs)
+        with guards[0]:
+            if len(guards) == 1:
+                return fn(*args, **kwargs)
+            with guards[1]:
+                return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<flydsl launcher {self.__module__}.{self.__qualname__}>"
+
+
+def jit(fn: F | None = None, *, skip_empty: bool = True) -> Any:
+    """Mark a host launcher (see the module docstring for what it adds)."""
+
+    def decorate(f):
+        return _Launcher(f, skip_empty)
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,123 @@
+"""Test helpers every FlyDSL package uses (the pytest plugin lives in ``plugin``).
+
+- ``gpu``: ``@pytest.mark.gpu`` marks a test that needs a CUDA/HIP device; it is
+  skipped automatically where kernels run through the interpreter, and
+  ``pytest --require-gpu`` turns "no GPU" into an error instead (GPU CI).
+- ``device`` fixture: the GPU when kernels compile, the CPU otherwise.
+- tolerances per dtype on the relative error ||out - ref|| / ||ref||.
+- ``poison`` / ``empty_poisoned``: fill outputs with values a kernel never
+  writes (NaN for floats), so unwritten elements fail the comparison.
+- ``rel_error`` / ``assert_rel_close``: the comparison, in float64; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _backend
+
+__all__ = [
+    "TOLERANCES",
+    "tolerance",
+    "gpu_available",
+    "default_device",
+    "poison",
+    "empty_poisoned",
+    "rel_error",
+    "assert_rel_close",
+    "seeded_generator",
+]
+
+# Relative error budgets of a result whose output (or operands) have this dtype.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+    torch.float8_e4m3fn: 7e-2,  # 3 mantissa bits: half an ulp is 1/16
+    torch.float8_e5m2: 1.3e-1,  # 2 mantissa bits
+    torch.int8: 1e-2,  # per-row scaled int8: half a step of 1/127 of the row's range
+}
+TF32_TOLERANCE = 3e-4
+
+
+def tolerance(dtype: torch.dtype, *, tf32: bool = False) -> float:
+    """The relative-error budget for an output of ``dtype`` (fp32 through tf32 tensor cores: 3e-4)."""
+    if tf32 and dtype == torch.float32:
+        return TF32_TOLERANCE
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise KeyError(f"no tolerance defined for {dtype}") from None
+
+
+def gpu_available() -> bool:
+    """True when kernels compile for a visible GPU in this process."""
+    return (not _backend.interpreting()) and torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if gpu_available() else torch.device("cpu")
+
+
+_INT_POISON = {torch.int8: -128, torch.uint8: 255, torch.int16: -(2**15), torch.int32: -(2**31), torch.int64: -(2**63)}
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no kernel should write: NaN for floats, the minimum for ints."""
+    if t.dtype.is_floating_point:
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            t.view(torch.uint8).fill_(0x7F)  # NaN in both fp8 formats (e4m3fn: 0x7F; e5m2: 0x7F is NaN too)
+        else:
+            t.fill_(float("nan"))
+    elif t.dtype in _INT_POISON:
+        t.fill_(_INT_POISON[t.dtype])
+    elif t.dtype == torch.bool:
+        raise TypeError("bool outputs cannot be poisoned: every value is legal")
+    else:
+        t.fill_(-1)
+    return t
+
+
+def empty_poisoned(*shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return poison(torch.empty(shape, dtype=dtype, device=device))
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (absolute error when ref is all zeros); NaN/inf in out gives nan."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise AssertionError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    o = out.detach().to(device="cpu", dtype=torch.float64)
+    r = ref.detach().to(device="cpu", dtype=torch.float64)
+    if not torch.isfinite(o).all() and torch.isfinite(r).all():
+        return math.nan
+    if o.numel() == 0:
+        return 0.0
+    num = torch.linalg.vector_norm(o - r).item()
+    den = torch.linalg.vector_norm(r).item()
+    return num / den if den > 0 else num
+
+
+def assert_rel_close(out, ref, *, tol: float | None = None, dtype: torch.dtype | None = None, name: str = "output"):
+    """Assert ||out - ref|| / ||ref|| <= tol (default: the tolerance of ``dtype`` or out.dtype); NaN fails."""
+    if tol is None:
+        tol = tolerance(dtype if dtype is not None else out.dtype)
+    err = rel_error(out, ref)
+    if not (err <= tol):  # written so NaN fails
+        o = out.detach().double().cpu()
+        bad = (~torch.isfinite(o)).sum().item()
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} exceeds {tol:.1e} "
+            f"(shape {tuple(out.shape)}, dtype {out.dtype}, non-finite elements {bad})"
+        )
+    return err
+
+
+def seeded_generator(seed: int, device=None) -> torch.Generator:
+    g = torch.Generator(device=device or "cpu")
+    g.manual_seed(seed)
+    return g

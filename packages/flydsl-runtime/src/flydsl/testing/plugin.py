@@ -1,0 +1,47 @@
+"""pytest plugin registered by flydsl-runtime (entry point ``pytest11: flydsl``).
+
+Loaded before any test module, so ``import flydsl`` picks compiled or
+interpreted kernels before anything imports Triton. Provides the ``gpu``
+marker, the ``device`` fixture and the ``--require-gpu`` option.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import flydsl  # noqa: F401 - fixes the backend before test modules import triton
+
+from . import default_device, gpu_available
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("flydsl")
+    group.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail the session when no GPU is visible, instead of skipping gpu-marked tests (GPU CI shards)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU; skipped where kernels run in the interpreter")
+    if config.getoption("--require-gpu") and not gpu_available():
+        raise pytest.UsageError(
+            "--require-gpu: no GPU is visible to this process (or FLYDSL_INTERPRET=1 forces the interpreter)"
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (kernels run through the interpreter here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """The device tests run kernels on: the GPU when present, else the CPU (interpreter)."""
+    return default_device()
