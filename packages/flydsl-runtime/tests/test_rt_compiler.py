@@ -1,0 +1,121 @@
+"""@flyc.kernel and @flyc.jit: interpreter execution, empty inputs, devices, streams, cache keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.errors import ArgumentError, DeviceError
+from flydsl.testing import empty_poisoned
+
+
+
+@flyc.kernel(do_not_specialize=["n"])
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: fx.constexpr):
+    offs = fx.program_id(0) * BLOCK + fx.arange(0, BLOCK)
+    mask = offs < n
+    x = fx.load(x_ptr + offs, mask=mask)
+    y = fx.load(y_ptr + offs, mask=mask)
+    fx.store(out_ptr + offs, alpha * x + y, mask=mask)
+
+
+calls = []
+
+
+@flyc.jit
+def axpy(x, y, out, alpha, stream=None):
+    calls.append(stream)
+    n = x.numel()
+    _axpy_kernel[(flyc.cdiv(n, 64),)](x, y, out, n, alpha, BLOCK=64)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000])
+def test_kernel_matches_reference(device, n):
+    x = torch.randn(n, device=device)
+    y = torch.randn(n, device=device)
+    out = empty_poisoned(n, dtype=torch.float32, device=device)
+    axpy(x, y, out, 0.5)
+    torch.testing.assert_close(out, 0.5 * x + y)
+
+
+def test_empty_input_returns_early_without_launch(device):
+    calls.clear()
+    x = torch.empty(0, device=device)
+    assert axpy(x, x, x, 1.0) is None
+    assert calls == []
+
+
+def test_skip_empty_false_still_calls():
+    seen = []
+
+    @flyc.jit(skip_empty=False)
+    def launch(x):
+        seen.append(x.numel())
+
+    launch(torch.empty(0))
+    assert seen == [0]
+
+
+def test_stream_none_is_passed_through(device):
+    calls.clear()
+    x = torch.ones(4, device=device)
+    axpy(x, x, x.clone(), 1.0)
+    assert calls == [None]
+
+
+def test_mixed_devices_are_refused_before_launch():
+    calls.clear()
+    with pytest.raises(DeviceError, match="different devices"):
+        axpy(torch.ones(2), torch.ones(2, device="meta"), torch.ones(2), 1.0)
+    assert calls == []
+
+
+def test_launcher_keeps_name_and_raw_function():
+    assert axpy.__name__ == "axpy"
+    assert callable(axpy.__wrapped__)
+    assert "flydsl launcher" in repr(axpy)
+
+
+def test_bad_stream_argument_is_named():
+    from flydsl.compiler import _as_stream
+
+    with pytest.raises(ArgumentError, match="stream"):
+        _as_stream("fast", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("a,b,q", [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (1023, 16, 64)])
+def test_cdiv(a, b, q):
+    assert flyc.cdiv(a, b) == q
+
+
+@pytest.mark.parametrize("n,p", [(0, 1), (1, 1), (2, 2), (3, 4), (1024, 1024), (1025, 2048)])
+def test_next_power_of_2(n, p):
+    assert flyc.next_power_of_2(n) == p
+
+
+def test_cache_key_follows_helper_source(tmp_path, fresh_python):
+    """Changing a helper a kernel calls must change the kernel's cache key (a known FlyDSL bug to design out)."""
+    code = """
+        import importlib, sys, pathlib
+        sys.path.insert(0, {path!r})
+        import flydsl
+        assert flydsl.INTERPRET is False
+        def key(helper_body):
+            pathlib.Path({path!r}, "kmod.py").write_text(
+                "import flydsl.compiler as flyc\\nimport flydsl.expr as fx\\n"
+                "@flyc.func\\ndef helper(x):\\n    return " + helper_body + "\\n"
+                "@flyc.kernel\\ndef k(p, N: fx.constexpr):\\n"
+                "    o = fx.arange(0, N)\\n    fx.store(p + o, helper(fx.load(p + o)))\\n")
+            sys.modules.pop("kmod", None)
+            importlib.invalidate_caches()
+            import kmod
+            return kmod.k.cache_key
+        a, a2, b = key("x + 1"), key("x + 1"), key("x + 2")
+        print(a == a2, a != b)
+    """.format(path=str(tmp_path))
+    # Compiled mode (no launch) is where Triton computes cache keys.
+    r = fresh_python(code, env_extra={"FLYDSL_INTERPRET": "0"}, env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"]

@@ -1,0 +1,85 @@
+"""flydsl.testing helpers and the flydsl CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from flydsl import cli, testing
+from flydsl.families import discover
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
+                                   torch.int32])
+def test_poison_is_never_a_normal_value(dtype):
+    t = testing.empty_poisoned(4, 3, dtype=dtype)
+    if dtype.is_floating_point:
+        assert torch.isnan(t.float()).all()
+    else:
+        assert (t == torch.iinfo(dtype).min).all()
+
+
+def test_rel_error_and_nan_never_passes():
+    ref = torch.tensor([1.0, 2.0, 2.0])
+    assert testing.rel_error(ref, ref) == 0.0
+    assert math.isclose(testing.rel_error(ref + torch.tensor([0.0, 0.0, 0.3]), ref), 0.1, rel_tol=1e-6)
+    assert math.isnan(testing.rel_error(torch.tensor([1.0, float("nan"), 2.0]), ref))
+    with pytest.raises(AssertionError, match="non-finite elements 1"):
+        testing.assert_rel_close(torch.tensor([1.0, float("nan"), 2.0]), ref, tol=1.0)
+    with pytest.raises(AssertionError, match="relative error"):
+        testing.assert_rel_close(ref * 1.01, ref, dtype=torch.float32)
+    testing.assert_rel_close(ref.half(), ref, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="shape mismatch"):
+        testing.rel_error(ref, ref[:2])
+
+
+def test_tolerances():
+    assert testing.tolerance(torch.float32) == 1e-5
+    assert testing.tolerance(torch.float32, tf32=True) == 3e-4
+    assert testing.tolerance(torch.bfloat16) == 1e-2
+    with pytest.raises(KeyError):
+        testing.tolerance(torch.complex64)
+
+
+def test_device_fixture_matches_backend(device):
+    assert device == testing.default_device()
+
+
+def test_cli_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for key in ("backend", "arch", "sm_count", "torch", "triton", "families", "env", "cache_root"):
+        assert key in info
+    assert info["families"]["common"]["distribution"] == "flydsl-common"
+
+
+def test_cli_cache_commands(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tuning" / "x").mkdir(parents=True)
+    (tmp_path / "tuning" / "x" / "a.json").write_text("{}")
+    assert cli.main(["cache", "ls"]) == 0
+    assert "tuning" in capsys.readouterr().out
+    assert cli.main(["cache", "size", "--kind", "tuning"]) == 0
+    assert "2 B" in capsys.readouterr().out
+    assert cli.main(["cache", "clear"]) == 0
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_cli_unknown_family_is_named():
+    with pytest.raises(SystemExit, match="unknown family nope"):
+        cli.main(["demo", "nope"])
+
+
+def test_cli_tune_refuses_the_interpreter(capsys):
+    if testing.gpu_available():
+        pytest.skip("checks the GPU-less refusal")
+    assert cli.main(["tune"]) == 2
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_families_are_discovered_through_entry_points():
+    fams = discover()
+    assert "common" in fams and fams["common"].module == "flydsl_common"
