@@ -51,6 +51,12 @@ _MODE_STATIC = 2  # write q with the scale read from s_ptr[0]
 
 
 @flyc.func
+def _inverse_scale(amax, QMAX: fx.constexpr):
+    """QMAX / amax, and 0 for all-zero rows (whose q is then 0 and scale 0)."""
+    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
+
+
+@flyc.func
 def _quant_chunk(x, inv, OUT_INT8: fx.constexpr):
     v = x * inv
     if OUT_INT8:
@@ -91,7 +97,7 @@ def _quant_rows_kernel(
         mask = row_ok[:, None] & (cols[None, :] < N)
         x = fx.load(x_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
         amax = absmax_f32(x, 1)
-        inv = fx.where(amax > 0, QMAX / amax, 0.0)
+        inv = _inverse_scale(amax, QMAX)
     else:
         amax = fx.zeros([BLOCK_M], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
@@ -99,7 +105,7 @@ def _quant_rows_kernel(
             mask = row_ok[:, None] & (c[None, :] < N)
             xc = fx.load(x_rows + c[None, :], mask=mask, other=0.0)
             amax = fx.maximum(amax, absmax_f32(xc, 1))
-        inv = fx.where(amax > 0, QMAX / amax, 0.0)
+        inv = _inverse_scale(amax, QMAX)
 
     if MODE == 1:
         fx.store(s_ptr + rows, amax, mask=row_ok)

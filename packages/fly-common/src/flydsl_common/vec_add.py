@@ -20,12 +20,17 @@ VEC_ADD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 
 
 @flyc.kernel(do_not_specialize=["n"])
-def _vec_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: fx.constexpr):
+def _vec_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: fx.constexpr, IS_FLOAT: fx.constexpr):
     offs = fx.program_id(0).to(fx.int64) * BLOCK + fx.arange(0, BLOCK)
     mask = offs < n
     a = fx.load(a_ptr + offs, mask=mask)
     b = fx.load(b_ptr + offs, mask=mask)
-    fx.store(out_ptr + offs, a + b, mask=mask)
+    if IS_FLOAT:
+        # Add 16-bit floats in fp32 and round once: the correctly rounded sum
+        # (and the interpreter has no bf16 arithmetic of its own).
+        fx.store(out_ptr + offs, (a.to(fx.float32) + b.to(fx.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        fx.store(out_ptr + offs, a + b, mask=mask)
 
 
 _BLOCK = 4096  # 16 KB of fp32 per operand per program: long enough bursts, enough programs to fill the GPU
@@ -33,7 +38,7 @@ _BLOCK = 4096  # 16 KB of fp32 per operand per program: long enough bursts, enou
 
 @flyc.jit
 def _launch_vec_add(a, b, out, n: int, stream=None):
-    _vec_add_kernel[(flyc.cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
+    _vec_add_kernel[(flyc.cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, IS_FLOAT=a.dtype.is_floating_point, num_warps=8)
 
 
 def build_vec_add_module():

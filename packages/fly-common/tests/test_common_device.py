@@ -1,0 +1,87 @@
+"""Device building blocks against torch references, through whatever backend this process uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.errors import ArgumentError
+from flydsl.testing import assert_rel_close, empty_poisoned
+from flydsl_common import device as dev
+from flydsl_common.reference import activation_ref
+
+
+@flyc.kernel
+def _act_kernel(x_ptr, y_ptr, n, ACT: fx.constexpr, B: fx.constexpr):
+    offs = fx.program_id(0) * B + fx.arange(0, B)
+    x = dev.load_row_f32(x_ptr, offs, n, 0.0, 1)
+    dev.store_row(y_ptr, offs, n, dev.activation(x, ACT), 1)
+
+
+@pytest.mark.parametrize("name", ["none", "relu", "silu", "gelu_tanh", "gelu", "gelu_erf"])
+def test_activations_match_fp64(device, name):
+    x = torch.cat([torch.randn(1000, device=device) * 4, torch.tensor([0.0, -30.0, 30.0, 1e-3], device=device)])
+    y = empty_poisoned(x.shape, dtype=torch.float32, device=device)
+    _act_kernel[(flyc.cdiv(x.numel(), 256),)](x, y, x.numel(), dev.activation_code(name), 256)
+    assert_rel_close(y, activation_ref(x, name), tol=2e-6)
+
+
+def test_activation_names_are_checked():
+    assert dev.activation_code(None) == dev.ACT_NONE
+    assert dev.activation_code("GELU") == dev.ACT_GELU_ERF
+    with pytest.raises(ArgumentError, match="activation: expected None or one of"):
+        dev.activation_code("swish")
+
+
+@flyc.kernel
+def _reduce_kernel(x_ptr, out_ptr, n, stride, B: fx.constexpr):
+    row = fx.program_id(0)
+    cols = fx.arange(0, B)
+    x = dev.load_row_f32(x_ptr + dev.row_offset(row, stride), cols, n, 0.0, 1)
+    fx.store(out_ptr + row * 4 + 0, dev.sum_f32(x, 0))
+    fx.store(out_ptr + row * 4 + 1, dev.sumsq_f32(x, 0))
+    fx.store(out_ptr + row * 4 + 2, dev.absmax_f32(x, 0))
+    xm = fx.load(x_ptr + dev.row_offset(row, stride) + cols, mask=cols < n, other=-float("inf"))
+    fx.store(out_ptr + row * 4 + 3, dev.max_f32(xm, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 100, 128])
+def test_reductions_in_fp32_on_strided_rows(device, dtype, n):
+    base = torch.randn(5, 160, device=device).to(dtype)
+    x = base[:, 3 : 3 + n]  # row stride 160, offset start: strided rows
+    out = empty_poisoned(5, 4, dtype=torch.float32, device=device)
+    _reduce_kernel[(5,)](x, out, n, x.stride(0), 128)
+    xd = x.double()
+    ref = torch.stack([xd.sum(1), (xd * xd).sum(1), xd.abs().amax(1), xd.amax(1)], 1)
+    assert_rel_close(out, ref, tol=1e-6)
+
+
+@flyc.kernel
+def _cast_kernel(x_ptr, i8_ptr, f8_ptr, r_ptr, n, B: fx.constexpr):
+    offs = fx.program_id(0) * B + fx.arange(0, B)
+    m = offs < n
+    x = fx.load(x_ptr + offs, mask=m, other=0.0)
+    fx.store(i8_ptr + offs, dev.cast_sat_int8(x), mask=m)
+    fx.store(f8_ptr + offs, dev.cast_sat_fp8e4m3(x), mask=m)
+    fx.store(r_ptr + offs, dev.round_half_even(x), mask=m)
+
+
+def test_saturating_casts_are_exact(device):
+    # Every fp8 value, every midpoint between neighbours (ties), out-of-range values, randoms.
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].sort().values
+    x = torch.cat([vals, (vals[1:] + vals[:-1]) / 2, torch.randn(3000) * 60,
+                   torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.5, -127.5, 1e6, -1e6, 5e6])]).to(device)
+    n = x.numel()
+    i8 = empty_poisoned(n, dtype=torch.int8, device=device)
+    f8 = empty_poisoned(n, dtype=torch.float8_e4m3fn, device=device)
+    r = empty_poisoned(n, dtype=torch.float32, device=device)
+    _cast_kernel[(flyc.cdiv(n, 1024),)](x, i8, f8, r, n, 1024)
+    assert torch.equal(r.cpu(), torch.where(x.abs() < 2**22, torch.round(x), x).cpu())
+    assert torch.equal(i8.cpu(), torch.round(x.clamp(-127, 127)).to(torch.int8).cpu())
+    ref8 = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    nonzero = x != 0  # the sign of zero is not part of the contract
+    assert torch.equal(f8.view(torch.uint8)[nonzero].cpu(), ref8.view(torch.uint8)[nonzero].cpu())
