@@ -47,14 +47,14 @@ def test_empty_input_returns_early_without_launch(device):
     assert calls == []
 
 
-def test_skip_empty_false_still_calls():
+def test_skip_empty_false_still_calls(device):
     seen = []
 
     @flyc.jit(skip_empty=False)
     def launch(x):
         seen.append(x.numel())
 
-    launch(torch.empty(0))
+    launch(torch.empty(0, device=device))
     assert seen == [0]
 
 
@@ -65,10 +65,12 @@ def test_stream_none_is_passed_through(device):
     assert calls == [None]
 
 
-def test_mixed_devices_are_refused_before_launch():
+def test_mixed_devices_are_refused_before_launch(device):
     calls.clear()
+    with pytest.raises(DeviceError, match=r"different devices \(argument 0 on .*, argument 1 on meta\)"):
+        axpy(torch.ones(2, device=device), torch.ones(2, device="meta"), torch.ones(2, device=device), 1.0)
     with pytest.raises(DeviceError, match="different devices"):
-        axpy(torch.ones(2), torch.ones(2, device="meta"), torch.ones(2), 1.0)
+        axpy(torch.ones(2, device="meta"), torch.ones(2, device=device), torch.ones(2, device=device), 1.0)
     assert calls == []
 
 

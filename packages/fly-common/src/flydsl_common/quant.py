@@ -146,21 +146,28 @@ class QuantConfig:
     single_pass: bool  # the whole row fits in one step (kept in registers)
 
 
-# Widest row kept in registers: 16K elements over 16 warps is 32 fp32 values
-# per thread, the point past which register pressure starts to spill.
-_MAX_SINGLE_PASS = 16384
+# Widest row kept in registers (a single pass over x). Measured on the H200
+# (benchmarks/sweep_quant.py, PERF.md): one 16K-element bf16 row per program
+# over 8 warps streams at 99% of copy bandwidth; wider rows are read twice,
+# the second time from L2.
+_MAX_SINGLE_PASS = 32768
+_TWO_PASS_BLOCK = 16384
+# Elements one program should move: 8K keeps 4 warps busy on narrow rows
+# (H200: 97% of copy bandwidth at N = 1024 with 8 rows per program).
+_ELEMS_PER_PROGRAM = 8192
 
 
 def default_quant_config(n: int, elem_bytes: int, arch: str = "sm_90") -> QuantConfig:
     """Pure heuristic of (row width, element size, arch) used when no config is given."""
-    del elem_bytes, arch  # the same ladder serves every input width and target so far
+    del elem_bytes, arch  # one ladder serves every input width and target measured so far
     block_n = flyc.next_power_of_2(max(n, 1))
     single = block_n <= _MAX_SINGLE_PASS
     if not single:
-        block_n = 8192
-    # Small rows: several per program so each program moves >= 4K elements.
-    block_m = max(1, min(64, 4096 // block_n)) if single else 1
-    num_warps = max(1, min(16, (block_m * block_n) // 1024))
+        block_n = _TWO_PASS_BLOCK
+    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_n)) if single and block_n <= 2048 else 1
+    elems = block_m * block_n
+    # 4 warps up to 8K elements, 8 warps up to 16K (16 warps lost 15% there), 16 beyond.
+    num_warps = 4 if elems <= 8192 else 8 if elems <= 16384 else 16
     return QuantConfig(block_m, block_n, num_warps, single)
 
 

@@ -121,6 +121,15 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+_Tensor = torch.Tensor
+
+
+def _current_cuda_device() -> int:
+    # torch.cuda.current_device() re-checks lazy initialisation on every call
+    # (about a microsecond); the raw query is what the launch path can afford.
+    return torch._C._cuda_getDevice()
+
+
 def _as_stream(stream: Any, device: torch.device):
     if isinstance(stream, torch.cuda.Stream):
         return stream
@@ -132,8 +141,8 @@ def _as_stream(stream: Any, device: torch.device):
 def _launch_context(device: torch.device, stream: Any):
     """Context that makes `device` current and `stream` its current stream, or None if already so."""
     guards = []
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index != torch.cuda.current_device():
+    index = device.index if device.index is not None else _current_cuda_device()
+    if index != _current_cuda_device():
         guards.append(torch.cuda.device(index))
     if stream is not None:
         s = _as_stream(stream, device)
@@ -145,42 +154,44 @@ def _launch_context(device: torch.device, stream: Any):
 
 
 class _Launcher:
-    """The callable that ``@flyc.jit`` returns (see the module docstring)."""
+    """The callable that ``@flyc.jit`` returns (see the module docstring).
+
+    The common call (CUDA tensors on the current device, default stream) costs
+    one ``isinstance`` + ``get_device`` + ``numel`` per argument and one
+    current-device query; everything else is on the slow path.
+    """
 
     def __init__(self, fn: Callable, skip_empty: bool):
         functools.update_wrapper(self, fn)
         self.__wrapped__ = fn
         self._skip_empty = skip_empty
-        params = inspect.signature(fn).parameters
-        self._takes_stream = "stream" in params
+        self._takes_stream = "stream" in inspect.signature(fn).parameters
 
     def __call__(self, *args, stream=None, **kwargs):
-        fn = self.__wrapped__
-        device = None
-        first = None
-        for i, a in enumerate(args if not kwargs else (*args, *kwargs.values())):
-            if isinstance(a, torch.Tensor):
-                d = a.device
-                if device is None:
-                    device, first = d, i
-                elif d != device:
-                    raise DeviceError(
-                        f"{self.__name__}: tensor arguments are on different devices "
-                        f"(argument {first} on {device}, argument {i} on {d}); move them to one device"
-                    )
-                if self._skip_empty and a.numel() == 0:
+        index = -2  # -2: no tensor seen; -1: a non-CUDA tensor; else the CUDA device index
+        skip_empty = self._skip_empty
+        for a in args if not kwargs else (*args, *kwargs.values()):
+            if isinstance(a, _Tensor):
+                d = a.get_device()
+                if index == -2:
+                    index = d
+                elif d != index:
+                    self._raise_mixed(args, kwargs)
+                if skip_empty and a.numel() == 0:
                     return None
         if self._takes_stream:
             kwargs["stream"] = stream
-        if device is None or device.type != "cuda":
-            if device is not None and device.type == "cpu" and not _backend.interpreting():
-                raise DeviceError(
-                    f"{self.__name__}: got CPU tensors, but this process compiles kernels for the GPU. "
-                    "Move the tensors to the GPU, or start Python with FLYDSL_INTERPRET=1 to run "
-                    "kernels on the CPU through Triton's interpreter."
-                )
-            return fn(*args, **kwargs)
-        guards = _launch_context(device, stream)
+        if index >= 0:
+            if stream is None and index == _current_cuda_device():
+                return self.__wrapped__(*args, **kwargs)
+            return self._call_guarded(index, stream, args, kwargs)
+        if index == -1:
+            self._check_host_tensors(args, kwargs)
+        return self.__wrapped__(*args, **kwargs)
+
+    def _call_guarded(self, index: int, stream, args, kwargs):
+        guards = _launch_context(torch.device("cuda", index), stream)
+        fn = self.__wrapped__
         if not guards:
             return fn(*args, **kwargs)
         with guards[0]:
@@ -188,6 +199,31 @@ class _Launcher:
                 return fn(*args, **kwargs)
             with guards[1]:
                 return fn(*args, **kwargs)
+
+    def _tensors(self, args, kwargs):
+        named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
+        return [(name, a) for name, a in named if isinstance(a, _Tensor)]
+
+    def _raise_mixed(self, args, kwargs):
+        tensors = self._tensors(args, kwargs)
+        first_name, first = tensors[0]
+        for name, t in tensors[1:]:
+            if t.device != first.device:
+                raise DeviceError(
+                    f"{self.__name__}: tensor arguments are on different devices "
+                    f"({first_name} on {first.device}, {name} on {t.device}); move them to one device"
+                )
+
+    def _check_host_tensors(self, args, kwargs):
+        tensors = self._tensors(args, kwargs)
+        if any(t.device != tensors[0][1].device for _, t in tensors):
+            self._raise_mixed(args, kwargs)
+        if tensors[0][1].device.type == "cpu" and not _backend.interpreting():
+            raise DeviceError(
+                f"{self.__name__}: got CPU tensors, but this process compiles kernels for the GPU. "
+                "Move the tensors to the GPU, or start Python with FLYDSL_INTERPRET=1 to run "
+                "kernels on the CPU through Triton's interpreter."
+            )
 
     def __repr__(self) -> str:
         return f"<flydsl launcher {self.__module__}.{self.__qualname__}>"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One full GPU session on the device machine (torch + triton preinstalled, no network):
+# install our packages in place, run every package's tests compiled on the GPU, the
+# runtime measurements, the demo and the benchmarks; logs and results go under $OUT.
+# Usage: bash tools/gpu_session.sh [pytest-targets...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # build tools the device image lacks (hatchling for editable installs)
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -2
+fi
+for p in packages/flydsl-runtime packages/fly-common packages/fly-norm packages/fly-gemm packages/fly-attention packages/fly-conv; do
+  [ -f "$p/pyproject.toml" ] && python3 -m pip install -q --no-deps --no-build-isolation -e "$p" 2>&1 | tail -2
+done
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+for t in "${@:-packages/flydsl-runtime/tests packages/fly-common/tests}"; do
+  for d in $t; do
+    name=$(basename "$(dirname "$d")")
+    python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -x -n 8 2>&1 | tail -25 | tee "$OUT/pytest-$name.txt" || status=1
+  done
+done
+exit $status
