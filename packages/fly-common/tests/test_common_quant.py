@@ -110,6 +110,7 @@ def test_default_config_is_valid(n):
     assert cfg.block_n & (cfg.block_n - 1) == 0 and 1 <= cfg.num_warps <= 16 and cfg.block_m >= 1
     assert cfg.single_pass == (cfg.block_n >= n)
     assert cfg.block_m * cfg.block_n <= 32768  # bounded registers per program
+    assert cfg.block_m * cfg.block_n // (32 * cfg.num_warps) <= 64  # at most 64 values per thread
 
 
 @pytest.mark.gpu

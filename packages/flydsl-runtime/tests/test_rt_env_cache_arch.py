@@ -48,7 +48,6 @@ def test_nothing_else_reads_the_environment():
 
 def test_cache_root_listing_size_and_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert cache.root() == tmp_path and cache.triton_dir() == tmp_path / "triton"
     (tmp_path / "triton" / "abc").mkdir(parents=True)
     (tmp_path / "triton" / "abc" / "k.cubin").write_bytes(b"x" * 100)
@@ -62,6 +61,13 @@ def test_cache_root_listing_size_and_clear(tmp_path, monkeypatch):
     assert cache.clear() == 100 and cache.entries() == []
     with pytest.raises(ValueError, match="cache kind"):
         cache.size("bogus")
+
+
+def test_triton_dir_set_by_flydsl_follows_the_root(tmp_path, monkeypatch):
+    # flydsl exported TRITON_CACHE_DIR at import; changing the root must not
+    # leave cache commands pointing at the real Triton cache.
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    assert cache.triton_dir() == tmp_path / "triton"
 
 
 def test_user_triton_cache_dir_is_respected(tmp_path, monkeypatch):

@@ -146,14 +146,15 @@ class QuantConfig:
     single_pass: bool  # the whole row fits in one step (kept in registers)
 
 
-# Widest row kept in registers (a single pass over x). Measured on the H200
-# (benchmarks/sweep_quant.py, PERF.md): one 16K-element bf16 row per program
-# over 8 warps streams at 99% of copy bandwidth; wider rows are read twice,
-# the second time from L2.
-_MAX_SINGLE_PASS = 32768
-_TWO_PASS_BLOCK = 16384
-# Elements one program should move: 8K keeps 4 warps busy on narrow rows
-# (H200: 97% of copy bandwidth at N = 1024 with 8 rows per program).
+# Launch ladder, measured on the H200 (benchmarks/sweep_quant.py; PERF.md has
+# the numbers). A row up to 16K elements stays in registers (one read of x):
+# one 16K bf16 row over 8 warps streams at 98% of copy bandwidth, while a
+# single-pass 32K row over 16 warps fell to 73%. Wider rows are read twice (the
+# second time mostly from L2) in chunks: 16K over 16 warps was best at N = 32K
+# (80%), 32K over 32 warps at N >= 64K (78%).
+_MAX_SINGLE_PASS = 16384
+# Elements one program should move on narrow rows: 8K keeps 4 warps busy
+# (97% of copy bandwidth at N = 1024 with 8 rows per program).
 _ELEMS_PER_PROGRAM = 8192
 
 
@@ -161,14 +162,12 @@ def default_quant_config(n: int, elem_bytes: int, arch: str = "sm_90") -> QuantC
     """Pure heuristic of (row width, element size, arch) used when no config is given."""
     del elem_bytes, arch  # one ladder serves every input width and target measured so far
     block_n = flyc.next_power_of_2(max(n, 1))
-    single = block_n <= _MAX_SINGLE_PASS
-    if not single:
-        block_n = _TWO_PASS_BLOCK
-    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_n)) if single and block_n <= 2048 else 1
-    elems = block_m * block_n
-    # 4 warps up to 8K elements, 8 warps up to 16K (16 warps lost 15% there), 16 beyond.
-    num_warps = 4 if elems <= 8192 else 8 if elems <= 16384 else 16
-    return QuantConfig(block_m, block_n, num_warps, single)
+    if block_n > _MAX_SINGLE_PASS:
+        return QuantConfig(1, 16384, 16, False) if block_n <= 32768 else QuantConfig(1, 32768, 32, False)
+    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_n)) if block_n <= 2048 else 1
+    # 4 warps up to 8K elements, 8 warps for 16K (16 warps lost 15% there).
+    num_warps = 4 if block_m * block_n <= 8192 else 8
+    return QuantConfig(block_m, block_n, num_warps, True)
 
 
 # --------------------------------------------------------------- host launch

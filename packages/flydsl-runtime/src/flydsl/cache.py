@@ -32,10 +32,20 @@ def root() -> Path:
     return env.get("FLYDSL_CACHE_DIR")
 
 
+_exported: str | None = None  # the TRITON_CACHE_DIR value FlyDSL set itself, if it did
+
+
 def triton_dir() -> Path:
-    """Where Triton's compiled kernels live in this process."""
+    """Where Triton's compiled kernels live: the user's TRITON_CACHE_DIR, else ``<root>/triton``.
+
+    A TRITON_CACHE_DIR that FlyDSL exported itself does not count as the
+    user's: the folder follows the root, so pointing FLYDSL_CACHE_DIR
+    elsewhere (as tests do) never lists or clears the real cache.
+    """
     external = env.read_external("TRITON_CACHE_DIR")
-    return Path(external).expanduser() if external else root() / "triton"
+    if external and external != _exported:
+        return Path(external).expanduser()
+    return root() / "triton"
 
 
 def tuning_dir() -> Path:
@@ -44,8 +54,14 @@ def tuning_dir() -> Path:
 
 def configure_triton() -> None:
     """Point Triton's cache under the root, unless the user chose a folder."""
-    if not env.read_external("TRITON_CACHE_DIR"):
-        env.export("TRITON_CACHE_DIR", str(root() / "triton"))
+    global _exported
+    ours = str(root() / "triton")
+    current = env.read_external("TRITON_CACHE_DIR")
+    if not current:
+        env.export("TRITON_CACHE_DIR", ours)
+    # A child process inherits the value its FlyDSL parent exported: still ours.
+    if not current or current == ours:
+        _exported = ours
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,250 @@
+"""Benchmarks of flydsl-common's own kernels: quantization and vec_add.
+
+Run ``python packages/fly-common/benchmarks/run.py [--quick] [--out DIR]`` or
+``flydsl bench common [--quick] ...``. Both benches are memory bound, so the
+model is bytes (each input read once, each output written once) and the
+ceiling is the device copy bandwidth measured in the same run.
+
+- ``quant``: bf16 ``[M, N]`` with ``M * N = 2^27`` (256 MiB of input, far
+  past L2) for N in 1024..16384, against what a user writes in torch (amax,
+  divide, clamp, round, cast) eagerly and under ``torch.compile``:
+
+  - ``per_token`` int8 and fp8 e4m3: model bytes ``2*M*N + M*N + 4*M``;
+  - ``per_tensor_dynamic`` int8: model bytes ``2*M*N + M*N + 4``, i.e. *one*
+    read of x. The kernel reads x twice (amax pass, then quantize pass), so
+    it shows honestly below what a one-read algorithm could reach.
+
+- ``vec_add``: fp32 at n = 2^20, 2^24, 2^28 against ``torch.add``; model bytes
+  ``3 * 4 * n``. The 2^20 case fits in L2, so the harness rotates input copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..quant import quantize_per_tensor, quantize_per_token
+from ..reference import dequantize_ref, quantize_per_tensor_ref, quantize_per_token_ref, vec_add_ref
+from ..vec_add import vec_add
+from .harness import Bench, Case, Provider, Skip, main_for
+
+__all__ = ["benches", "default_out_dir", "main", "quant_bench", "vec_add_bench"]
+
+_QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+_ELEMENTS = 1 << 27  # 128M bf16 elements: 256 MiB read, several times any L2
+_QUANT_N = (1024, 4096, 8192, 16384)
+# Tiny shapes for --quick: the CPU interpreter runs them in milliseconds. The
+# second one is wider than a single-pass row of 256 so both row layouts run.
+_QUANT_QUICK = ((16, 256), (4, 1024))
+
+
+# -------------------------------------------------------------------- quant
+
+
+def torch_quant(x: torch.Tensor, qdtype: torch.dtype, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a user writes in eager torch: amax, divide, clamp, round (int8), cast.
+
+    Returns ``(q, scale)`` with ``scale`` of shape ``[M, 1]`` (per token) or 0-d.
+    """
+    qmax = 127.0 if qdtype == torch.int8 else 448.0
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax()
+    scale = amax / qmax
+    q = (xf / scale).clamp(-qmax, qmax)
+    q = q.round().to(qdtype) if qdtype == torch.int8 else q.to(qdtype)
+    return q, scale
+
+
+class _CompiledTorchQuant:
+    """``torch.compile(torch_quant)`` specialized to one case at a time.
+
+    Dynamo resets when the case changes: each case then gets the static-shape
+    code a user with that fixed shape would get (not the dynamic-shape
+    recompile that follows a second shape), and twelve cases never reach
+    dynamo's recompile limit, past which it silently falls back to eager.
+    """
+
+    def __init__(self) -> None:
+        self._key = None
+        self._fn = None
+
+    def make(self, x: torch.Tensor, qdtype: torch.dtype, per_token: bool):
+        if x.device.type != "cuda":
+            # The CPU run only checks the plumbing; inductor's C++ build
+            # there costs tens of seconds per shape for a meaningless number.
+            raise Skip("torch.compile is benchmarked on the GPU only")
+        key = (tuple(x.shape), x.dtype, qdtype, per_token)
+        try:
+            if key != self._key:
+                torch._dynamo.reset()
+                self._fn = torch.compile(torch_quant, dynamic=False)
+                self._key = key
+            fn = self._fn
+            fn(x, qdtype, per_token)  # compile now: a failure is a skip, and compile time stays out of timing
+        except Exception as e:  # no compiler, an inductor bug, ...: the peer is unavailable, not wrong
+            self._key = None
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            raise Skip(f"torch.compile failed: {type(e).__name__}: {first}") from e
+        return lambda: fn(x, qdtype, per_token)
+
+
+_COMPILED = _CompiledTorchQuant()
+
+
+def _dequantized(ret) -> torch.Tensor:
+    """(q [M, N], scale [M] / [M, 1] / 0-d) -> q * scale in float64, comparable across providers."""
+    q, scale = ret
+    return q.double() * scale.double().reshape(-1, 1)
+
+
+def _quant_bytes(case: Case) -> int:
+    m, n = case.params["M"], case.params["N"]
+    scales = 4 * m if case.params["mode"] == "per_token" else 4
+    return 2 * m * n + m * n + scales  # read bf16 x once, write 1-byte q, write fp32 scales
+
+
+def _quant_cases(quick: bool) -> list[Case]:
+    shapes = _QUANT_QUICK if quick else tuple((_ELEMENTS // n, n) for n in _QUANT_N)
+    groups = [("per_token", "int8"), ("per_token", "fp8"), ("per_tensor_dynamic", "int8")]
+    return [
+        Case(f"{mode} {dt} {m}x{n}", {"mode": mode, "dtype": dt, "M": m, "N": n})
+        for mode, dt in groups
+        for m, n in shapes
+    ]
+
+
+def quant_bench() -> Bench:
+    """The ``quant`` bench: per-token int8/fp8 and per-tensor dynamic int8, bf16 input, vs torch eager and compile."""
+
+    # The providers see only the inputs, so the case's mode travels with them:
+    # setup returns (x, mode, dtype name); rotating_copies clones only tensors.
+    def setup(case: Case, device):
+        p = case.params
+        # Random data, never zeros: zero rows take the scale-0 path and hide bugs.
+        x = torch.randn(p["M"], p["N"], device=device, dtype=torch.bfloat16)
+        return (x, p["mode"], p["dtype"])
+
+    def ours(inputs):
+        x, mode, dt = inputs
+        qdtype = _QDTYPES[dt]
+        if mode == "per_token":
+            return lambda: quantize_per_token(x, qdtype)
+        return lambda: quantize_per_tensor(x, qdtype)
+
+    def eager(inputs):
+        x, mode, dt = inputs
+        qdtype, per_token = _QDTYPES[dt], mode == "per_token"
+        return lambda: torch_quant(x, qdtype, per_token)
+
+    def compiled(inputs):
+        x, mode, dt = inputs
+        return _COMPILED.make(x, _QDTYPES[dt], mode == "per_token")
+
+    def reference(inputs) -> torch.Tensor:
+        x, mode, dt = inputs
+        per_token = mode == "per_token"
+        ref = quantize_per_token_ref if per_token else quantize_per_tensor_ref
+        return dequantize_ref(*ref(x, _QDTYPES[dt]), per_token)
+
+    def tolerance(case: Case) -> float:
+        # bf16 inputs often land exactly on a rounding tie of x * QMAX / amax, and
+        # dividing by the scale (as torch users write it) instead of multiplying
+        # by its inverse moves such ties one step: measured 5e-4 (int8) and
+        # 3.3e-3 (fp8) for the torch peer at 2^24 elements. The budgets leave
+        # 3-4x margin yet stay ~4x under the quantization noise itself (8e-3
+        # int8, 2.6e-2 fp8), so a wrong scale or rounding mode still fails.
+        return 2e-3 if case.params["dtype"] == "int8" else 1e-2
+
+    full, quick = _quant_cases(False), _quant_cases(True)
+    return Bench(
+        name="quant",
+        cases=full,
+        quick_cases=quick,
+        setup=setup,
+        providers=[
+            Provider("flydsl", ours, is_ours=True),
+            Provider("torch", eager),
+            Provider("torch.compile", compiled),
+        ],
+        bytes=_quant_bytes,
+        reference=reference,
+        output=_dequantized,
+        tolerance=tolerance,
+        x_param="N",
+        group_by=("mode", "dtype"),
+        description=(
+            "bf16 [M, N] -> int8 / fp8 e4m3 with fp32 scales, M*N = 2^27. Model bytes: x read once (2 B/elem), "
+            "q written once (1 B/elem), scales written once. per_tensor_dynamic counts a *single* read of x, but "
+            "a dynamic per-tensor scale needs the whole tensor's amax before any element is quantized, so the "
+            "kernel reads x twice: its % of ceiling is honestly below what per_token reaches. "
+            "torch / torch.compile: amax, divide, clamp, round, cast, as a user writes it."
+        ),
+    )
+
+
+# ------------------------------------------------------------------ vec_add
+
+_VEC_N = (1 << 20, 1 << 24, 1 << 28)
+_VEC_QUICK = (1 << 16,)
+
+
+def vec_add_bench() -> Bench:
+    """The ``vec_add`` bench: fp32 ``a + b`` into a preallocated ``out``, vs ``torch.add(out=)``."""
+
+    def setup(case: Case, device):
+        n = case.params["n"]
+        a = torch.randn(n, device=device)
+        b = torch.randn(n, device=device)
+        return (a, b, torch.empty_like(a))
+
+    def poison(inputs) -> None:
+        inputs[2].fill_(float("nan"))  # an element the kernel skips stays NaN and fails the check
+
+    def case(n: int) -> Case:
+        return Case(f"fp32 n=2^{n.bit_length() - 1}", {"n": n})
+
+    return Bench(
+        name="vec_add",
+        cases=[case(n) for n in _VEC_N],
+        quick_cases=[case(n) for n in _VEC_QUICK],
+        setup=setup,
+        providers=[
+            Provider("flydsl", lambda t: lambda: vec_add(t[0], t[1], out=t[2]), is_ours=True),
+            Provider("torch.add", lambda t: lambda: torch.add(t[0], t[1], out=t[2])),
+        ],
+        bytes=lambda c: 3 * 4 * c.params["n"],
+        reference=lambda t: vec_add_ref(t[0], t[1]),
+        tolerance=1e-6,  # fp32 addition is exact to rounding: any real bug is far above this
+        poison=poison,
+        x_param="n",
+        description="fp32 out = a + b into a preallocated out. Model bytes: 3 * 4 * n (read a and b, write out).",
+    )
+
+
+def benches() -> list[Bench]:
+    return [quant_bench(), vec_add_bench()]
+
+
+# --------------------------------------------------------------------- main
+
+
+def default_out_dir() -> Path:
+    """``packages/fly-common/benchmarks/results`` in a checkout, else ``./bench-results``."""
+    pkg_root = Path(__file__).resolve().parents[3]  # .../packages/fly-common (src/flydsl_common/bench/this)
+    if (pkg_root / "benchmarks").is_dir() and (pkg_root / "pyproject.toml").is_file():
+        return pkg_root / "benchmarks" / "results"
+    return Path.cwd() / "bench-results"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``flydsl bench common`` / ``benchmarks/run.py``: run the benches, print the table, write the results."""
+    return main_for(
+        benches(),
+        argv,
+        default_out_dir(),
+        prog="flydsl bench common",
+        description="Benchmarks of flydsl-common: quantization and vec_add against torch, with measured ceilings.",
+    )
