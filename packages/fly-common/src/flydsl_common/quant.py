@@ -160,10 +160,14 @@ _ELEMS_PER_PROGRAM = 8192
 
 def default_quant_config(n: int, elem_bytes: int, arch: str = "sm_90") -> QuantConfig:
     """Pure heuristic of (row width, element size, arch) used when no config is given."""
-    del elem_bytes, arch  # one ladder serves every input width and target measured so far
+    del elem_bytes  # one ladder serves every input width measured so far
+    # 32 warps is 1024 threads on NVIDIA; AMD's 64-wide wavefronts cap a program at 16.
+    max_warps = 16 if arch.startswith("gfx") else 32
     block_n = flyc.next_power_of_2(max(n, 1))
     if block_n > _MAX_SINGLE_PASS:
-        return QuantConfig(1, 16384, 16, False) if block_n <= 32768 else QuantConfig(1, 32768, 32, False)
+        if block_n <= 32768:
+            return QuantConfig(1, 16384, 16, False)
+        return QuantConfig(1, 32768, max_warps, False)
     block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_n)) if block_n <= 2048 else 1
     # 4 warps up to 8K elements, 8 warps for 16K (16 warps lost 15% there).
     num_warps = 4 if block_m * block_n <= 8192 else 8
