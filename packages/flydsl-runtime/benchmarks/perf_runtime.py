@@ -52,7 +52,7 @@ def fly_launch(x, y, stream=None):
     _tiny_kernel[(1,)](x, y, x.numel(), BLOCK=128)
 
 
-def host_us_per_call(fn, args, batch=200, batches=60) -> float:
+def host_us_per_call(fn, args, batch=200, batches=40) -> float:
     """Median over batches of the enqueue time per call (the GPU is synchronised between batches)."""
     for _ in range(3 * batch):
         fn(*args)
@@ -75,7 +75,7 @@ def measure_overhead() -> dict:
 
     rows = {}
     # Interleave the providers and repeat, so drift in CPU clocks affects all alike.
-    for _ in range(5):
+    for _ in range(10):
         for name, fn, args in [
             ("triton_raw", raw_launch, (x, y)),
             ("flydsl_jit", fly_launch, (x, y)),

@@ -153,86 +153,89 @@ def _launch_context(device: torch.device, stream: Any):
     return guards
 
 
-class _Launcher:
-    """The callable that ``@flyc.jit`` returns (see the module docstring).
+class _SlowPath:
+    """Everything a launch needs beyond the common case (kept out of the fast closure)."""
 
-    The common call (CUDA tensors on the current device, default stream) costs
-    one ``isinstance`` + ``get_device`` + ``numel`` per argument and one
-    current-device query; everything else is on the slow path.
-    """
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "launcher")
 
-    def __init__(self, fn: Callable, skip_empty: bool):
-        functools.update_wrapper(self, fn)
-        self.__wrapped__ = fn
-        self._skip_empty = skip_empty
-        self._takes_stream = "stream" in inspect.signature(fn).parameters
-
-    def __call__(self, *args, stream=None, **kwargs):
-        index = -2  # -2: no tensor seen; -1: a non-CUDA tensor; else the CUDA device index
-        skip_empty = self._skip_empty
-        for a in args if not kwargs else (*args, *kwargs.values()):
-            if isinstance(a, _Tensor):
-                d = a.get_device()
-                if index == -2:
-                    index = d
-                elif d != index:
-                    self._raise_mixed(args, kwargs)
-                if skip_empty and a.numel() == 0:
-                    return None
-        if self._takes_stream:
-            kwargs["stream"] = stream
+    def call(self, index: int, stream, args, kwargs):
         if index >= 0:
-            if stream is None and index == _current_cuda_device():
-                return self.__wrapped__(*args, **kwargs)
-            return self._call_guarded(index, stream, args, kwargs)
+            guards = _launch_context(torch.device("cuda", index), stream)
+            if not guards:
+                return self.fn(*args, **kwargs)
+            with guards[0]:
+                if len(guards) == 1:
+                    return self.fn(*args, **kwargs)
+                with guards[1]:
+                    return self.fn(*args, **kwargs)
         if index == -1:
-            self._check_host_tensors(args, kwargs)
-        return self.__wrapped__(*args, **kwargs)
+            self.check_host_tensors(args, kwargs)
+        return self.fn(*args, **kwargs)
 
-    def _call_guarded(self, index: int, stream, args, kwargs):
-        guards = _launch_context(torch.device("cuda", index), stream)
-        fn = self.__wrapped__
-        if not guards:
-            return fn(*args, **kwargs)
-        with guards[0]:
-            if len(guards) == 1:
-                return fn(*args, **kwargs)
-            with guards[1]:
-                return fn(*args, **kwargs)
-
-    def _tensors(self, args, kwargs):
+    @staticmethod
+    def tensors(args, kwargs):
         named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
         return [(name, a) for name, a in named if isinstance(a, _Tensor)]
 
-    def _raise_mixed(self, args, kwargs):
-        tensors = self._tensors(args, kwargs)
+    def raise_mixed(self, args, kwargs):
+        tensors = self.tensors(args, kwargs)
         first_name, first = tensors[0]
         for name, t in tensors[1:]:
             if t.device != first.device:
                 raise DeviceError(
-                    f"{self.__name__}: tensor arguments are on different devices "
+                    f"{self.name}: tensor arguments are on different devices "
                     f"({first_name} on {first.device}, {name} on {t.device}); move them to one device"
                 )
 
-    def _check_host_tensors(self, args, kwargs):
-        tensors = self._tensors(args, kwargs)
+    def check_host_tensors(self, args, kwargs):
+        tensors = self.tensors(args, kwargs)
         if any(t.device != tensors[0][1].device for _, t in tensors):
-            self._raise_mixed(args, kwargs)
+            self.raise_mixed(args, kwargs)
         if tensors[0][1].device.type == "cpu" and not _backend.interpreting():
             raise DeviceError(
-                f"{self.__name__}: got CPU tensors, but this process compiles kernels for the GPU. "
+                f"{self.name}: got CPU tensors, but this process compiles kernels for the GPU. "
                 "Move the tensors to the GPU, or start Python with FLYDSL_INTERPRET=1 to run "
                 "kernels on the CPU through Triton's interpreter."
             )
 
-    def __repr__(self) -> str:
-        return f"<flydsl launcher {self.__module__}.{self.__qualname__}>"
+
+def _make_launcher(fn: Callable, skip_empty: bool) -> Callable:
+    """Build the launcher closure. The common call (CUDA tensors on the current
+    device, default stream) costs one isinstance + get_device (+ numel) per
+    argument and one current-device query; everything else is in _SlowPath."""
+    slow = _SlowPath(fn)
+    takes_stream = "stream" in inspect.signature(fn).parameters
+    tensor_type = _Tensor
+    current = _current_cuda_device
+
+    def launcher(*args, stream=None, **kwargs):
+        index = -2  # -2: no tensor seen; -1: a non-CUDA tensor; else the CUDA device index
+        for a in args if not kwargs else (*args, *kwargs.values()):
+            if isinstance(a, tensor_type):
+                d = a.get_device()
+                if d != index:
+                    if index != -2:
+                        slow.raise_mixed(args, kwargs)
+                    index = d
+                if skip_empty and not a.numel():
+                    return None
+        if takes_stream:
+            kwargs["stream"] = stream
+        if index >= 0 and stream is None and index == current():
+            return fn(*args, **kwargs)
+        return slow.call(index, stream, args, kwargs)
+
+    functools.update_wrapper(launcher, fn)
+    launcher.__flydsl_launcher__ = True
+    return launcher
 
 
 def jit(fn: F | None = None, *, skip_empty: bool = True) -> Any:
     """Mark a host launcher (see the module docstring for what it adds)."""
 
     def decorate(f):
-        return _Launcher(f, skip_empty)
+        return _make_launcher(f, skip_empty)
 
     return decorate(fn) if fn is not None else decorate
