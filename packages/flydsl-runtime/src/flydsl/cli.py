@@ -174,6 +174,8 @@ def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list
         for case in fam.demo_cases():
             run = case.prepare(device)
             out = run.ours()
+            if run.compare is not None:
+                out = run.compare(out)
             ref = run.reference()
             err = rel_error(out, ref)
             ours_us = torch_us = None

@@ -50,6 +50,7 @@ class DemoRun:
     torch_op: Callable[[], Any]  # the torch call a user would make instead (timed on a GPU)
     torch_name: str
     tolerance: float  # on ||ours - ref|| / ||ref||
+    compare: Callable[[Any], Any] | None = None  # maps ours' output to what is compared (not timed)
 
 
 @dataclass(frozen=True)
