@@ -43,7 +43,7 @@ def main() -> None:
         rows = []
         for cfg in sorted(cfgs, key=lambda c: (c.block_m, c.block_n, c.num_warps)):
             try:
-                t = bench(lambda cfg=cfg: quantize_per_token(x, torch.int8, config=cfg)).median_us
+                t = bench(lambda cfg=cfg, x=x: quantize_per_token(x, torch.int8, config=cfg)).median_us
             except Exception as exc:  # out of resources etc.
                 print(f"  {cfg}: failed {type(exc).__name__}")
                 continue

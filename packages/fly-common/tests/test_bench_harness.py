@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from flydsl.testing import gpu_available
 import torch
 
 from flydsl.autotune.timer import Timing
+from flydsl.testing import gpu_available
 from flydsl_common.bench import (
     Bench,
     Case,

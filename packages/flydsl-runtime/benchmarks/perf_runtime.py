@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 import flydsl
+import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-import flydsl.arch
 from flydsl.autotune.timer import bench, rotating_copies
 
 
@@ -166,7 +166,7 @@ def measure_timer() -> list[dict]:
         sets = rotating_copies((a, b, out), flydsl.arch.current().l2_bytes)
         ours = bench(fn, arg_sets=sets).median_us
         ours_again = bench(fn, arg_sets=sets).median_us
-        theirs = do_bench(lambda: fn(a, b, out), warmup=25, rep=200, return_mode="median") * 1e3
+        theirs = do_bench(lambda a=a, b=b, out=out: fn(a, b, out), warmup=25, rep=200, return_mode="median") * 1e3
         rows.append({
             "n": n,
             "bytes": bytes_moved,

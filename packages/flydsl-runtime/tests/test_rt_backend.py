@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less machine's behaviour")
 
 DROP = ("FLYDSL_INTERPRET", "TRITON_INTERPRET")

@@ -11,7 +11,6 @@ from flydsl.errors import ArgumentError, DeviceError
 from flydsl.testing import empty_poisoned
 
 
-
 @flyc.kernel(do_not_specialize=["n"])
 def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: fx.constexpr):
     offs = fx.program_id(0) * BLOCK + fx.arange(0, BLOCK)

@@ -48,7 +48,7 @@ def test_idx2crd_crd2idx(device, shape, stride):
     for i in range(n):
         crd = _ref_crd(i, shape)
         assert out[0, i] == i
-        assert out[1, i] == sum(c * s for c, s in zip(crd, stride))
+        assert out[1, i] == sum(c * s for c, s in zip(crd, stride, strict=True))
         assert out[2, i] == crd[-1]
         assert out[3, i] == crd[0]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flydsl import cli, testing
-from flydsl.families import discover
+from flydsl.families import DemoCase, DemoRun, Family, discover
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
@@ -53,7 +53,7 @@ def test_cli_info_json(capsys):
     info = json.loads(capsys.readouterr().out)
     for key in ("backend", "arch", "sm_count", "torch", "triton", "families", "env", "cache_root"):
         assert key in info
-    assert info["families"]["common"]["distribution"] == "flydsl-common"
+    assert isinstance(info["families"], dict)  # the runtime alone may have none installed
 
 
 def test_cli_cache_commands(tmp_path, monkeypatch, capsys):
@@ -80,6 +80,47 @@ def test_cli_tune_refuses_the_interpreter(capsys):
     assert "no GPU" in capsys.readouterr().err
 
 
-def test_families_are_discovered_through_entry_points():
+FAKE = Family(name="fake", distribution="fly-fake", module="fake_mod", version="9.9")
+NOT_A_FAMILY = object()
+
+
+def _entry_points(monkeypatch, *specs):
+    from importlib import metadata
+
+    from flydsl import families
+
+    eps = [metadata.EntryPoint(name=n, value=v, group=families.GROUP) for n, v in specs]
+    monkeypatch.setattr(families.metadata, "entry_points", lambda group: [e for e in eps if e.group == group])
+
+
+def test_families_are_discovered_through_entry_points(monkeypatch, caplog):
+    _entry_points(
+        monkeypatch,
+        ("fake", f"{__name__}:FAKE"),
+        ("broken", "no_such_module_anywhere:FAMILY"),
+        ("wrong", f"{__name__}:NOT_A_FAMILY"),
+    )
     fams = discover()
-    assert "common" in fams and fams["common"].module == "flydsl_common"
+    assert list(fams) == ["fake"] and fams["fake"] is FAKE
+    assert "broken" in caplog.text and "wrong" in caplog.text  # logged and skipped, never fatal
+
+
+def test_cli_demo_runs_family_cases(monkeypatch, capsys):
+    import torch
+
+    def prepare(device):
+        x = torch.arange(4.0, device=device)
+        return DemoRun(ours=lambda: x * 2, reference=lambda: x.double() * 2, torch_op=lambda: x * 2,
+                       torch_name="mul", tolerance=1e-6)
+
+    def prepare_wrong(device):
+        x = torch.arange(4.0, device=device)
+        return DemoRun(ours=lambda: x * 3, reference=lambda: x.double() * 2, torch_op=lambda: x * 2,
+                       torch_name="mul", tolerance=1e-6)
+
+    fam = Family(name="fake", distribution="fly-fake", module="fake_mod", version="9.9",
+                 demo_cases=lambda: [DemoCase("double", prepare), DemoCase("wrong", prepare_wrong)])
+    monkeypatch.setattr(cli, "discover", lambda: {"fake": fam})
+    assert cli.main(["demo", "--no-time"]) == 1  # the wrong case fails the command
+    out = capsys.readouterr().out
+    assert "double" in out and "wrong" in out and "1 passed, 1 failed" in out

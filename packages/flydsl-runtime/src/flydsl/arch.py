@@ -68,7 +68,7 @@ SM90 = Arch(
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _query(index: int) -> Arch:
     props = torch.cuda.get_device_properties(index)
     hip = torch.version.hip is not None

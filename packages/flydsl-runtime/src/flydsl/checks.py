@@ -7,7 +7,7 @@ Each check names the argument, says what was expected and what was given
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -162,4 +162,4 @@ def check_alignment(name: str, t: torch.Tensor, nbytes: int) -> bool:
     esize = t.element_size()
     if t.data_ptr() % nbytes:
         return False
-    return all((s * esize) % nbytes == 0 for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1)
+    return all((s * esize) % nbytes == 0 for s, n in zip(t.stride(), t.shape, strict=True) if n > 1 and s != 1)

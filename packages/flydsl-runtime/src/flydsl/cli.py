@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from importlib import metadata
-from typing import Sequence
 
 from . import __version__, _backend, cache, env
 from .families import DemoResult, Family, discover
@@ -162,7 +162,6 @@ def cmd_bench(args) -> int:
 
 def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list[DemoResult]:
     """Run every demo case of ``families``: check against the reference; time against torch on a GPU."""
-    import torch
 
     from .testing import default_device, rel_error
 
@@ -194,7 +193,8 @@ def cmd_demo(args) -> int:
     if not results:
         print("no demo cases in the installed families")
         return 0
-    header = f"{'family':<8} {'problem':<44} {'rel err':>9} {'tol':>7}  {'ok':<4} {'flydsl us':>10} {'torch us':>10}  torch op"
+    header = (f"{'family':<8} {'problem':<44} {'rel err':>9} {'tol':>7}  {'ok':<4} "
+              f"{'flydsl us':>10} {'torch us':>10}  torch op")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tune", help="regenerate families' tuning artifacts on this GPU")
     s.add_argument("family", nargs="*", help="families to tune (default: all installed)")
     s.add_argument("--only", action="append", default=[], help="tunable name (repeatable)")
-    s.add_argument("--key", action="append", default=[], help="tuning key as JSON (repeatable); default: the family's list")
+    s.add_argument("--key", action="append", default=[],
+                   help="tuning key as JSON (repeatable); default: the family's list")
     s.add_argument("--out", default=None, help="folder for the artifacts (default: inside the family package)")
     s.add_argument("--allow-interpreter", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_tune)

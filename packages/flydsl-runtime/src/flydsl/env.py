@@ -10,9 +10,10 @@ are written here too, through :func:`export`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Var", "VARS", "get", "is_set", "describe", "export", "read_external"]
 

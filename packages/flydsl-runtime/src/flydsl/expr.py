@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as _tl
-from triton.language.extra import libdevice
 
 _OWN = ["libdevice", "idx2crd", "crd2idx", "grouped_tile"]
 __all__ = [name for name in dir(_tl) if not name.startswith("_")] + _OWN

@@ -14,9 +14,10 @@ callables.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["Family", "DemoCase", "DemoRun", "DemoResult", "discover", "GROUP"]
 

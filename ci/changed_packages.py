@@ -1,0 +1,261 @@
+"""Which packages a change touches, and which GPU CI shards should run for it.
+
+    python ci/changed_packages.py                      # diff against origin/main (or HEAD~1)
+    python ci/changed_packages.py --base v1.2          # diff against a ref (merge base .. working tree)
+    python ci/changed_packages.py packages/fly-norm/src/fly_norm/__init__.py README.md
+    git diff --name-only main | python ci/changed_packages.py -
+    python ci/changed_packages.py --json               # ["runtime", "common", ...]
+    python ci/changed_packages.py --shards [--json]    # enabled GPU shards of the touched families
+
+Rules (:func:`touched_by`):
+
+- a file of a package touches that package and every package that depends on
+  it, so a runtime change touches everything and a common change touches
+  common and every family (imports only go down, so the runtime is not);
+- ``noxfile.py``, ``ci/``, ``.ci/``, ``.github/``, ``ruff.toml``,
+  ``.gitignore`` (hatchling builds honour it) and any file not named below
+  touch everything: unknown means test it all;
+- documentation at the root (``*.md``, ``*.rst``, ``LICENSE*``, ``docs/``)
+  touches nothing.
+
+Importable: :func:`touched_by`, :func:`packages_for_paths`,
+:func:`changed_paths`, :func:`load_matrix`, :func:`shards`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+CI_DIR = Path(__file__).resolve().parent
+REPO_ROOT = CI_DIR.parent
+if str(CI_DIR) not in sys.path:
+    sys.path.insert(0, str(CI_DIR))
+
+from monorepo import PACKAGES, by_folder, dependents, names  # noqa: E402
+
+__all__ = ["touched_by", "packages_for_paths", "changed_paths", "load_matrix", "shards", "main"]
+
+MATRIX_PATH = CI_DIR / "matrix.toml"
+ALL = frozenset(names())
+DOC_SUFFIXES = (".md", ".rst")
+DOC_DIRS = ("docs",)
+
+
+def _normalize(path: str) -> PurePosixPath:
+    path = path.strip().replace("\\", "/")
+    while path.startswith("./"):
+        path = path[2:]
+    return PurePosixPath(path)
+
+
+def _is_root_doc(p: PurePosixPath) -> bool:
+    if p.parts and p.parts[0] in DOC_DIRS:
+        return True
+    return len(p.parts) == 1 and (p.suffix.lower() in DOC_SUFFIXES or p.name.upper().startswith("LICENSE"))
+
+
+def touched_by(path: str) -> frozenset[str]:
+    """The packages (short names) that a change to ``path`` (relative to the repo root) touches."""
+    p = _normalize(path)
+    if not p.parts or str(p) == ".":
+        return frozenset()
+    if p.parts[0] == "packages" and len(p.parts) >= 3:
+        pkg = by_folder(p.parts[1])
+        if pkg is None:  # a package folder this list does not know yet: test everything
+            return ALL
+        return frozenset(d.name for d in dependents(pkg.name))
+    if _is_root_doc(p):
+        return frozenset()
+    if p.parts[0] == "packages" and p.suffix.lower() in DOC_SUFFIXES:  # packages/README.md and the like
+        return frozenset()
+    # noxfile.py, ci/, .ci/, .github/, ruff.toml, .gitignore and anything unknown.
+    return ALL
+
+
+def packages_for_paths(paths: Iterable[str]) -> list[str]:
+    """Touched packages in the canonical order (lowest layer first)."""
+    touched: set[str] = set()
+    for path in paths:
+        if path.strip():
+            touched |= touched_by(path)
+    return [n for n in names() if n in touched]
+
+
+# ---------------------------------------------------------------------- git
+
+
+def _git(*args: str, cwd: Path = REPO_ROOT) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _ref_exists(ref: str, cwd: Path) -> bool:
+    try:
+        _git("rev-parse", "--verify", "-q", f"{ref}^{{commit}}", cwd=cwd)
+    except subprocess.CalledProcessError:
+        return False
+    return True
+
+
+def default_base(cwd: Path = REPO_ROOT) -> str | None:
+    for ref in ("origin/main", "HEAD~1"):
+        if _ref_exists(ref, cwd):
+            return ref
+    return None
+
+
+def changed_paths(base: str | None = None, cwd: Path = REPO_ROOT) -> list[str] | None:
+    """Files changed since the merge base of ``base`` and HEAD, including uncommitted and untracked ones.
+
+    Returns None when the base cannot be resolved (no such ref, a shallow clone, a
+    first commit): the caller should then treat everything as touched.
+    """
+    base = base or default_base(cwd)
+    if base is None or not _ref_exists(base, cwd):
+        return None
+    try:
+        merge_base = _git("merge-base", base, "HEAD", cwd=cwd).strip()
+        # --no-renames lists both ends of a move, so a file moved out of a package touches it.
+        diff = _git("diff", "--name-only", "--no-renames", merge_base, cwd=cwd)
+        untracked = _git("ls-files", "--others", "--exclude-standard", cwd=cwd)
+    except subprocess.CalledProcessError:
+        return None
+    return sorted({line for line in (diff + untracked).splitlines() if line.strip()})
+
+
+# ------------------------------------------------------------------- matrix
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def load_matrix(path: Path | str = MATRIX_PATH) -> dict[str, Any]:
+    """Read and validate ci/matrix.toml; raises ValueError naming the first problem."""
+    data = _load_toml(Path(path))
+    if data.get("schema") != 1:
+        raise ValueError(f"{path}: expected schema = 1, got {data.get('schema')!r}")
+    gpu_packages = {p.name for p in PACKAGES if p.gpu}
+    families = data.get("family")
+    archs = data.get("arch")
+    if not families or not archs:
+        raise ValueError(f"{path}: needs [[family]] and [[arch]] tables")
+    seen: set[str] = set()
+    for fam in families:
+        name = fam.get("name")
+        if name not in gpu_packages:
+            raise ValueError(f"{path}: family {name!r} is not a GPU package ({', '.join(sorted(gpu_packages))})")
+        if name in seen:
+            raise ValueError(f"{path}: family {name!r} listed twice")
+        seen.add(name)
+        if fam.get("session") != f"gpu-{name}":
+            raise ValueError(f"{path}: family {name!r} must run session 'gpu-{name}', got {fam.get('session')!r}")
+    ids: set[str] = set()
+    for arch in archs:
+        aid = arch.get("id")
+        if not isinstance(aid, str) or not aid or aid in ids:
+            raise ValueError(f"{path}: arch id {aid!r} missing or repeated")
+        ids.add(aid)
+        if not isinstance(arch.get("enabled"), bool):
+            raise ValueError(f"{path}: arch {aid!r} needs enabled = true|false")
+        if not arch["enabled"] and not arch.get("reason"):
+            raise ValueError(f"{path}: disabled arch {aid!r} needs a reason")
+        runner = arch.get("runner")
+        if not runner or not all(isinstance(label, str) and label for label in runner):
+            raise ValueError(f"{path}: arch {aid!r} needs runner = [labels]")
+        if aid not in runner:
+            raise ValueError(f"{path}: arch {aid!r} runner labels must include the arch id")
+    return data
+
+
+def shards(
+    matrix: dict[str, Any] | None = None,
+    families: Iterable[str] | None = None,
+    *,
+    include_disabled: bool = False,
+) -> list[dict[str, Any]]:
+    """GPU shards (family x arch) for ``families`` (default: all), enabled ones unless asked otherwise."""
+    matrix = matrix if matrix is not None else load_matrix()
+    wanted = None if families is None else set(families)
+    out = []
+    for fam in matrix["family"]:
+        if wanted is not None and fam["name"] not in wanted:
+            continue
+        for arch in matrix["arch"]:
+            if not arch["enabled"] and not include_disabled:
+                continue
+            out.append(
+                {
+                    "id": f"{fam['name']}-{arch['id']}",
+                    "family": fam["name"],
+                    "arch": arch["id"],
+                    "session": fam["session"],
+                    "runner": list(arch["runner"]),
+                    "enabled": arch["enabled"],
+                    "timeout_minutes": arch.get("timeout_minutes", 60),
+                }
+            )
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="changed_packages.py",
+        description="Print the packages a change touches (lowest layer first), or their GPU CI shards.",
+    )
+    ap.add_argument("paths", nargs="*", help="changed paths relative to the repo root; '-' reads them from stdin")
+    ap.add_argument("--base", help="git ref to diff against (default: origin/main, else HEAD~1)")
+    ap.add_argument("--all", action="store_true", help="every package (scheduled runs, manual runs)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--shards", action="store_true", help="print the enabled GPU shards of the touched families")
+    ap.add_argument("--matrix", default=str(MATRIX_PATH), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.all:
+        touched = names()
+    elif args.paths:
+        paths: list[str] = []
+        for p in args.paths:
+            paths.extend(sys.stdin.read().splitlines() if p == "-" else [p])
+        touched = packages_for_paths(paths)
+    else:
+        paths_or_none = changed_paths(args.base)
+        if paths_or_none is None:
+            print(
+                f"changed_packages: cannot diff against {args.base or 'origin/main or HEAD~1'}; "
+                "treating every package as touched",
+                file=sys.stderr,
+            )
+            touched = names()
+        else:
+            touched = packages_for_paths(paths_or_none)
+
+    if args.shards:
+        rows = shards(load_matrix(args.matrix), touched)
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            for r in rows:
+                print(f"{r['id']:<18} {r['session']:<16} {','.join(r['runner'])}")
+        return 0
+    print(json.dumps(touched) if args.json else " ".join(touched))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
