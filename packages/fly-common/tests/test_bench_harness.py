@@ -270,7 +270,7 @@ def test_common_bench_quick_end_to_end(tmp_path):
     res = Results.load(json_path)
     assert [b.name for b in res.benches] == ["quant", "vec_add"]
     quant = res.bench("quant").rows
-    assert {r.params["mode"] for r in quant} == {"per_token", "per_tensor_dynamic"}
+    assert {r.params["mode"] for r in quant} == {"per_token", "per_tensor_dynamic", "per_tensor_static"}
     ours = [r for r in res.rows() if r.provider == "flydsl"]
     assert ours and all(r.status == "ok" and r.time_us > 0 and r.gbps > 0 for r in ours)
     compiled = [r for r in quant if r.provider == "torch.compile"]

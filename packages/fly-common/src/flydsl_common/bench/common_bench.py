@@ -12,7 +12,8 @@ ceiling is the device copy bandwidth measured in the same run.
   - ``per_token`` int8 and fp8 e4m3: model bytes ``2*M*N + M*N + 4*M``;
   - ``per_tensor_dynamic`` int8: model bytes ``2*M*N + M*N + 4``, i.e. *one*
     read of x. The kernel reads x twice (amax pass, then quantize pass), so
-    it shows honestly below what a one-read algorithm could reach.
+    it shows honestly below what a one-read algorithm could reach;
+  - ``per_tensor_static`` int8 (a given scale, one read of x) at 16384 x 8192.
 
 - ``vec_add``: fp32 at n = 2^20, 2^24, 2^28 against ``torch.add``; model bytes
   ``3 * 4 * n``. The 2^20 case fits in L2, so the harness rotates input copies.
@@ -44,15 +45,19 @@ _QUANT_QUICK = ((16, 256), (4, 1024))
 # -------------------------------------------------------------------- quant
 
 
-def torch_quant(x: torch.Tensor, qdtype: torch.dtype, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_quant(
+    x: torch.Tensor, qdtype: torch.dtype, per_token: bool, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What a user writes in eager torch: amax, divide, clamp, round (int8), cast.
 
-    Returns ``(q, scale)`` with ``scale`` of shape ``[M, 1]`` (per token) or 0-d.
+    Returns ``(q, scale)`` with ``scale`` of shape ``[M, 1]`` (per token) or 0-d;
+    a given per-tensor ``scale`` skips the amax (static quantization).
     """
     qmax = 127.0 if qdtype == torch.int8 else 448.0
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax()
-    scale = amax / qmax
+    if scale is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax()
+        scale = amax / qmax
     q = (xf / scale).clamp(-qmax, qmax)
     q = q.round().to(qdtype) if qdtype == torch.int8 else q.to(qdtype)
     return q, scale
@@ -71,24 +76,24 @@ class _CompiledTorchQuant:
         self._key = None
         self._fn = None
 
-    def make(self, x: torch.Tensor, qdtype: torch.dtype, per_token: bool):
+    def make(self, x: torch.Tensor, qdtype: torch.dtype, per_token: bool, scale: torch.Tensor | None = None):
         if x.device.type != "cuda":
             # The CPU run only checks the plumbing; inductor's C++ build
             # there costs tens of seconds per shape for a meaningless number.
             raise Skip("torch.compile is benchmarked on the GPU only")
-        key = (tuple(x.shape), x.dtype, qdtype, per_token)
+        key = (tuple(x.shape), x.dtype, qdtype, per_token, scale is None)
         try:
             if key != self._key:
                 torch._dynamo.reset()
                 self._fn = torch.compile(torch_quant, dynamic=False)
                 self._key = key
             fn = self._fn
-            fn(x, qdtype, per_token)  # compile now: a failure is a skip, and compile time stays out of timing
+            fn(x, qdtype, per_token, scale)  # compile now: a failure is a skip, and compile time stays out of timing
         except Exception as e:  # no compiler, an inductor bug, ...: the peer is unavailable, not wrong
             self._key = None
             first = (str(e).strip().splitlines() or [""])[0][:120]
             raise Skip(f"torch.compile failed: {type(e).__name__}: {first}") from e
-        return lambda: fn(x, qdtype, per_token)
+        return lambda: fn(x, qdtype, per_token, scale)
 
 
 _COMPILED = _CompiledTorchQuant()
@@ -109,45 +114,52 @@ def _quant_bytes(case: Case) -> int:
 def _quant_cases(quick: bool) -> list[Case]:
     shapes = _QUANT_QUICK if quick else tuple((_ELEMENTS // n, n) for n in _QUANT_N)
     groups = [("per_token", "int8"), ("per_token", "fp8"), ("per_tensor_dynamic", "int8")]
-    return [
+    cases = [
         Case(f"{mode} {dt} {m}x{n}", {"mode": mode, "dtype": dt, "M": m, "N": n})
         for mode, dt in groups
         for m, n in shapes
     ]
+    m, n = shapes[-1] if quick else (16384, 8192)
+    static = {"mode": "per_tensor_static", "dtype": "int8", "M": m, "N": n}
+    cases.append(Case(f"per_tensor_static int8 {m}x{n}", static))
+    return cases
 
 
 def quant_bench() -> Bench:
     """The ``quant`` bench: per-token int8/fp8 and per-tensor dynamic int8, bf16 input, vs torch eager and compile."""
 
     # The providers see only the inputs, so the case's mode travels with them:
-    # setup returns (x, mode, dtype name); rotating_copies clones only tensors.
+    # setup returns (x, mode, dtype name, static scale or None); rotating_copies clones only tensors.
     def setup(case: Case, device):
         p = case.params
         # Random data, never zeros: zero rows take the scale-0 path and hide bugs.
         x = torch.randn(p["M"], p["N"], device=device, dtype=torch.bfloat16)
-        return (x, p["mode"], p["dtype"])
+        # Static mode: a calibrated scale (here the tensor's own), given to every provider.
+        scale = (x.float().abs().amax() / 127.0).reshape(()) if p["mode"] == "per_tensor_static" else None
+        return (x, p["mode"], p["dtype"], scale)
 
     def ours(inputs):
-        x, mode, dt = inputs
+        x, mode, dt, scale = inputs
         qdtype = _QDTYPES[dt]
         if mode == "per_token":
             return lambda: quantize_per_token(x, qdtype)
-        return lambda: quantize_per_tensor(x, qdtype)
+        return lambda: quantize_per_tensor(x, qdtype, scale=scale)
 
     def eager(inputs):
-        x, mode, dt = inputs
+        x, mode, dt, scale = inputs
         qdtype, per_token = _QDTYPES[dt], mode == "per_token"
-        return lambda: torch_quant(x, qdtype, per_token)
+        return lambda: torch_quant(x, qdtype, per_token, scale)
 
     def compiled(inputs):
-        x, mode, dt = inputs
-        return _COMPILED.make(x, _QDTYPES[dt], mode == "per_token")
+        x, mode, dt, scale = inputs
+        return _COMPILED.make(x, _QDTYPES[dt], mode == "per_token", scale)
 
     def reference(inputs) -> torch.Tensor:
-        x, mode, dt = inputs
+        x, mode, dt, scale = inputs
         per_token = mode == "per_token"
-        ref = quantize_per_token_ref if per_token else quantize_per_tensor_ref
-        return dequantize_ref(*ref(x, _QDTYPES[dt]), per_token)
+        if per_token:
+            return dequantize_ref(*quantize_per_token_ref(x, _QDTYPES[dt]), True)
+        return dequantize_ref(*quantize_per_tensor_ref(x, _QDTYPES[dt], scale=scale), False)
 
     def tolerance(case: Case) -> float:
         # bf16 inputs often land exactly on a rounding tie of x * QMAX / amax, and
