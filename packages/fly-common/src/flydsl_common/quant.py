@@ -19,8 +19,6 @@ read twice, the second time mostly from L2):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 import flydsl.compiler as flyc
@@ -29,6 +27,7 @@ from flydsl.checks import check_last_dim_contiguous, check_tensor, describe
 from flydsl.errors import DTypeError, ShapeError
 
 from .device import FP8_E4M3_MAX, INT8_MAX, absmax_f32, cast_sat_fp8e4m3, cast_sat_int8
+from .rows import RowConfig, as_rows, default_row_config
 
 __all__ = [
     "quantize_per_token",
@@ -136,42 +135,15 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, M, QMAX: fx.constexpr, BLOCK: fx.
 # ------------------------------------------------------------ config choice
 
 
-@dataclass(frozen=True)
-class QuantConfig:
-    """Launch configuration of the row kernel."""
-
-    block_m: int  # rows per program
-    block_n: int  # columns per step (a power of two)
-    num_warps: int
-    single_pass: bool  # the whole row fits in one step (kept in registers)
+# The row kernel's configuration space and its measured default ladder are
+# shared with the other row kernels (flydsl_common.rows).
+QuantConfig = RowConfig
 
 
-# Launch ladder, measured on the H200 (benchmarks/sweep_quant.py; PERF.md has
-# the numbers). A row up to 16K elements stays in registers (one read of x):
-# one 16K bf16 row over 8 warps streams at 98% of copy bandwidth, while a
-# single-pass 32K row over 16 warps fell to 73%. Wider rows are read twice (the
-# second time mostly from L2) in chunks: 16K over 16 warps was best at N = 32K
-# (80%), 32K over 32 warps at N >= 64K (78%).
-_MAX_SINGLE_PASS = 16384
-# Elements one program should move on narrow rows: 8K keeps 4 warps busy
-# (97% of copy bandwidth at N = 1024 with 8 rows per program).
-_ELEMS_PER_PROGRAM = 8192
-
-
-def default_quant_config(n: int, elem_bytes: int, arch: str = "sm_90") -> QuantConfig:
+def default_quant_config(n: int, elem_bytes: int, arch: str = "sm_90") -> RowConfig:
     """Pure heuristic of (row width, element size, arch) used when no config is given."""
     del elem_bytes  # one ladder serves every input width measured so far
-    # 32 warps is 1024 threads on NVIDIA; AMD's 64-wide wavefronts cap a program at 16.
-    max_warps = 16 if arch.startswith("gfx") else 32
-    block_n = flyc.next_power_of_2(max(n, 1))
-    if block_n > _MAX_SINGLE_PASS:
-        if block_n <= 32768:
-            return QuantConfig(1, 16384, 16, False)
-        return QuantConfig(1, 32768, max_warps, False)
-    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_n)) if block_n <= 2048 else 1
-    # 4 warps up to 8K elements, 8 warps for 16K (16 warps lost 15% there).
-    num_warps = 4 if block_m * block_n <= 8192 else 8
-    return QuantConfig(block_m, block_n, num_warps, True)
+    return default_row_config(n, arch)
 
 
 # --------------------------------------------------------------- host launch
@@ -216,17 +188,6 @@ def _check(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [M, N] without a copy when the leading dims collapse to one stride."""
-    n = x.shape[-1]
-    if x.dim() == 1:
-        return x.view(1, n)
-    try:
-        return x.view(-1, n)
-    except RuntimeError:  # leading dims not collapsible: one copy
-        return x.reshape(-1, n)
-
-
 def quantize_per_token(
     x: torch.Tensor, dtype: torch.dtype = torch.int8, *, config: QuantConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +212,7 @@ def quantize_per_token(
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return q, scale
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     cfg = config or default_quant_config(x2.shape[1], x.element_size())
     _launch_rows(x2, q.view(-1, x.shape[-1]), scale, _MODE_TOKEN, dtype, cfg)
     return q, scale
@@ -289,7 +250,7 @@ def quantize_per_tensor(
         if scale is None:
             scale_t.zero_()
         return q, scale_t
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     q2 = q.view(-1, x.shape[-1])
     cfg = config or default_quant_config(x2.shape[1], x.element_size())
     if scale is None:
