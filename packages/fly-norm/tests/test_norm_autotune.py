@@ -1,0 +1,42 @@
+"""The fly-norm tuning adopter: keys, candidate space, defaults (pure logic, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fly_norm.autotune import OPS, TUNABLES, candidates, row_config_for, tuning_key
+from flydsl_common.rows import default_row_config, row_config_valid
+
+BUCKETS = [1 << k for k in range(0, 21)]
+
+
+def test_keys_bucket_row_widths():
+    assert tuning_key(4095, torch.bfloat16) == tuning_key(4096, torch.bfloat16) == {"n_bucket": 4096, "dtype": "bf16"}
+    assert tuning_key(4097, torch.float16) == {"n_bucket": 8192, "dtype": "fp16"}
+    assert tuning_key(1, torch.float32) == {"n_bucket": 1, "dtype": "fp32"}
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+def test_candidate_space_is_bounded_and_valid(n):
+    key = {"n_bucket": n, "dtype": "bf16"}
+    cands = candidates(key, "sm_90")
+    assert len(cands) <= 48
+    assert all(row_config_valid(c, n, "sm_90") for c in cands)
+    assert len(set(cands)) == len(cands)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [1, 7, 1000, 4097, 65537, 262144])
+def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
+    TUNABLES[op].clear_memo()
+    cfg = row_config_for(op, n, torch.bfloat16, "cpu")
+    assert cfg == default_row_config(flyc_next_pow2(n), "cpu")
+    assert row_config_valid(cfg, n, "cpu")
+    assert TUNABLES[op].explain(tuning_key(n, torch.bfloat16), "cpu")[1] in ("memo", "default")
+
+
+def flyc_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
