@@ -29,7 +29,7 @@ import torch
 from ..quant import quantize_per_tensor, quantize_per_token
 from ..reference import dequantize_ref, quantize_per_tensor_ref, quantize_per_token_ref, vec_add_ref
 from ..vec_add import vec_add
-from .harness import Bench, Case, Provider, Skip, main_for
+from .harness import Bench, Case, CompiledPeer, Provider, main_for
 
 __all__ = ["benches", "default_out_dir", "main", "quant_bench", "vec_add_bench"]
 
@@ -63,40 +63,7 @@ def torch_quant(
     return q, scale
 
 
-class _CompiledTorchQuant:
-    """``torch.compile(torch_quant)`` specialized to one case at a time.
-
-    Dynamo resets when the case changes: each case then gets the static-shape
-    code a user with that fixed shape would get (not the dynamic-shape
-    recompile that follows a second shape), and twelve cases never reach
-    dynamo's recompile limit, past which it silently falls back to eager.
-    """
-
-    def __init__(self) -> None:
-        self._key = None
-        self._fn = None
-
-    def make(self, x: torch.Tensor, qdtype: torch.dtype, per_token: bool, scale: torch.Tensor | None = None):
-        if x.device.type != "cuda":
-            # The CPU run only checks the plumbing; inductor's C++ build
-            # there costs tens of seconds per shape for a meaningless number.
-            raise Skip("torch.compile is benchmarked on the GPU only")
-        key = (tuple(x.shape), x.dtype, qdtype, per_token, scale is None)
-        try:
-            if key != self._key:
-                torch._dynamo.reset()
-                self._fn = torch.compile(torch_quant, dynamic=False)
-                self._key = key
-            fn = self._fn
-            fn(x, qdtype, per_token, scale)  # compile now: a failure is a skip, and compile time stays out of timing
-        except Exception as e:  # no compiler, an inductor bug, ...: the peer is unavailable, not wrong
-            self._key = None
-            first = (str(e).strip().splitlines() or [""])[0][:120]
-            raise Skip(f"torch.compile failed: {type(e).__name__}: {first}") from e
-        return lambda: fn(x, qdtype, per_token, scale)
-
-
-_COMPILED = _CompiledTorchQuant()
+_COMPILED = CompiledPeer(torch_quant)
 
 
 def _dequantized(ret) -> torch.Tensor:
@@ -152,7 +119,7 @@ def quant_bench() -> Bench:
 
     def compiled(inputs):
         x, mode, dt, scale = inputs
-        return _COMPILED.make(x, _QDTYPES[dt], mode == "per_token", scale)
+        return _COMPILED.make((tuple(x.shape), dt, mode), x, _QDTYPES[dt], mode == "per_token", scale)
 
     def reference(inputs) -> torch.Tensor:
         x, mode, dt, scale = inputs

@@ -75,6 +75,7 @@ __all__ = [
     "Bench",
     "BenchResult",
     "Case",
+    "CompiledPeer",
     "Provider",
     "Results",
     "Row",
@@ -160,6 +161,8 @@ class Bench:
       (e.g. ``("mode", "dtype")``).
     - ``quick_cases``: the cases of ``--quick`` (default: those with
       ``params["quick"]``, else the first case).
+    - ``timer_kwargs``: this bench's timer settings over the run's; ``{"backlog":
+      False}`` measures end-to-end call latency (host + device) instead of GPU time.
     """
 
     name: str
@@ -178,6 +181,7 @@ class Bench:
     quick_cases: list[Case] | None = None
     flops_ceiling: str = MATMUL_BF16_TFLOPS
     description: str = ""
+    timer_kwargs: dict = field(default_factory=dict)  # e.g. {"backlog": False} to time host + device latency
 
     def select_cases(self, quick: bool) -> list[Case]:
         if not quick:
@@ -191,6 +195,44 @@ class Bench:
     def metric(self) -> str:
         """The plotted rate: GB/s for a bytes model, else TFLOP/s."""
         return "GB/s" if self.bytes is not None else "TFLOP/s" if self.flops is not None else "us"
+
+
+class CompiledPeer:
+    """The ``torch.compile`` peer of a torch function, compiled for one case at a time.
+
+    ``make(case_key, *args)`` compiles ``fn`` for this case (dynamo is reset
+    when the case changes, so each case gets the static-shape code a user
+    with that fixed shape would get, and a long case list never reaches
+    dynamo's recompile limit, past which it silently falls back to eager),
+    runs it once so compile time stays out of the timing, and returns the
+    zero-argument callable. A compile failure (no compiler, an inductor bug)
+    is a :class:`Skip`: the peer is unavailable, not wrong. On the CPU the
+    peer is skipped: inductor's C++ build there costs tens of seconds per
+    shape for a number that means nothing.
+    """
+
+    def __init__(self, fn: Callable[..., Any], **compile_kwargs: Any) -> None:
+        self._fn = fn
+        self._kwargs = {"dynamic": False, **compile_kwargs}
+        self._key: Any = None
+        self._compiled: Callable[..., Any] | None = None
+
+    def make(self, case_key: Any, *args: Any) -> Callable[[], Any]:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and tensors[0].device.type != "cuda":
+            raise Skip("torch.compile is benchmarked on the GPU only")
+        try:
+            if case_key != self._key or self._compiled is None:
+                torch._dynamo.reset()
+                self._compiled = torch.compile(self._fn, **self._kwargs)
+                self._key = case_key
+            fn = self._compiled
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - any compile failure means the peer is unavailable
+            self._key = None
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            raise Skip(f"torch.compile failed: {type(e).__name__}: {first}") from e
+        return lambda: fn(*args)
 
 
 # ----------------------------------------------------------------- ceilings
@@ -379,7 +421,7 @@ def _run_case(
             if sets is None:
                 sets = _input_sets(bench, inputs, dev, l2) or []
             call, arg_sets = _rotated_calls(p, fn, sets)
-            t: Timing = timer_bench(call, arg_sets=arg_sets, device=dev, **timing)
+            t: Timing = timer_bench(call, arg_sets=arg_sets, device=dev, **{**timing, **bench.timer_kwargs})
         except Skip as e:  # e.g. a compiled peer that only fails when first called
             row.status, row.reason = SKIPPED, str(e) or "cannot serve this case"
             continue
