@@ -1,12 +1,12 @@
 """fly-norm: FlyDSL normalization and softmax kernels.
 
-Scope: LayerNorm, RMSNorm, softmax (fwd + bwd, fused residual, quantized).
+    import fly_norm
+    y = fly_norm.softmax(x, dim=-1)
 
-This release is the package skeleton: it registers the ``norm`` family with
-the ``flydsl`` command and exports no kernels yet. Kernels arrive in later
-releases; ``__all__`` is the public contract and grows with them.
+``__all__`` is the public contract; see the package README for the API table.
 """
 
 from ._version import __version__
+from .softmax import build_softmax_bwd_module, build_softmax_module, softmax
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "softmax", "build_softmax_module", "build_softmax_bwd_module"]

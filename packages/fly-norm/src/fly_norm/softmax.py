@@ -1,0 +1,547 @@
+"""Row-wise softmax, forward and backward, for any row width.
+
+    y = softmax(x, dim=-1)                   # fp32 / fp16 / bf16, any leading shape
+    dx = y * (dy - sum(dy * y, dim))         # the backward, reduction in fp32
+
+Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfig`):
+
+- single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
+  program) stays in registers between the reductions and the write, so each
+  element is read once and written once;
+- chunked (rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
+  forward makes one *online* pass over the row's chunks that carries the
+  running (max, sum) pair, then a second pass that normalizes and writes; the
+  backward accumulates ``sum(dy * y)`` in a first pass and writes dx in a
+  second. The extra read of each row comes mostly from L2.
+
+Everything is computed in fp32 (16-bit inputs are upcast on load) and the
+output is stored in the input's dtype. A row holding only ``-inf`` gives NaN,
+as ``torch.softmax`` does; padding lanes and padding rows never produce NaN.
+
+File order (DESIGN.md 11.1): kernels, config choice, host launch, custom ops,
+autograd, public function, the seed's builder API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import flydsl
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.autotune import SearchTask
+from flydsl.checks import (
+    check_last_dim_contiguous,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    describe,
+    parse_dtype,
+)
+from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
+from flydsl.testing import poison, tolerance
+from flydsl_common.rows import RowConfig, as_rows, row_config_valid
+
+from .autotune import row_config_for
+from .reference import softmax_bwd_ref, softmax_ref
+
+__all__ = [
+    "softmax",
+    "softmax_fwd",
+    "softmax_bwd",
+    "softmax_config",
+    "softmax_bwd_config",
+    "build_softmax_module",
+    "build_softmax_bwd_module",
+    "SOFTMAX_DTYPES",
+]
+
+SOFTMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# exp(x) = exp2(x * log2(e)): exp2 is the hardware instruction (and the
+# interpreter has no libdevice). The difference x - max is formed first, so
+# large magnitudes (|x| ~ 1e4) lose no precision to the scaling.
+_LOG2E = fx.constexpr(1.4426950408889634)
+_NEG_INF = fx.constexpr(float("-inf"))
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@flyc.func
+def _finite_or_zero(m):
+    """The running max with -inf replaced by 0.
+
+    A row (or a padding row) whose elements so far are all -inf has max -inf;
+    subtracting it would give exp(-inf - -inf) = NaN. Against 0, those
+    elements give exp(-inf) = 0 and the row's sum stays 0.
+    """
+    return fx.where(m > _NEG_INF, m, 0.0)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_fwd_kernel(
+    x_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    BLOCK_M: fx.constexpr,
+    BLOCK_N: fx.constexpr,
+    SINGLE_PASS: fx.constexpr,
+):
+    # Row indices in int64: M x N past 2**31 elements must not overflow.
+    rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = fx.arange(0, BLOCK_N)
+    x_rows = x_ptr + rows[:, None] * stride_x
+    y_rows = y_ptr + rows[:, None] * stride_y
+
+    if SINGLE_PASS:
+        mask = row_ok[:, None] & (cols[None, :] < N)
+        x = fx.load(x_rows + cols[None, :], mask=mask, other=_NEG_INF).to(fx.float32)
+        m = _finite_or_zero(fx.max(x, axis=1))
+        e = fx.exp2((x - m[:, None]) * _LOG2E)
+        inv = 1.0 / fx.where(row_ok, fx.sum(e, axis=1), 1.0)  # padding rows: no 1/0
+        fx.store(y_rows + cols[None, :], (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Online pass: one read of the row carries (running max, running sum);
+        # the sum is rescaled by exp(old max - new max) whenever the max grows.
+        # One reduction pair per chunk keeps it at one exp per element.
+        m = fx.full([BLOCK_M], float("-inf"), dtype=fx.float32)
+        s = fx.zeros([BLOCK_M], dtype=fx.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c[None, :] < N)
+            # evict_last: keep the row in L2 for the second pass.
+            xc = fx.load(x_rows + c[None, :], mask=mask, other=_NEG_INF, eviction_policy="evict_last")
+            xc = xc.to(fx.float32)
+            m_new = fx.maximum(m, fx.max(xc, axis=1))
+            base = _finite_or_zero(m_new)
+            s = s * fx.exp2((m - base) * _LOG2E) + fx.sum(fx.exp2((xc - base[:, None]) * _LOG2E), axis=1)
+            m = m_new
+        base = _finite_or_zero(m)
+        inv = 1.0 / fx.where(row_ok, s, 1.0)  # padding rows: no 1/0
+        # Second pass back to front: the chunks read last are the likeliest
+        # still to be in L2.
+        num_chunks = fx.cdiv(N, BLOCK_N)
+        for i in range(0, num_chunks):
+            c = (num_chunks - 1 - i) * BLOCK_N + cols
+            mask = row_ok[:, None] & (c[None, :] < N)
+            xc = fx.load(x_rows + c[None, :], mask=mask, other=_NEG_INF, eviction_policy="evict_first")
+            e = fx.exp2((xc.to(fx.float32) - base[:, None]) * _LOG2E)
+            fx.store(y_rows + c[None, :], (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_bwd_kernel(
+    dy_ptr,
+    y_ptr,
+    dx_ptr,
+    M,
+    N,
+    stride_dy,
+    stride_y,
+    stride_dx,
+    BLOCK_M: fx.constexpr,
+    BLOCK_N: fx.constexpr,
+    SINGLE_PASS: fx.constexpr,
+):
+    rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = fx.arange(0, BLOCK_N)
+    dy_rows = dy_ptr + rows[:, None] * stride_dy
+    y_rows = y_ptr + rows[:, None] * stride_y
+    dx_rows = dx_ptr + rows[:, None] * stride_dx
+
+    if SINGLE_PASS:
+        mask = row_ok[:, None] & (cols[None, :] < N)
+        dy = fx.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
+        y = fx.load(y_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
+        dot = fx.sum(dy * y, axis=1)
+        fx.store(dx_rows + cols[None, :], (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Accumulate lane-wise and reduce once at the end: no cross-warp
+        # reduction per chunk, and shorter fp32 summation chains.
+        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c[None, :] < N)
+            dy = fx.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            y = fx.load(y_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            acc += dy.to(fx.float32) * y.to(fx.float32)
+        dot = fx.sum(acc, axis=1)
+        num_chunks = fx.cdiv(N, BLOCK_N)
+        for i in range(0, num_chunks):
+            c = (num_chunks - 1 - i) * BLOCK_N + cols
+            mask = row_ok[:, None] & (c[None, :] < N)
+            dy = fx.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            y = fx.load(y_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            y = y.to(fx.float32)
+            dx = y * (dy.to(fx.float32) - dot[:, None])
+            fx.store(dx_rows + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------ config choice
+
+
+def _fwd_task(x2: torch.Tensor, y2: torch.Tensor) -> Callable[[], SearchTask]:
+    """Search task of a forced tuning search: the real rows, written into ``y2`` (overwritten afterwards)."""
+
+    def make() -> SearchTask:
+        def run(cfg: RowConfig) -> torch.Tensor:
+            _launch_fwd(x2, y2, cfg)
+            return y2
+
+        return SearchTask(
+            run=run,
+            reference=lambda: softmax_ref(x2),
+            rtol=tolerance(x2.dtype),
+            prepare=lambda: poison(y2),
+        )
+
+    return make
+
+
+def _bwd_task(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor) -> Callable[[], SearchTask]:
+    def make() -> SearchTask:
+        def run(cfg: RowConfig) -> torch.Tensor:
+            _launch_bwd(dy2, y2, dx2, cfg)
+            return dx2
+
+        return SearchTask(
+            run=run,
+            reference=lambda: softmax_bwd_ref(dy2, y2),
+            rtol=tolerance(dx2.dtype),
+            prepare=lambda: poison(dx2),
+        )
+
+    return make
+
+
+def softmax_config(n: int, dtype: torch.dtype, device, *, autotune: bool | None = None, task=None) -> RowConfig:
+    """The forward launch config for rows of ``n`` elements (searched winner, artifact or default ladder)."""
+    return row_config_for("softmax_fwd", n, dtype, device, autotune=autotune, task=task)
+
+
+def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | None = None, task=None) -> RowConfig:
+    """The backward launch config for rows of ``n`` elements."""
+    return row_config_for("softmax_bwd", n, dtype, device, autotune=autotune, task=task)
+
+
+# --------------------------------------------------------------- host launch
+
+
+def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
+    """Launch the forward kernel on [M, N] rows; no checks (callers check)."""
+    m, n = x2.shape
+    _softmax_fwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+        x2,
+        y2,
+        m,
+        n,
+        x2.stride(0),
+        y2.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SINGLE_PASS=cfg.single_pass,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
+    m, n = y2.shape
+    _softmax_bwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+        dy2,
+        y2,
+        dx2,
+        m,
+        n,
+        dy2.stride(0),
+        y2.stride(0),
+        dx2.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SINGLE_PASS=cfg.single_pass,
+        num_warps=cfg.num_warps,
+    )
+
+
+# Unchecked launchers for the public path (arguments already checked): the
+# decorator still runs them under the tensors' device and current stream.
+_run_fwd = flyc.jit(_launch_fwd)
+_run_bwd = flyc.jit(_launch_bwd)
+
+
+def _check_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA devices, and on the CPU only through the interpreter."""
+    if t.device.type == "cuda" or (t.device.type == "cpu" and flydsl.interpreting()):
+        return
+    where = "a CUDA device" + (" or the CPU (interpreter)" if flydsl.interpreting() else "")
+    raise DeviceError(f"{name}: expected a tensor on {where}, got {describe(t)}")
+
+
+def _check_layout(name: str, t: torch.Tensor) -> None:
+    # An empty tensor is never read (autograd hands out stride-0 empty gradients).
+    if t.numel():
+        check_last_dim_contiguous(name, t)
+
+
+def _check_rows(name: str, t: torch.Tensor, ndim: int | None = 2) -> None:
+    check_tensor(name, t, dtypes=SOFTMAX_DTYPES, ndim=ndim)
+    _check_device(name, t)
+    _check_layout(name, t)
+
+
+def _check_config(cfg: RowConfig, n: int) -> None:
+    if not isinstance(cfg, RowConfig) or not row_config_valid(cfg, n):
+        raise ArgumentError(f"cfg: expected a RowConfig valid for rows of {n} elements, got {cfg!r}")
+
+
+@flyc.jit
+def softmax_fwd(x2d: torch.Tensor, y2d: torch.Tensor, cfg: RowConfig, stream=None) -> None:
+    """Low-level forward: ``y2d = softmax(x2d, dim=1)`` with launch config ``cfg``.
+
+    ``x2d``, ``y2d``: [M, N] fp32/fp16/bf16 (each with its own dtype), last
+    dim contiguous, rows may be strided. ``cfg`` must satisfy
+    ``row_config_valid(cfg, N)``. ``stream`` as for every ``@flyc.jit`` launcher.
+    """
+    _check_rows("x2d", x2d)
+    _check_rows("y2d", y2d)
+    check_shape("y2d", y2d, x2d.shape, "the shape of x2d")
+    _check_config(cfg, x2d.shape[1])
+    _launch_fwd(x2d, y2d, cfg)
+
+
+@flyc.jit
+def softmax_bwd(dy2d: torch.Tensor, y2d: torch.Tensor, dx2d: torch.Tensor, cfg: RowConfig, stream=None) -> None:
+    """Low-level backward: ``dx2d = y2d * (dy2d - sum(dy2d * y2d, dim=1))``, reduction in fp32.
+
+    All three [M, N], one dtype (fp32/fp16/bf16), last dim contiguous, rows may
+    be strided; ``cfg`` must satisfy ``row_config_valid(cfg, N)``.
+    """
+    _check_bwd(dy2d, y2d, "dy2d", "y2d", ndim=2)
+    _check_rows("dx2d", dx2d)
+    check_shape("dx2d", dx2d, y2d.shape, "the shape of y2d")
+    check_same_dtype(y2d=y2d, dx2d=dx2d)
+    _check_config(cfg, y2d.shape[1])
+    _launch_bwd(dy2d, y2d, dx2d, cfg)
+
+
+def _check_bwd(dy, y, dy_name="dy", y_name="y", ndim=None) -> None:
+    _check_rows(y_name, y, ndim)
+    check_tensor(dy_name, dy, dtypes=SOFTMAX_DTYPES)
+    check_same_device(**{y_name: y, dy_name: dy})
+    check_shape(dy_name, dy, y.shape, f"the shape of {y_name}")
+    check_same_dtype(**{y_name: y, dy_name: dy})
+    _check_layout(dy_name, dy)
+
+
+def _fwd_rows(x: torch.Tensor, autotune: bool | None) -> torch.Tensor:
+    """Forward over the last dim of a checked ``x`` (last dim contiguous); returns a contiguous y."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2 = as_rows(x)
+    y2 = y.view(x2.shape)
+    cfg = softmax_config(x2.shape[1], x.dtype, x.device, autotune=autotune, task=_fwd_task(x2, y2))
+    _run_fwd(x2, y2, cfg)
+    return y
+
+
+def _bwd_rows(dy: torch.Tensor, y: torch.Tensor, autotune: bool | None) -> torch.Tensor:
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if dx.numel() == 0:
+        return dx
+    y2 = as_rows(y)
+    dy2 = as_rows(dy)
+    dx2 = dx.view(y2.shape)
+    cfg = softmax_bwd_config(y2.shape[1], y.dtype, y.device, autotune=autotune, task=_bwd_task(dy2, y2, dx2))
+    _run_bwd(dy2, y2, dx2, cfg)
+    return dx
+
+
+# ----------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("fly_norm::softmax_fwd", mutates_args=(), schema="(Tensor x, bool? autotune=None) -> Tensor")
+def _softmax_fwd_op(x, autotune=None):
+    _check_rows("x", x, ndim=None)
+    return _fwd_rows(x, autotune)
+
+
+@_softmax_fwd_op.register_fake
+def _(x, autotune=None):
+    return x.new_empty(x.shape)  # contiguous, like the real output
+
+
+@torch.library.custom_op(
+    "fly_norm::softmax_bwd", mutates_args=(), schema="(Tensor dy, Tensor y, bool? autotune=None) -> Tensor"
+)
+def _softmax_bwd_op(dy, y, autotune=None):
+    _check_bwd(dy, y)
+    return _bwd_rows(dy, y, autotune)
+
+
+@_softmax_bwd_op.register_fake
+def _(dy, y, autotune=None):
+    return y.new_empty(y.shape)
+
+
+# ----------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.autotune = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    # Gradients arrive in any layout (expanded from a sum, transposed ...);
+    # the kernel needs a contiguous last dim only.
+    if grad.dim() and grad.shape[-1] > 1 and grad.stride(-1) != 1:
+        grad = grad.contiguous()
+    return torch.ops.fly_norm.softmax_bwd(grad.to(y.dtype), y, ctx.autotune), None
+
+
+torch.library.register_autograd("fly_norm::softmax_fwd", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------- public function
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ArgumentError(f"dim: expected an int, got {dim!r}")
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise ArgumentError(f"dim: expected a dimension in [{-rank}, {rank - 1}], got {dim}")
+    return dim % rank
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> torch.Tensor:
+    """Softmax of ``x`` along ``dim``, computed in fp32 and returned in ``x.dtype``.
+
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape on a CUDA device (the CPU through
+           the interpreter). Rows may be strided; a ``dim`` other than the
+           last, or a non-contiguous last dim, costs one transposing copy.
+        dim: the dimension to normalize (negative counts from the end).
+        autotune: ``True`` searches the launch config once per row-width
+           bucket (``FLYDSL_AUTOTUNE`` when None); ``False`` never searches.
+
+    Returns:
+        A tensor of ``x``'s shape and dtype. Any row width works (rows wider
+        than 16K elements take the two-pass chunked path); zero rows give an
+        empty result; a row of only ``-inf`` gives NaN, like ``torch.softmax``.
+        Differentiable (``fly_norm::softmax_fwd`` / ``fly_norm::softmax_bwd``
+        custom ops) and usable under ``torch.compile(fullgraph=True)``.
+
+    Example::
+
+        y = fly_norm.softmax(torch.randn(8, 32768, device="cuda", dtype=torch.bfloat16))
+    """
+    check_tensor("x", x, dtypes=SOFTMAX_DTYPES)
+    _check_device("x", x)
+    if x.dim() == 0:
+        _normalize_dim(dim, 0)
+        return softmax(x.reshape(1), 0, autotune=autotune).reshape(())
+    d = _normalize_dim(dim, x.dim())
+    moved = d != x.dim() - 1
+    xt = x.movedim(d, -1) if moved else x
+    if xt.shape[-1] > 1 and xt.stride(-1) != 1:
+        xt = xt.contiguous()  # the kernel reads rows with unit stride
+    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+        y = torch.ops.fly_norm.softmax_fwd(xt, autotune)
+    else:
+        # Eager inference skips the dispatcher (microseconds per call at small shapes).
+        y = _fwd_rows(xt, autotune)
+    return y.movedim(-1, d) if moved else y
+
+
+# ------------------------------------------------------ seed builder API
+
+
+def _seed_rows(name: str, t: torch.Tensor, n: int, m_in: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``m_in`` rows of ``t`` seen as [*, n] without a copy (outputs must be written in place)."""
+    check_tensor(name, t, dtypes=(dtype,))
+    _check_rows(name, t, ndim=None)
+    if t.dim() == 0 or t.shape[-1] != n:
+        raise ShapeError(f"{name}: expected rows of N={n} elements (last dim), got {describe(t)}")
+    try:
+        rows = t.view(-1, n)
+    except RuntimeError:
+        raise LayoutError(f"{name}: the leading dims must collapse into one row stride, got {describe(t)}") from None
+    if rows.shape[0] < m_in:
+        raise ShapeError(f"{name}: expected at least m_in={m_in} rows, got {describe(t)}")
+    return rows[:m_in]
+
+
+def _seed_m(m_in) -> int:
+    m = int(m_in)
+    if m < 0:
+        raise ArgumentError(f"m_in: expected a row count >= 0, got {m_in!r}")
+    return m
+
+
+def _seed_n(n) -> int:
+    if int(n) < 1:
+        raise ArgumentError(f"N: expected a row width >= 1, got {n!r}")
+    return int(n)
+
+
+def build_softmax_module(M: int, N: int, dtype_str: str = "f32", BLOCK_THREADS: int | None = None):  # noqa: N803
+    """The seed's builder: a launcher ``launch(A, C, m_in, stream=None)`` computing softmax over rows of ``N``.
+
+    ``M`` is vestigial (the row count is the runtime ``m_in``) and
+    ``BLOCK_THREADS`` is accepted for source compatibility only: the launch
+    config comes from the tuning adopter. ``A`` (input) and ``C`` (output)
+    hold at least ``m_in`` rows of ``N`` elements of ``dtype_str``
+    ("f32"/"f16"/"bf16"), last dim contiguous.
+
+    Example::
+
+        launch = build_softmax_module(M=32768, N=8192, dtype_str="bf16")
+        launch(x, y, x.shape[0], stream=torch.cuda.current_stream())
+    """
+    del M, BLOCK_THREADS
+    n = _seed_n(N)
+    dtype = parse_dtype("dtype_str", dtype_str, SOFTMAX_DTYPES)
+
+    @flyc.jit(skip_empty=False)
+    def launch(A, C, m_in, stream=None):  # noqa: N803 - the seed's argument names
+        m = _seed_m(m_in)
+        a2, c2 = _seed_rows("A", A, n, m, dtype), _seed_rows("C", C, n, m, dtype)
+        if m == 0:
+            return
+        _launch_fwd(a2, c2, softmax_config(n, dtype, A.device, task=_fwd_task(a2, c2)))
+
+    return launch
+
+
+def build_softmax_bwd_module(N: int, dtype_str: str = "f32"):  # noqa: N803
+    """The seed's backward builder: ``launch(dy, y, dx, m_in, stream=None)`` computes
+    ``dx = y * (dy - sum(dy * y))`` over the first ``m_in`` rows of ``N`` elements (fp32 reduction).
+
+    Example::
+
+        launch = build_softmax_bwd_module(N=8192, dtype_str="bf16")
+        launch(dy, y, dx, y.shape[0], stream=torch.cuda.current_stream())
+    """
+    n = _seed_n(N)
+    dtype = parse_dtype("dtype_str", dtype_str, SOFTMAX_DTYPES)
+
+    @flyc.jit(skip_empty=False)
+    def launch(dy, y, dx, m_in, stream=None):
+        m = _seed_m(m_in)
+        dy2, y2, dx2 = (_seed_rows(k, t, n, m, dtype) for k, t in (("dy", dy), ("y", y), ("dx", dx)))
+        if m == 0:
+            return
+        _launch_bwd(dy2, y2, dx2, softmax_bwd_config(n, dtype, y.device, task=_bwd_task(dy2, y2, dx2)))
+
+    return launch
