@@ -13,8 +13,6 @@ import inspect
 import pytest
 import torch
 
-# The package exports the function `softmax`, which shadows the submodule as an attribute.
-sm = importlib.import_module("fly_norm.softmax")
 from fly_norm.autotune import TUNABLES, tuning_key
 from fly_norm.reference import softmax_bwd_ref, softmax_ref
 from fly_norm.softmax import (
