@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from fly_norm.autotune import OPS, TUNABLES, candidates, row_config_for, tuning_key
-from flydsl_common.rows import default_row_config, row_config_valid
+from fly_norm.autotune import OPS, TUNABLES, bwd_default_row_config, candidates, row_config_for, tuning_key
+from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 BUCKETS = [1 << k for k in range(0, 21)]
 
@@ -33,10 +35,27 @@ def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
     monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
     TUNABLES[op].clear_memo()
     cfg = row_config_for(op, n, torch.bfloat16, "cpu")
-    assert cfg == default_row_config(flyc_next_pow2(n), "cpu")
+    # The backward keeps more values live per element: its own, leaner default.
+    default = bwd_default_row_config if op.endswith("_bwd") else default_row_config
+    assert cfg == default(flyc_next_pow2(n), "cpu")
     assert row_config_valid(cfg, n, "cpu")
     assert TUNABLES[op].explain(tuning_key(n, torch.bfloat16), "cpu")[1] in ("memo", "default")
 
 
 def flyc_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_offline_task_is_the_ops_own_search_task(op, tmp_path, monkeypatch):
+    """`flydsl tune norm` gets, per key, the search task the op itself builds; a search over it works."""
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("fly_norm.autotune._TUNE_ELEMENTS", 3 * 64)  # 3 rows: the interpreter is slow
+    tunable = TUNABLES[op]
+    key = {"n_bucket": 64, "dtype": "fp32"}
+    task = tunable.make_task(key, "cpu")
+    space = [RowConfig(1, 64, 2, True), RowConfig(1, 32, 1, False)]
+    small = dataclasses.replace(tunable, candidates=lambda k, a: space)
+    result = small.search(key, "cpu", task, persist=False)
+    assert row_config_valid(result.config, 64, "cpu")
+    assert not result.rejected  # every candidate computed the right answer

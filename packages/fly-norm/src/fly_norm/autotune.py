@@ -9,6 +9,7 @@ never benchmarks unless ``FLYDSL_AUTOTUNE=1`` or ``autotune=True``.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +18,11 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 from flydsl.autotune import SearchTask, Tunable
-from flydsl.checks import dtype_name
+from flydsl.checks import dtype_name, parse_dtype
+from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
-__all__ = ["OPS", "TUNABLES", "row_config_for", "tuning_key", "candidates"]
+__all__ = ["OPS", "TUNABLES", "row_config_for", "tuning_key", "candidates", "bwd_default_row_config"]
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_bwd", "softmax_bwd")
@@ -37,6 +39,34 @@ def tuning_key(n: int, dtype: torch.dtype) -> dict:
 
 def _default(key, arch: str) -> RowConfig:
     return default_row_config(key["n_bucket"], arch)
+
+
+# Backward launch default (the "*_bwd" tunables). The backward keeps
+# h, dy, their products and the dweight accumulator live at once, so it needs
+# far fewer elements per thread than the forward: compiled for sm_90a (ptxas,
+# bf16, 16-byte aligned rows), 16 elements per thread take 96-120 registers
+# and never spill, 32 take 190-220, and the forward ladder's 64 spill (up to
+# 7 KB of stack at N = 16384). 32 warps cap a thread at 64 registers and
+# spill again, so rows wider than 16 warps x 32 threads x 16 elements go
+# through the chunked path with 8K-element chunks (98-120 registers).
+_BWD_ELEMS_PER_THREAD = 16
+_BWD_MAX_WARPS = 16
+_BWD_CHUNK = RowConfig(1, 8192, 16, False)
+
+
+def bwd_default_row_config(n: int, arch: str = "sm_90") -> RowConfig:
+    """Pure default of the norm backward's launch config for rows of ``n`` elements (see above)."""
+    del arch  # one table serves NVIDIA and AMD: at most 16 warps (1024 threads with 64-wide waves)
+    block_n = flyc.next_power_of_2(max(n, 1))
+    if block_n > 32 * _BWD_MAX_WARPS * _BWD_ELEMS_PER_THREAD:
+        return _BWD_CHUNK
+    warps = max(4, min(_BWD_MAX_WARPS, block_n // (32 * _BWD_ELEMS_PER_THREAD)))
+    block_m = max(1, min(64, 32 * warps * _BWD_ELEMS_PER_THREAD // block_n))
+    return RowConfig(block_m, block_n, warps, True)
+
+
+def _bwd_default(key, arch: str) -> RowConfig:
+    return bwd_default_row_config(key["n_bucket"], arch)
 
 
 def candidates(key, arch: str) -> list[RowConfig]:
@@ -69,16 +99,63 @@ def _tune_keys(arch: str) -> list[dict]:
     return [{"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS]
 
 
+# ------------------------------------------------------------ offline tuning
+
+# While a capture is active for an op, row_config_for hands the search task
+# it was given to the capture (and serves the default): `flydsl tune norm`
+# runs the public op once on generated inputs and gets exactly the task a
+# forced search in a user's process would run.
+_CAPTURE: contextvars.ContextVar[tuple[str, list] | None] = contextvars.ContextVar("fly_norm_capture", default=None)
+
+_TUNE_ELEMENTS = 1 << 25  # rows of the bucket's width, 64 MiB of bf16: past L2, like real activations
+
+
+def _run_op(op: str, m: int, n: int, dtype: torch.dtype, device) -> None:
+    from . import layer_norm, rms_norm, softmax
+
+    x = torch.randn(m, n, device=device, dtype=dtype)
+    w = torch.randn(n, device=device, dtype=dtype)
+    b = torch.randn(n, device=device, dtype=dtype)
+    fwd = {
+        "rmsnorm": lambda t: rms_norm(t, w, 1e-6, autotune=False),
+        "layernorm": lambda t: layer_norm(t, w, b, 1e-5, autotune=False),
+        "softmax": lambda t: softmax(t, -1, autotune=False),
+    }[op.rsplit("_", 1)[0]]
+    if op.endswith("_fwd"):
+        fwd(x)
+        return
+    x.requires_grad_(True)
+    fwd(x).backward(torch.randn(m, n, device=device, dtype=dtype))
+
+
+def _make_task(name: str):
+    def make_task(key, device) -> SearchTask:
+        n = key["n_bucket"]
+        dtype = parse_dtype("dtype", key["dtype"])
+        captured: list = []
+        token = _CAPTURE.set((name, captured))
+        try:
+            _run_op(name, max(1, _TUNE_ELEMENTS // n), n, dtype, device)
+        finally:
+            _CAPTURE.reset(token)
+        if not captured or captured[0] is None:
+            raise TuningError(f"{name}: the op built no search task for key {key}")
+        return captured[0]()
+
+    return make_task
+
+
 def _make(name: str) -> Tunable:
     return Tunable(
         name=name,
         config_type=RowConfig,
-        default=_default,
+        default=_bwd_default if name.endswith("_bwd") else _default,
         candidates=candidates,
         is_valid=_valid,
         artifact_dir=ARTIFACTS,
         max_candidates=48,
         tune_keys=_tune_keys,
+        make_task=_make_task(name),
     )
 
 
@@ -99,4 +176,8 @@ def row_config_for(
     The config must also fit this exact ``n`` (a bucket's winner is chosen for
     the bucket's upper end): a single-pass config always covers the bucket.
     """
+    capture = _CAPTURE.get()
+    if capture is not None and capture[0] == op:
+        capture[1].append(task)
+        autotune = False
     return TUNABLES[op].select(tuning_key(n, dtype), flydsl.arch.name(device), autotune=autotune, task=task)

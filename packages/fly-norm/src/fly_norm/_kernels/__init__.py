@@ -1,0 +1,1 @@
+"""Private device kernels and host plumbing shared by the fly-norm ops (not public API)."""

@@ -1,0 +1,763 @@
+"""One kernel family for RMSNorm and LayerNorm: forward (plain, fused residual, quantized) and backward.
+
+Both norms share every line of device code: ``IS_RMS`` only decides whether the
+row mean is subtracted (RMSNorm: mean = 0, var = mean(h^2)), so the two public
+modules (:mod:`fly_norm.rmsnorm`, :mod:`fly_norm.layernorm`) are thin.
+
+Forward, per row ``h = x (+ residual)``::
+
+    y = (h - mean) * rstd * (weight + weight_offset) + bias       rstd = 1 / sqrt(var + eps)
+
+- single pass (the row fits in one ``BLOCK_N`` step): the row stays in
+  registers between the reduction and the write; ``BLOCK_M`` rows per program;
+- chunked (wider rows, ``BLOCK_M == 1``): pass 1 reduces the statistics chunk
+  by chunk (LayerNorm merges per-chunk mean and M2 with Chan's parallel
+  formula, never E[h^2] - E[h]^2, which cancels catastrophically when
+  |mean| >> std); pass 2 re-reads the row (mostly from L2) and writes y.
+  The quantized forward needs the row's absolute max of y before writing, so
+  it adds a third pass.
+
+Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops mean(g))
+    dweight = sum_rows dy * xhat,  dbias = sum_rows dy
+
+dweight/dbias are reduced deterministically without float atomics: each
+program accumulates its rows into fp32 registers and writes one row of a
+``[programs, N]`` partial buffer; a second small kernel sums the partials
+column-wise in a fixed order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.autotune import SearchTask
+from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
+from flydsl.errors import ArgumentError, DTypeError, LayoutError
+from flydsl.testing import tolerance
+from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset
+from flydsl_common.rows import RowConfig, as_rows
+
+__all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
+    "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
+    "norm_forward", "norm_quant_forward", "norm_backward", "backward_into", "backward_reference",
+    "launch_fwd", "fake_forward", "fake_quant_forward", "fake_backward",
+    "builder_dtypes", "builder_rows",
+]  # fmt: skip
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+QUANT_NONE = 0  # write y in the output's float dtype
+_QUANT_INT8 = 1
+_QUANT_FP8 = 2
+
+
+# ---------------------------------------------------------------- device code
+
+
+@flyc.func
+def _load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr):
+    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used)."""
+    h = fx.load(x_rows + c, mask=mask, other=0.0).to(fx.float32)
+    if HAS_RESIDUAL:
+        h += fx.load(r_rows + c, mask=mask, other=0.0).to(fx.float32)
+    return h
+
+
+@flyc.func
+def _normalize(
+    h,
+    mean,
+    rstd,
+    w_ptr,
+    b_ptr,
+    s_ptr,
+    c,
+    cmask,
+    weight_offset,
+    HAS_WEIGHT: fx.constexpr,
+    HAS_BIAS: fx.constexpr,
+    HAS_SMOOTH: fx.constexpr,
+):
+    """(h - mean) * rstd * (w + offset) + b (* smooth) for a [BLOCK_M, BLOCK_N] chunk of columns ``c``."""
+    y = (h - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        w = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
+    if HAS_SMOOTH:
+        y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
+    return y
+
+
+@flyc.func
+def _chunk_y(
+    x_rows, r_rows, row_ok, c, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+    HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+):  # fmt: skip
+    """Chunked rows: y of columns ``c`` re-read from the inputs, and the chunk's mask."""
+    cmask = c < N
+    mask = row_ok[:, None] & cmask[None, :]
+    h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL)
+    y = _normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
+    return y, mask
+
+
+@flyc.func
+def _quantize(y, inv, QUANT: fx.constexpr):
+    if QUANT == 1:
+        return cast_sat_int8(y * inv[:, None])
+    else:
+        return cast_sat_fp8e4m3(y * inv[:, None])
+
+
+@flyc.func
+def _inverse_scale(amax, QMAX: fx.constexpr):
+    """QMAX / amax, 0 for an all-zero row (whose q and scale are then 0)."""
+    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, s_ptr,          # inputs: x, residual, weight, bias, smooth scale
+    y_ptr, h_ptr, mean_ptr, rstd_ptr, qs_ptr,   # outputs: y (or q), residual_out, stats, row scales
+    M, N, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
+    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
+    HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr,
+):
+    # fmt: on
+    pid = fx.program_id(0)
+    rows = pid * BLOCK_M + fx.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = fx.arange(0, BLOCK_N)
+    x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
+    r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
+    y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
+    h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
+
+    if SINGLE_PASS:
+        cmask = cols < N
+        mask = row_ok[:, None] & cmask[None, :]
+        h = _load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            fx.store(h_rows + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+            var = fx.sum(h * h, axis=1) / N
+        else:
+            mean = fx.sum(h, axis=1) / N
+            d = fx.where(mask, h - mean[:, None], 0.0)
+            var = fx.sum(d * d, axis=1) / N
+        rstd = fx.rsqrt(var + eps)
+        y = _normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
+        if QUANT == 0:
+            fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
+            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+            fx.store(y_rows + cols[None, :], _quantize(y, _inverse_scale(amax, QMAX), QUANT), mask=mask)
+    else:
+        # Pass 1: statistics, chunk by chunk (and the residual sum, written once).
+        mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+        acc = fx.zeros([BLOCK_M], dtype=fx.float32)  # sum of squares (RMS) or M2 (LayerNorm)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                fx.store(h_rows + c[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+            if IS_RMS:
+                acc += fx.sum(h * h, axis=1)
+            else:
+                # Chan et al.: merge (count_a, mean_a, M2_a) with this chunk's (count_b, mean_b, M2_b).
+                n_a = start * 1.0
+                n_b = fx.minimum(N * 1.0 - n_a, BLOCK_N * 1.0)
+                mean_b = fx.sum(h, axis=1) / n_b
+                d = fx.where(mask, h - mean_b[:, None], 0.0)
+                delta = mean_b - mean
+                n_ab = n_a + n_b
+                mean += delta * (n_b / n_ab)
+                acc += fx.sum(d * d, axis=1) + delta * delta * (n_a * n_b / n_ab)
+        rstd = fx.rsqrt(acc / N + eps)
+        # Pass 2 (+3 when quantizing): y from a second read of the inputs. The
+        # fp32 h is recomputed from x and residual rather than read back from
+        # residual_out, so the result is identical to the single-pass path.
+        if QUANT != 0:
+            amax = fx.zeros([BLOCK_M], dtype=fx.float32)
+            for start in range(0, N, BLOCK_N):
+                y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
+                                   weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)  # fmt: skip
+                amax = fx.maximum(amax, fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1))
+            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+            inv = _inverse_scale(amax, QMAX)
+        for start in range(0, N, BLOCK_N):
+            y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
+                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)  # fmt: skip
+            if QUANT == 0:
+                fx.store(y_rows + (start + cols)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                fx.store(y_rows + (start + cols)[None, :], _quantize(y, inv, QUANT), mask=mask)
+
+    if STORE_STATS:
+        if not IS_RMS:
+            fx.store(mean_ptr + rows, mean, mask=row_ok)
+        fx.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@flyc.func
+def _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
+    """Input gradient of a chunk from the row statistics c1 = mean(g * xhat), c2 = mean(g)."""
+    xhat = (h - mean[:, None]) * rstd[:, None]
+    g = dy * w
+    if IS_RMS:
+        return (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        return (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+
+
+@flyc.func
+def _load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr):
+    if HAS_WEIGHT:
+        return fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
+    else:
+        return fx.where(cmask, 1.0, 0.0)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_bwd_kernel(
+    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # inputs (dres: gradient of residual_out)
+    dx_ptr, dwp_ptr, dbp_ptr, c_ptr,                      # outputs, [programs, N] partials, [2, M] scratch
+    M, N, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
+    COMPUTE_DB: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr,
+):
+    # fmt: on
+    pid = fx.program_id(0)
+    programs = fx.num_programs(0)
+    cols = fx.arange(0, BLOCK_N)
+    part = row_offset(pid, N)  # this program's row of the [programs, N] partial buffers
+
+    if SINGLE_PASS:
+        cmask = cols < N
+        dw = fx.zeros([BLOCK_N], dtype=fx.float32)
+        db = fx.zeros([BLOCK_N], dtype=fx.float32)
+        for blk in range(pid, fx.cdiv(M, BLOCK_M), programs):
+            # The weight is re-read per row block (an L1/L2 hit) instead of being held
+            # across the loop: registers go to h, dy and the dweight accumulator.
+            w = _load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
+            rows = blk * BLOCK_M + fx.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & cmask[None, :]
+            h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+            dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + cols[None, :], mask=mask, other=0.0)
+            h = h.to(fx.float32)
+            dy = dy.to(fx.float32)
+            rstd = fx.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+            if IS_RMS:
+                mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+            else:
+                mean = fx.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+            g = dy * w
+            c1 = fx.sum(g * xhat, axis=1) / N
+            c2 = fx.sum(g, axis=1) / N
+            dx = _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS)
+            if HAS_DRES:
+                dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + cols[None, :], mask=mask, other=0.0)
+                dx += dres.to(fx.float32)
+            fx.store(
+                dx_ptr + row_offset(rows, stride_dx)[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+            )
+            if COMPUTE_DW:
+                dw += fx.sum(dy * xhat, axis=0)
+            if COMPUTE_DB:
+                db += fx.sum(dy, axis=0)
+        if COMPUTE_DW:
+            fx.store(dwp_ptr + part + cols, dw, mask=cmask)
+        if COMPUTE_DB:
+            fx.store(dbp_ptr + part + cols, db, mask=cmask)
+    else:
+        # Chunked rows (BLOCK_M == 1): this program owns a contiguous range of
+        # rows. Pass 1 reduces each row's c1/c2 into a small fp32 scratch
+        # ([2, M]); pass 2 walks the columns chunk by chunk, over all of its
+        # rows, so the dweight partial of a chunk lives in registers and is
+        # written once (no read-modify-write of the partial buffer).
+        per_program = fx.cdiv(M, programs)
+        row0 = pid * per_program
+        row1 = fx.minimum(row0 + per_program, M)
+        zero = fx.zeros([1], dtype=fx.float32)
+        for row in range(row0, row1):
+            r1 = row + fx.arange(0, 1)  # a [1] block: keeps the int64 offset math on tensors
+            h_row = h_ptr + row_offset(r1, stride_h)[:, None]
+            dy_row = dy_ptr + row_offset(r1, stride_dy)[:, None]
+            rstd = fx.load(rstd_ptr + r1)
+            if IS_RMS:
+                mean = zero
+            else:
+                mean = fx.load(mean_ptr + r1)
+            s1 = fx.zeros([1, BLOCK_N], dtype=fx.float32)
+            s2 = fx.zeros([1, BLOCK_N], dtype=fx.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                cmask = (c < N)[None, :]
+                h = fx.load(h_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
+                dy = fx.load(dy_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
+                g = dy * _load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+                xhat = fx.where(cmask, (h - mean[:, None]) * rstd[:, None], 0.0)
+                s1 += g * xhat
+                s2 += g
+            fx.store(c_ptr + r1, fx.sum(s1, axis=1) / N)
+            fx.store(c_ptr + M + r1, fx.sum(s2, axis=1) / N)
+        # Pass 2 reads back the scratch written above by other threads of this program.
+        fx.debug_barrier()
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            cmask = (c < N)[None, :]
+            w = _load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+            dw = fx.zeros([BLOCK_N], dtype=fx.float32)
+            db = fx.zeros([BLOCK_N], dtype=fx.float32)
+            for row in range(row0, row1):
+                r1 = row + fx.arange(0, 1)
+                rstd = fx.load(rstd_ptr + r1)
+                if IS_RMS:
+                    mean = zero
+                else:
+                    mean = fx.load(mean_ptr + r1)
+                c1 = fx.load(c_ptr + r1)
+                c2 = fx.load(c_ptr + M + r1)
+                h = fx.load(h_ptr + row_offset(r1, stride_h)[:, None] + c[None, :], mask=cmask, other=0.0)
+                dy = fx.load(dy_ptr + row_offset(r1, stride_dy)[:, None] + c[None, :], mask=cmask, other=0.0)
+                h = h.to(fx.float32)
+                dy = dy.to(fx.float32)
+                dx = _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS)
+                if HAS_DRES:
+                    dres_row = dres_ptr + row_offset(r1, stride_dres)[:, None]
+                    dx += fx.load(dres_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
+                dx_row = dx_ptr + row_offset(r1, stride_dx)[:, None]
+                fx.store(dx_row + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+                if COMPUTE_DW:
+                    xhat = fx.where(cmask, (h - mean[:, None]) * rstd[:, None], 0.0)
+                    dw += fx.sum(dy * xhat, axis=0)
+                if COMPUTE_DB:
+                    db += fx.sum(dy, axis=0)
+            if COMPUTE_DW:
+                fx.store(dwp_ptr + part + c, dw, mask=c < N)
+            if COMPUTE_DB:
+                fx.store(dbp_ptr + part + c, db, mask=c < N)
+
+
+@flyc.kernel
+def _sum_partials_kernel(p_ptr, out_ptr, P, N, BLOCK_N: fx.constexpr):
+    """out[c] = sum_p partials[p, c] in fp32, summed in a fixed order (deterministic)."""
+    c = fx.program_id(0) * BLOCK_N + fx.arange(0, BLOCK_N)
+    cmask = c < N
+    acc = fx.zeros([BLOCK_N], dtype=fx.float32)
+    ptrs = p_ptr + c
+    for _ in range(0, P):
+        acc += fx.load(ptrs, mask=cmask, other=0.0)
+        ptrs += N  # pointer arithmetic is 64-bit: no int32 overflow at large P * N
+    fx.store(out_ptr + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# ---------------------------------------------------------------- host launch
+
+
+def _qmax(qdtype: torch.dtype | None) -> float:
+    return FP8_E4M3_MAX if qdtype == torch.float8_e4m3fn else INT8_MAX
+
+
+def _quant_code(qdtype: torch.dtype | None) -> int:
+    if qdtype is None:
+        return QUANT_NONE
+    return _QUANT_INT8 if qdtype == torch.int8 else _QUANT_FP8
+
+
+@flyc.jit(skip_empty=False)
+def launch_fwd(
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, qdtype, cfg: RowConfig, stream=None
+):
+    """Launch the forward kernel on [M, N] row views. ``None`` operands are not read or written.
+
+    ``x2``/``r2`` may have any row stride (last dim contiguous); ``y2``/``h2``
+    likewise. ``mean``/``rstd`` (fp32 [M]) are written when given;
+    ``qscale`` (fp32 [M]) when ``qdtype`` is int8/fp8 (``y2`` then holds q).
+    """
+    m, n = x2.shape
+    if m == 0:
+        return
+    store_stats = rstd is not None
+    # Operands that are absent are replaced by a valid pointer the kernel never touches.
+    # fmt: off
+    _norm_fwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+        x2, x2 if r2 is None else r2, x2 if w is None else w, x2 if b is None else b, x2 if s is None else s,
+        y2, y2 if h2 is None else h2, x2 if mean is None else mean, x2 if rstd is None else rstd,
+        x2 if qscale is None else qscale,
+        m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
+        float(eps), float(weight_offset),
+        IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+        HAS_SMOOTH=s is not None, STORE_STATS=store_stats and (mean is not None or is_rms),
+        QUANT=_quant_code(qdtype), QMAX=_qmax(qdtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+    )
+    # fmt: on
+
+
+def bwd_programs(m: int, cfg: RowConfig, device: torch.device) -> int:
+    """Programs of the backward grid (each writes one row of the [programs, N] partials).
+
+    Two waves of SMs keep the memory system busy (the persistent-grid choice
+    of QuACK and Liger for the norm backward), but every program adds N fp32
+    partials to write and re-read: with few rows per program that traffic
+    rivals the rows themselves, so below 16 rows per SM one wave is used.
+    Not yet measured on the H200 (no device in this change): revisit in PERF.md.
+    """
+    sms = flydsl.arch.current(device).sm_count
+    cap = 2 * sms if m >= 16 * sms else sms
+    return max(1, min(flyc.cdiv(m, cfg.block_m), cap))
+
+
+@flyc.jit(skip_empty=False)
+def launch_bwd(
+    h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg: RowConfig, stream=None
+):
+    """Launch the backward kernel: dx2 and the [programs, N] fp32 partials dwp/dbp (when given).
+
+    ``scratch`` (fp32 [2, M]) is needed by the chunked path only.
+    """
+    m, n = h2.shape
+    if m == 0:
+        return
+    # fmt: off
+    _norm_bwd_kernel[(programs,)](
+        h2, h2 if w is None else w, dy2, h2 if dres2 is None else dres2, rstd if mean is None else mean, rstd,
+        dx2, rstd if dwp is None else dwp, rstd if dbp is None else dbp, rstd if scratch is None else scratch,
+        m, n, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
+        float(weight_offset),
+        IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
+        COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        num_warps=cfg.num_warps,
+    )
+    # fmt: on
+
+
+_REDUCE_BLOCK = 1024  # columns per program of the partial reduction: 4 warps x 8 fp32 per thread
+
+
+@flyc.jit(skip_empty=False)
+def launch_sum_partials(partials, out, stream=None):
+    """out[N] (any float dtype) = partials[P, N].sum(0) in fp32, deterministic."""
+    p, n = partials.shape
+    if n == 0:
+        return
+    block = min(_REDUCE_BLOCK, flyc.next_power_of_2(n))
+    _sum_partials_kernel[(flyc.cdiv(n, block),)](partials, out, p, n, BLOCK_N=block, num_warps=4)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[M, N] view for a kernel (row strides kept); a gradient with a broadcast last dim is copied."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return as_rows(t)
+
+
+def _check_vector(name, t, n, device, dtypes):
+    if t is None:
+        return
+    check_tensor(name, t, dtypes=dtypes, ndim=1, device=device)
+    check_shape(name, t, (n,), "the normalized (last) dimension of x")
+    if n > 1 and t.stride(0) != 1:
+        raise LayoutError(f"{name}: expected a contiguous vector, got {describe(t)}")
+
+
+def check_norm_args(x, weight=None, bias=None, residual=None, smooth_scale=None, *, quant_dtype=None):
+    """Validate the operands of a norm before anything is launched; errors name the argument.
+
+    Plain forward: weight/bias in x's dtype or fp32, residual any float dtype
+    (residual_out takes it). Quantized forward (the seed's rule): weight, bias
+    and residual must have x's dtype; smooth_scale x's dtype or fp32.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    check_last_dim_contiguous("x", x)
+    n = x.shape[-1]
+    if n == 0:
+        raise ArgumentError(f"x: the normalized (last) dimension must have at least one element, got {describe(x)}")
+    check_same_device(x=x, weight=weight, bias=bias, residual=residual, smooth_scale=smooth_scale)
+    if quant_dtype is not None:
+        if quant_dtype not in QUANT_DTYPES:
+            raise DTypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {quant_dtype}")
+        affine_dtypes = (x.dtype,)
+    else:
+        affine_dtypes = (x.dtype, torch.float32)
+    _check_vector("weight", weight, n, x.device, affine_dtypes)
+    _check_vector("bias", bias, n, x.device, affine_dtypes)
+    _check_vector("smooth_scale", smooth_scale, n, x.device, (x.dtype, torch.float32))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,) if quant_dtype is not None else FLOAT_DTYPES)
+        check_shape("residual", residual, tuple(x.shape), "the shape of x")
+        check_last_dim_contiguous("residual", residual)
+
+
+def needs_grad(*tensors) -> bool:
+    """True when autograd must record this call (grad mode on and some operand requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def detach_all(*tensors):
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
+def _empty(device) -> torch.Tensor:
+    # Custom ops cannot return None: unused outputs are empty fp32 tensors.
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------- host ops
+
+
+ConfigFor = Callable[..., RowConfig]
+
+
+def _fwd_outputs(x, residual, store_stats, is_rms, qdtype, placeholders=True):
+    """Output buffers; unused ones are empty placeholders (custom ops cannot return None) or, for the
+    eager fast path, None (three fewer allocations per call)."""
+    dev = x.device
+    unused = _empty(dev) if placeholders else None
+    y = torch.empty(x.shape, dtype=qdtype or x.dtype, device=dev)
+    h = torch.empty(x.shape, dtype=residual.dtype, device=dev) if residual is not None else unused
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_stats else unused
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_stats and not is_rms else unused
+    if placeholders:  # a custom op's outputs must not alias each other
+        h = _empty(dev) if h is unused else h
+        rstd = _empty(dev) if rstd is unused else rstd
+    return y, h, mean, rstd
+
+
+def _search_task(run: Callable[[RowConfig], object], reference: Callable[[], object], dtype) -> SearchTask:
+    return SearchTask(run=run, reference=reference, rtol=tolerance(dtype))
+
+
+def norm_forward(
+    x,
+    weight,
+    bias,
+    residual,
+    eps: float,
+    weight_offset: float,
+    *,
+    is_rms: bool,
+    store_stats: bool,
+    config_for: ConfigFor,
+    reference: Callable,
+    autotune=None,
+    config: RowConfig | None = None,
+    placeholders: bool = True,
+):
+    """(y, residual_out, mean, rstd): the forward of either norm on validated operands.
+
+    Unused outputs are empty tensors (residual_out without residual, mean for
+    RMSNorm, both stats unless ``store_stats``), or None without ``placeholders``. ``config_for(n, dtype,
+    device, autotune=, task=)`` picks the launch config; ``reference()``
+    gives the search task's expected y (or (y, residual_out)).
+    """
+    y, h, mean, rstd = _fwd_outputs(x, residual, store_stats, is_rms, None, placeholders)
+    if x.numel() == 0:
+        return y, h, mean, rstd
+    x2 = as_rows(x)
+    r2 = None if residual is None else as_rows(residual)
+    y2, h2 = y.view(x2.shape), (None if residual is None else h.view(x2.shape))
+    m_stats = rstd.view(-1) if store_stats else None
+    mean_stats = mean.view(-1) if store_stats and not is_rms else None
+
+    def run(cfg):
+        launch_fwd(x2, r2, weight, bias, None, y2, h2, mean_stats, m_stats, None, eps, weight_offset, is_rms, None, cfg)
+        return y if residual is None else (y, h)
+
+    cfg = config or config_for(
+        x2.shape[1], x.dtype, x.device, autotune=autotune, task=lambda: _search_task(run, reference, x.dtype)
+    )
+    run(cfg)
+    return y, h, mean, rstd
+
+
+def norm_quant_forward(
+    x,
+    weight,
+    bias,
+    residual,
+    smooth_scale,
+    eps: float,
+    qdtype: torch.dtype,
+    *,
+    is_rms: bool,
+    config_for: ConfigFor,
+    reference: Callable,
+    config: RowConfig | None = None,
+):
+    """(q, scale, residual_out) of either norm, quantized per row to int8 / fp8 e4m3.
+
+    ``reference()`` returns the reference (q, scale, ...) of the search task;
+    candidates are compared on the dequantized rows q * scale.
+    """
+    q, h, _, _ = _fwd_outputs(x, residual, False, is_rms, qdtype)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, scale, h
+    x2 = as_rows(x)
+    r2 = None if residual is None else as_rows(residual)
+    h2 = None if residual is None else h.view(x2.shape)
+
+    def run(cfg):
+        launch_fwd(
+            x2, r2, weight, bias, smooth_scale, q.view(x2.shape), h2, None, None, scale.view(-1), eps, 0.0,
+            is_rms, qdtype, cfg,
+        )  # fmt: skip
+        return q.double() * scale.double()[..., None]
+
+    def dequantized_reference():
+        qr, sr = reference()[:2]
+        return qr.double() * sr.double()[..., None]
+
+    def task():
+        return SearchTask(run=run, reference=dequantized_reference, rtol=tolerance(qdtype))
+
+    run(config or config_for(x2.shape[1], x.dtype, x.device, task=task))
+    return q, scale, h
+
+
+def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weight_offset, is_rms, cfg: RowConfig):
+    """Backward on [M, N] row views into given outputs: dx2, and dweight/dbias ([N], any float dtype) when given.
+
+    The weight gradients go through a [programs, N] fp32 partial buffer and a
+    fixed-order column sum (deterministic, no float atomics).
+    """
+    m, n = h2.shape
+    if m == 0:
+        for t in (dweight, dbias):
+            if t is not None:
+                t.zero_()
+        return
+    dev = h2.device
+    programs = bwd_programs(m, cfg, dev)
+    dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
+    dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
+    scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
+    launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
+    if dwp is not None:
+        launch_sum_partials(dwp, dweight)
+    if dbp is not None:
+        launch_sum_partials(dbp, dbias)
+
+
+def norm_backward(
+    dy,
+    dres,
+    h,
+    weight,
+    mean,
+    rstd,
+    weight_offset: float,
+    *,
+    is_rms: bool,
+    need_dw: bool,
+    need_db: bool,
+    dx_dtype: torch.dtype,
+    dweight_dtype: torch.dtype,
+    config_for: ConfigFor,
+    config: RowConfig | None = None,
+):
+    """(dx, dweight, dbias) from the saved normalized input ``h`` and its row statistics.
+
+    ``dres`` is the gradient flowing into residual_out (or None); it is added
+    to dx, which is then also the residual's gradient. dweight/dbias come back
+    in ``dweight_dtype`` (empty when not needed).
+    """
+    dx, dw, db = fake_backward(h, need_dw, need_db, dweight_dtype, dx_dtype)
+    if h.numel() == 0:
+        dw.zero_()
+        db.zero_()
+        return dx, dw, db
+    h2, dy2 = _rows(h), _rows(dy)
+    dres2 = None if dres is None else _rows(dres)
+    mean2 = None if is_rms else mean.reshape(-1)
+    rstd2 = rstd.reshape(-1)
+
+    def run(cfg):
+        backward_into(
+            h2, weight, dy2, dres2, mean2, rstd2, dx.view(h2.shape), dw if need_dw else None,
+            db if need_db else None, weight_offset, is_rms, cfg,
+        )  # fmt: skip
+        return dx, dw, db
+
+    def reference():
+        return backward_reference(h, weight, dy, dres, mean, rstd, weight_offset, need_dw, need_db)
+
+    run(config or config_for(h2.shape[1], h.dtype, h.device, task=lambda: _search_task(run, reference, h.dtype)))
+    return dx, dw, db
+
+
+def backward_reference(h, weight, dy, dres, mean, rstd, weight_offset, need_dw, need_db):
+    """(dx, dweight, dbias) in float64 from the saved statistics (the search tasks' expected output)."""
+    h64, dy64 = h.double(), dy.double()
+    mu = 0.0 if mean is None or mean.numel() == 0 else mean.double()[..., None]
+    r = rstd.double()[..., None]
+    xhat = (h64 - mu) * r
+    g = dy64 if weight is None else dy64 * (weight.double() + weight_offset)
+    dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if mean is not None and mean.numel():
+        dx = dx - g.mean(-1, keepdim=True)
+    dx = dx * r
+    if dres is not None:
+        dx = dx + dres.double()
+    rows = dy64.reshape(-1, dy64.shape[-1])
+    dw = (rows * xhat.reshape(rows.shape)).sum(0) if need_dw else h.new_empty(0, dtype=torch.float32)
+    db = rows.sum(0) if need_db else h.new_empty(0, dtype=torch.float32)
+    return dx, dw, db
+
+
+def builder_dtypes(dtype_str, weight_dtype_str):
+    """Seed builders: (activation dtype, weight dtype) from the builder's dtype strings."""
+    dtype = parse_dtype("dtype_str", dtype_str, FLOAT_DTYPES)
+    wdtype = dtype if weight_dtype_str is None else parse_dtype("weight_dtype_str", weight_dtype_str, FLOAT_DTYPES)
+    parse_dtype("weight_dtype_str", wdtype, (dtype, torch.float32))  # fp32 weights, or the activations' dtype
+    return dtype, wdtype
+
+
+def builder_rows(name, t, n, m_in, dtype):
+    """Seed builders: the first ``m_in`` rows of a contiguous row buffer, as [m_in, N], checked against the builder."""
+    check_tensor(name, t, dtypes=(dtype,))
+    return t.view(-1, n)[:m_in]
+
+
+# ---------------------------------------------------------------- fake (meta) implementations
+
+
+def fake_forward(x, residual, store_stats: bool, is_rms: bool):
+    """Shapes and dtypes of :func:`norm_forward`'s outputs, for torch.compile's tracing."""
+    return _fwd_outputs(x, residual, store_stats, is_rms, None)
+
+
+def fake_quant_forward(x, residual, qdtype):
+    q, h, _, _ = _fwd_outputs(x, residual, False, True, qdtype)
+    return q, x.new_empty(x.shape[:-1], dtype=torch.float32), h
+
+
+def fake_backward(h, need_dw: bool, need_db: bool, dweight_dtype, dx_dtype):
+    n = h.shape[-1]
+    dx = h.new_empty(h.shape, dtype=dx_dtype)
+    dw = h.new_empty(n, dtype=dweight_dtype) if need_dw else h.new_empty(0, dtype=torch.float32)
+    db = h.new_empty(n, dtype=dweight_dtype) if need_db else h.new_empty(0, dtype=torch.float32)
+    return dx, dw, db

@@ -1,0 +1,263 @@
+"""Benchmarks of fly-norm: every op against torch eager and torch.compile, on the shared harness.
+
+Run ``python packages/fly-norm/benchmarks/run.py [--quick] [--only NAME]`` or
+``flydsl bench norm ...``. All ops are memory bound: the model is bytes (each
+input read once, each output written once) and the ceiling is the device copy
+bandwidth measured in the same run.
+
+Benches (bf16, ``M * N = 2**25`` elements, 64 MiB per 16-bit tensor, far
+past L2, so every provider streams from HBM):
+
+- ``rmsnorm_fwd``, ``layernorm_fwd``: read x and weight (and bias), write y;
+- ``softmax_fwd``: read x, write y (also N = 2**20);
+- ``rmsnorm_bwd``, ``layernorm_bwd``: read x, dy, weight, the per-row stats;
+  write dx and dweight (dbias); timed: the backward alone (the forward graph
+  is built once and reused with ``retain_graph``);
+- ``softmax_bwd``: read y and dy, write dx;
+- ``rmsnorm_quant``: read x and weight, write int8 q and fp32 row scales;
+- ``latency``: ``rms_norm`` at M <= 64 rows of N = 4096, end-to-end call
+  time (host + device, no GPU backlog) against torch eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for
+
+from . import reference as ref
+
+__all__ = ["benches", "main", "default_out_dir"]
+
+_ELEMENTS = 1 << 25
+_WIDTHS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+_SOFTMAX_WIDTHS = (*_WIDTHS, 1 << 20)
+_QUICK = ((4, 256), (2, 1000))  # tiny shapes: the CPU interpreter runs them in seconds
+_DT = torch.bfloat16
+
+
+def _cases(widths: Sequence[int], quick: bool) -> list[Case]:
+    shapes = _QUICK if quick else tuple((max(1, _ELEMENTS // n), n) for n in widths)
+    return [Case(f"{m}x{n}", {"M": m, "N": n}) for m, n in shapes]
+
+
+def _mn(case: Case) -> tuple[int, int]:
+    return case.params["M"], case.params["N"]
+
+
+# ------------------------------------------------------------------ torch peers
+
+
+def _torch_rms(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def _torch_ln(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def _torch_softmax(x):
+    return torch.softmax(x, -1)
+
+
+def _torch_rms_quant(x, w):
+    y = F.rms_norm(x, (x.shape[-1],), w, 1e-6).float()
+    scale = y.abs().amax(-1, keepdim=True) / 127.0
+    return (y / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+_PEERS: dict[str, CompiledPeer] = {}
+
+
+def _compiled(name: str, fn: Callable) -> CompiledPeer:
+    return _PEERS.setdefault(name, CompiledPeer(fn))
+
+
+# --------------------------------------------------------------------- forward
+
+
+def _fwd_bench(name: str, ours: Callable, peer: Callable, reference: Callable, widths, n_params: int) -> Bench:
+    """A forward bench: inputs (x, params...), ours(*inputs) vs the torch peer (eager and compiled)."""
+
+    def setup(case, device):
+        m, n = _mn(case)
+        x = torch.randn(m, n, device=device, dtype=_DT)
+        params = [torch.randn(n, device=device, dtype=_DT) for _ in range(n_params)]
+        return (x, *params)
+
+    def nbytes(case):
+        m, n = _mn(case)
+        return 2 * (2 * m * n + n_params * n)
+
+    return Bench(
+        name=name,
+        cases=_cases(widths, False),
+        quick_cases=_cases(widths, True),
+        setup=setup,
+        providers=[
+            Provider("flydsl", lambda t: lambda: ours(*t), is_ours=True),
+            Provider("torch", lambda t: lambda: peer(*t)),
+            Provider("torch.compile", lambda t: _compiled(name, peer).make(tuple(t[0].shape), *t)),
+        ],
+        bytes=nbytes,
+        reference=lambda t: reference(*t),
+        tolerance=2e-2,  # bf16 output: one rounding (~4e-3) plus the peer's own bf16 arithmetic
+        x_param="N",
+    )
+
+
+# -------------------------------------------------------------------- backward
+
+
+def _bwd_bench(name: str, fwd: Callable, peer: Callable, widths, n_params: int, stats_per_row: int) -> Bench:
+    """A backward bench: the graph of fwd(x, params) is built once; the backward is timed."""
+
+    def setup(case, device):
+        m, n = _mn(case)
+        x = torch.randn(m, n, device=device, dtype=_DT)
+        params = [torch.randn(n, device=device, dtype=_DT) for _ in range(n_params)]
+        dy = torch.randn(m, n, device=device, dtype=_DT)
+        return (x, params, dy)
+
+    def backward_of(f):
+        def make(inputs):
+            x, params, dy = inputs
+            leaves = [x.detach().requires_grad_(), *(p.detach().requires_grad_() for p in params)]
+            y = f(*leaves)
+            return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)[0]
+
+        return make
+
+    def compiled_backward(inputs):
+        x, params, dy = inputs
+        make_fwd = _compiled(name, peer)
+        leaves = [x.detach().requires_grad_(), *(p.detach().requires_grad_() for p in params)]
+        fn = make_fwd.make(tuple(x.shape), *leaves)
+        y = fn()
+        return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)[0]
+
+    def reference(inputs):
+        x, params, dy = inputs
+        x64 = x.detach().double().requires_grad_()
+        y = peer(x64, *(p.double() for p in params))
+        return torch.autograd.grad(y, x64, dy.double())[0]
+
+    def nbytes(case):
+        m, n = _mn(case)
+        return 2 * 3 * m * n + 2 * 2 * n_params * n + 4 * stats_per_row * m
+
+    return Bench(
+        name=name,
+        cases=_cases(widths, False),
+        quick_cases=_cases(widths, True),
+        setup=setup,
+        providers=[
+            Provider("flydsl", backward_of(fwd), is_ours=True),
+            Provider("torch", backward_of(peer)),
+            Provider("torch.compile", compiled_backward),
+        ],
+        bytes=nbytes,
+        reference=reference,
+        tolerance=2e-2,
+        x_param="N",
+        rotate=False,  # the graph holds its own inputs; 64 MiB tensors are past L2 anyway
+    )
+
+
+# ----------------------------------------------------------------------- quant
+
+
+def _quant_bench() -> Bench:
+    from .rmsnorm import rms_norm_quant
+
+    def setup(case, device):
+        m, n = _mn(case)
+        return (torch.randn(m, n, device=device, dtype=_DT), torch.randn(n, device=device, dtype=_DT))
+
+    def deq(ret):
+        q, s = ret[0], ret[1]
+        return q.double() * s.double().reshape(-1, 1)
+
+    return Bench(
+        name="rmsnorm_quant",
+        cases=_cases(_WIDTHS[:7], False),
+        quick_cases=_cases(_WIDTHS[:7], True),
+        setup=setup,
+        providers=[
+            Provider("flydsl", lambda t: lambda: rms_norm_quant(t[0], t[1], 1e-6), is_ours=True),
+            Provider("torch", lambda t: lambda: _torch_rms_quant(*t)),
+            Provider("torch.compile", lambda t: _compiled("rmsnorm_quant", _torch_rms_quant).make(t[0].shape, *t)),
+        ],
+        bytes=lambda c: 3 * c.params["M"] * c.params["N"] + 2 * c.params["N"] + 4 * c.params["M"],
+        reference=lambda t: ref.rms_norm_ref(t[0], t[1], 1e-6),
+        output=deq,
+        tolerance=2e-2,  # int8: half a step of amax/127 per element, ~1e-2 relative
+        x_param="N",
+    )
+
+
+# --------------------------------------------------------------------- latency
+
+
+def _latency_bench() -> Bench:
+    from .rmsnorm import rms_norm
+
+    def setup(case, device):
+        m, n = _mn(case)
+        return (torch.randn(m, n, device=device, dtype=_DT), torch.randn(n, device=device, dtype=_DT))
+
+    cases = [Case(f"{m}x4096", {"M": m, "N": 4096}) for m in (1, 4, 16, 64)]
+    return Bench(
+        name="latency",
+        cases=cases,
+        quick_cases=cases[:1],
+        setup=setup,
+        providers=[
+            Provider("flydsl", lambda t: lambda: rms_norm(t[0], t[1], 1e-6), is_ours=True),
+            Provider("torch", lambda t: lambda: _torch_rms(*t)),
+        ],
+        bytes=lambda c: 2 * (2 * c.params["M"] * c.params["N"] + c.params["N"]),
+        reference=lambda t: ref.rms_norm_ref(t[0], t[1], 1e-6),
+        tolerance=2e-2,
+        x_param="M",
+        rotate=False,
+        timer_kwargs={"backlog": False},  # end-to-end: host launch + device, as an eager caller sees it
+        description="rms_norm at small batches, end-to-end call latency (host + device, no GPU backlog).",
+    )
+
+
+def benches() -> list[Bench]:
+    from .layernorm import layer_norm
+    from .rmsnorm import rms_norm
+    from .softmax import softmax
+
+    return [
+        _fwd_bench("rmsnorm_fwd", lambda x, w: rms_norm(x, w, 1e-6), _torch_rms,
+                   lambda x, w: ref.rms_norm_ref(x, w, 1e-6), _WIDTHS, 1),
+        _fwd_bench("layernorm_fwd", lambda x, w, b: layer_norm(x, w, b, 1e-5), _torch_ln,
+                   lambda x, w, b: ref.layer_norm_ref(x, w, b, 1e-5), _WIDTHS, 2),
+        _fwd_bench("softmax_fwd", lambda x: softmax(x, -1), _torch_softmax, lambda x: ref.softmax_ref(x, -1),
+                   _SOFTMAX_WIDTHS, 0),
+        _bwd_bench("rmsnorm_bwd", lambda x, w: rms_norm(x, w, 1e-6), _torch_rms, _WIDTHS, 1, 1),
+        _bwd_bench("layernorm_bwd", lambda x, w, b: layer_norm(x, w, b, 1e-5), _torch_ln, _WIDTHS, 2, 2),
+        _bwd_bench("softmax_bwd", lambda x: softmax(x, -1), _torch_softmax, _SOFTMAX_WIDTHS, 0, 0),
+        _quant_bench(),
+        _latency_bench(),
+    ]
+
+
+def default_out_dir() -> Path:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "packages" / "fly-norm" / "benchmarks" / "results"
+        if candidate.parent.is_dir():
+            return candidate
+    return Path.cwd() / "bench-results"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return main_for(benches(), list(argv or []), default_out_dir())
