@@ -7,7 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from fly_norm.autotune import OPS, TUNABLES, bwd_default_row_config, candidates, row_config_for, tuning_key
+import flydsl.arch
+from fly_norm.autotune import (
+    OPS,
+    TUNABLES,
+    bwd_default_row_config,
+    candidates,
+    clear_memo,
+    row_config_for,
+    tuning_key,
+)
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 BUCKETS = [1 << k for k in range(0, 21)]
@@ -33,7 +42,7 @@ def test_candidate_space_is_bounded_and_valid(n):
 def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
-    TUNABLES[op].clear_memo()
+    clear_memo()
     cfg = row_config_for(op, n, torch.bfloat16, "cpu")
     # The backward keeps more values live per element: its own, leaner default.
     default = bwd_default_row_config if op.endswith("_bwd") else default_row_config
@@ -47,15 +56,16 @@ def flyc_next_pow2(n: int) -> int:
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_offline_task_is_the_ops_own_search_task(op, tmp_path, monkeypatch):
+def test_offline_task_is_the_ops_own_search_task(op, device, tmp_path, monkeypatch):
     """`flydsl tune norm` gets, per key, the search task the op itself builds; a search over it works."""
     monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("fly_norm.autotune._TUNE_ELEMENTS", 3 * 64)  # 3 rows: the interpreter is slow
     tunable = TUNABLES[op]
     key = {"n_bucket": 64, "dtype": "fp32"}
-    task = tunable.make_task(key, "cpu")
+    task = tunable.make_task(key, device)
     space = [RowConfig(1, 64, 2, True), RowConfig(1, 32, 1, False)]
     small = dataclasses.replace(tunable, candidates=lambda k, a: space)
-    result = small.search(key, "cpu", task, persist=False)
-    assert row_config_valid(result.config, 64, "cpu")
+    arch = flydsl.arch.name(device)
+    result = small.search(key, arch, task, persist=False)
+    assert row_config_valid(result.config, 64, arch)
     assert not result.rejected  # every candidate computed the right answer

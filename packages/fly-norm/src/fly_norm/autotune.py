@@ -17,12 +17,13 @@ import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import env
 from flydsl.autotune import SearchTask, Tunable
 from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
-__all__ = ["OPS", "TUNABLES", "row_config_for", "tuning_key", "candidates", "bwd_default_row_config"]
+__all__ = ["OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_default_row_config"]
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_bwd", "softmax_bwd")
@@ -162,6 +163,19 @@ def _make(name: str) -> Tunable:
 TUNABLES: dict[str, Tunable] = {name: _make(name) for name in OPS}
 
 
+# Per-process memo in front of Tunable.select, keyed by what a call site has at
+# hand (op, n, dtype, device): a hit costs one dict lookup and the env check,
+# instead of building the bucketed key and querying the arch (~4 us).
+_FAST: dict[tuple, RowConfig] = {}
+
+
+def clear_memo() -> None:
+    """Forget every resolved config of this process (tests; after tuning)."""
+    _FAST.clear()
+    for t in TUNABLES.values():
+        t.clear_memo()
+
+
 def row_config_for(
     op: str,
     n: int,
@@ -177,7 +191,18 @@ def row_config_for(
     the bucket's upper end): a single-pass config always covers the bucket.
     """
     capture = _CAPTURE.get()
+    fast_key = (op, n, dtype, device)
+    plain = capture is None and not autotune and not env.get("FLYDSL_AUTOTUNE")
+    if plain:
+        cfg = _FAST.get(fast_key)
+        if cfg is not None:
+            return cfg
     if capture is not None and capture[0] == op:
         capture[1].append(task)
         autotune = False
-    return TUNABLES[op].select(tuning_key(n, dtype), flydsl.arch.name(device), autotune=autotune, task=task)
+    cfg = TUNABLES[op].select(tuning_key(n, dtype), flydsl.arch.name(device), autotune=autotune, task=task)
+    if plain:
+        _FAST[fast_key] = cfg
+    else:
+        _FAST.pop(fast_key, None)  # a search may have changed the answer
+    return cfg
