@@ -32,7 +32,7 @@ def test_keys_bucket_row_widths():
 def test_candidate_space_is_bounded_and_valid(n):
     key = {"n_bucket": n, "dtype": "bf16"}
     cands = candidates(key, "sm_90")
-    assert len(cands) <= 48
+    assert len(cands) <= 24
     assert all(row_config_valid(c, n, "sm_90") for c in cands)
     assert len(set(cands)) == len(cands)
 
