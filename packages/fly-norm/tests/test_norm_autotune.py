@@ -69,3 +69,23 @@ def test_offline_task_is_the_ops_own_search_task(op, device, tmp_path, monkeypat
     result = small.search(key, arch, task, persist=False)
     assert row_config_valid(result.config, 64, arch)
     assert not result.rejected  # every candidate computed the right answer
+
+
+def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatch):
+    """The offline pipeline end to end: `flydsl tune norm` -> artifact JSON -> served by the next lookup."""
+    import json
+
+    from flydsl import cli
+    from flydsl.autotune import ArtifactFile
+
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("fly_norm.autotune._TUNE_ELEMENTS", 2 * 64)  # 2 rows: the interpreter is slow
+    key = {"n_bucket": 64, "dtype": "fp32"}
+    out = tmp_path / "artifacts"
+    argv = ["tune", "norm", "--only", "softmax_fwd", "--key", json.dumps(key), "--out", str(out), "--allow-interpreter"]
+    assert cli.main(argv) == 0
+    data = json.loads((out / "softmax_fwd.json").read_text())
+    assert data["name"] == "softmax_fwd" and len(data["entries"]) == 1
+    arch = flydsl.arch.name("cpu")
+    served = ArtifactFile(out / "softmax_fwd.json", "softmax_fwd").lookup(arch, key)
+    assert served is not None and row_config_valid(RowConfig(**served), 64, arch)
