@@ -7,7 +7,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # build tools the device image lacks (hatchling for editable installs)
+# Build tools the device image lacks (hatchling for editable installs): run
+# tools/fetch_device_wheels.sh here first and carry .whl with the device run.
+if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -2
 fi
 for p in packages/flydsl-runtime packages/fly-common packages/fly-norm packages/fly-gemm packages/fly-attention packages/fly-conv; do
