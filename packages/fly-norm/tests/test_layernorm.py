@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rmsnorm import (
+from norm_helpers import (
     CHUNKED,
     DTYPES,
     QDTYPES,

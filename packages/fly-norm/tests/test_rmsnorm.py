@@ -1,7 +1,7 @@
 """RMSNorm forward, backward, fused residual and quantized forward against the fp64 reference.
 
 CPU runs go through Triton's interpreter, so shapes stay small; ``gpu`` cases
-cover realistic widths. Several helpers here are shared with test_layernorm.
+cover realistic widths. Helpers shared with test_layernorm live in norm_helpers.
 """
 
 from __future__ import annotations
@@ -10,6 +10,17 @@ import time
 
 import pytest
 import torch
+from norm_helpers import (
+    CHUNKED,
+    DTYPES,
+    QDTYPES,
+    SHAPES,
+    assert_grads_close,
+    assert_quant_matches,
+    force_config,
+    randn,
+    reference_grads,
+)
 
 import fly_norm.rmsnorm as rmsnorm_mod
 from fly_norm.autotune import bwd_default_row_config
@@ -24,57 +35,7 @@ from fly_norm.rmsnorm import (
 )
 from flydsl.errors import DeviceError, DTypeError, LayoutError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
-from flydsl_common.reference import dequantize_ref
 from flydsl_common.rows import RowConfig, row_config_valid
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-QDTYPES = [torch.int8, torch.float8_e4m3fn]
-
-# (leading shape, N): N = 1 (the degenerate row), odd and non-multiple-of-8
-# widths, one below / one above a power of two, a 3-D input, a lone row.
-SHAPES = [((1,), 1), ((3,), 7), ((2, 1), 33), ((3,), 255), ((1,), 257), ((2,), 1000)]
-
-# Forces the chunked (two-pass) path on a small row: 257 = 4 chunks of 64 + 1.
-CHUNKED = RowConfig(block_m=1, block_n=64, num_warps=2, single_pass=False)
-
-
-def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
-
-def force_config(monkeypatch, module, cfg):
-    """Make every launch of ``module`` (forward and backward) use ``cfg``."""
-    monkeypatch.setattr(module, "_fwd_config", lambda *a, **k: cfg)
-    monkeypatch.setattr(module, "_bwd_config", lambda *a, **k: cfg)
-
-
-def reference_grads(ref_fn, tensors, upstream):
-    """Gradients of sum(out_i * upstream_i) through the fp64 reference, for each tensor (None stays None)."""
-    leaves = [None if t is None else t.detach().double().requires_grad_() for t in tensors]
-    outs = ref_fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    sum(((o * u.to(o.device).double()).sum() for o, u in zip(outs, upstream, strict=True))).backward()
-    return [None if t is None else t.grad for t in leaves]
-
-
-def assert_grads_close(tensors, expected, names):
-    for t, ref, name in zip(tensors, expected, names, strict=True):
-        if t is not None:
-            assert_rel_close(t.grad, ref, tol=1e-5, name=f"d{name}")
-
-
-def assert_quant_matches(q, s, qr, sr):
-    """Quantized rows against the reference: scales close, q within one step on near-ties only."""
-    assert q.shape == qr.shape and q.dtype == qr.dtype and s.dtype == torch.float32
-    torch.testing.assert_close(s, sr.float(), rtol=1e-4, atol=1e-12)
-    dq, dqr = dequantize_ref(q, s, True), dequantize_ref(qr, sr, True)
-    # One step of the format at the row's largest magnitude: 1 for int8, 32 ulps-of-1 for e4m3 near 448.
-    step = s.double()[..., None] * (1.0 if q.dtype == torch.int8 else 32.0)
-    assert ((dq - dqr).abs() <= step * 1.001 + 1e-12).all()
-    differ = (q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()
-    assert differ <= max(2, q.numel() // 100)
-
 
 # ---------------------------------------------------------------- forward
 
