@@ -120,3 +120,23 @@ def test_cache_key_follows_helper_source(tmp_path, fresh_python):
     r = fresh_python(code, env_extra={"FLYDSL_INTERPRET": "0"}, env_drop=("TRITON_INTERPRET",))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("as_handle", [False, True])
+def test_launch_goes_to_the_given_stream(as_handle):
+    """With the default stream held busy, a launch on a side stream must finish on its own."""
+    x = torch.randn(4096, device="cuda")
+    y = torch.randn(4096, device="cuda")
+    out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~100 ms of work queued on the default stream
+    axpy(x, y, out, 2.0, stream=side.cuda_stream if as_handle else side)
+    side.synchronize()  # returns once the side stream's work is done, while the default one still sleeps
+    with torch.cuda.stream(side):
+        got = out.clone()
+    side.synchronize()
+    assert not torch.cuda.default_stream().query()  # the default stream is still busy: ours did not wait for it
+    torch.testing.assert_close(got, 2.0 * x + y)
+    torch.cuda.synchronize()
