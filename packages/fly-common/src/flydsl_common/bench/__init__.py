@@ -3,42 +3,10 @@
 A family describes each op as a :class:`Bench` (cases, ``setup``, providers,
 a bytes/flops model and a reference) and calls :func:`main_for` from its
 ``benchmarks/run.py``; see :mod:`flydsl_common.bench.harness` for the details.
+The public names are the harness's own ``__all__`` (one list, kept there).
 """
 
-from .harness import (
-    COPY_GBPS,
-    MATMUL_BF16_TFLOPS,
-    Bench,
-    BenchResult,
-    Case,
-    CompiledPeer,
-    Provider,
-    Results,
-    Row,
-    Skip,
-    environment,
-    gpu_slug,
-    main_for,
-    measure_ceilings,
-    run,
-    write_all,
-)
+from . import harness
+from .harness import *  # noqa: F403 - re-export exactly harness.__all__
 
-__all__ = [
-    "COPY_GBPS",
-    "MATMUL_BF16_TFLOPS",
-    "Bench",
-    "BenchResult",
-    "Case",
-    "CompiledPeer",
-    "Provider",
-    "Results",
-    "Row",
-    "Skip",
-    "environment",
-    "gpu_slug",
-    "main_for",
-    "measure_ceilings",
-    "run",
-    "write_all",
-]
+__all__ = list(harness.__all__)
