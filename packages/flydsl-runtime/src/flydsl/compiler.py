@@ -27,6 +27,7 @@ devices and streams themselves and want no checks at all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -139,8 +140,8 @@ def _as_stream(stream: Any, device: torch.device):
     raise ArgumentError(f"stream: expected None, a torch.cuda.Stream or a raw stream handle (int), got {stream!r}")
 
 
-def _launch_context(device: torch.device, stream: Any):
-    """Context that makes `device` current and `stream` its current stream, or None if already so."""
+def _launch_context(device: torch.device, stream: Any) -> list:
+    """Context managers that make ``device`` current and ``stream`` its current stream (none if already so)."""
     guards = []
     index = device.index if device.index is not None else _current_cuda_device()
     if index != _current_cuda_device():
@@ -163,14 +164,10 @@ class _SlowPath:
 
     def call(self, index: int, stream, args, kwargs):
         if index >= 0:
-            guards = _launch_context(torch.device("cuda", index), stream)
-            if not guards:
+            with contextlib.ExitStack() as stack:
+                for guard in _launch_context(torch.device("cuda", index), stream):
+                    stack.enter_context(guard)
                 return self.fn(*args, **kwargs)
-            with guards[0]:
-                if len(guards) == 1:
-                    return self.fn(*args, **kwargs)
-                with guards[1]:
-                    return self.fn(*args, **kwargs)
         if index == -1:
             self.check_host_tensors(args, kwargs)
         return self.fn(*args, **kwargs)
