@@ -6,7 +6,8 @@ Writes ``runtime-<gpu>.json`` and prints a summary. What it measures (the
 numbers go to PERF.md):
 
 1. host time per call of a ``@flyc.jit`` launch of a tiny kernel, against the
-   same body launched with plain Triton, and against ``torch.add`` on one
+   same body launched with plain Triton, through ``flyc.launch`` (lean, bare
+   and inside ``@flyc.jit``), and against ``torch.add`` on one
    element (enqueue time only: batches short enough never to fill the launch
    queue, synchronised between batches);
 2. cold compile time (empty cache) and the first call of a fresh process with
@@ -69,6 +70,15 @@ def fly_launch(x, y, stream=None):
     _tiny_kernel[(1,)](x, y, x.numel(), BLOCK=128)
 
 
+def lean_launch(x, y):
+    flyc.launch(_tiny_kernel, (1,), x, y, x.numel(), BLOCK=128)
+
+
+@flyc.jit
+def fly_lean_launch(x, y, stream=None):
+    flyc.launch(_tiny_kernel, (1,), x, y, x.numel(), BLOCK=128)
+
+
 def host_us_per_call(fn, args, batch=200, batches=40) -> float:
     """Median over batches of the enqueue time per call (the GPU is synchronised between batches)."""
     for _ in range(3 * batch):
@@ -95,11 +105,14 @@ def measure_overhead() -> dict:
         for name, fn, args in [
             ("triton_raw", raw_launch, (x, y)),
             ("flydsl_jit", fly_launch, (x, y)),
+            ("lean", lean_launch, (x, y)),
+            ("flydsl_jit_lean", fly_lean_launch, (x, y)),
             ("torch_add", lambda p, q, r: torch.add(p, q, out=r), (a, b, c)),
         ]:
             rows.setdefault(name, []).append(host_us_per_call(fn, args))
     out = {k: statistics.median(v) for k, v in rows.items()}
     out["flydsl_minus_raw_us"] = out["flydsl_jit"] - out["triton_raw"]
+    out["lean_minus_raw_us"] = out["lean"] - out["triton_raw"]
     return out
 
 

@@ -130,8 +130,10 @@ def test_launch_goes_to_the_given_stream(as_handle):
     y = torch.randn(4096, device="cuda")
     out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
     side = torch.cuda.Stream()
+    axpy(x, y, out, 2.0, stream=side)  # compile first: a cold launch can outlast the sleep below
+    out.fill_(float("nan"))
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~100 ms of work queued on the default stream
+    torch.cuda._sleep(500_000_000)  # ~0.25 s of work queued on the default stream
     axpy(x, y, out, 2.0, stream=side.cuda_stream if as_handle else side)
     side.synchronize()  # returns once the side stream's work is done, while the default one still sleeps
     with torch.cuda.stream(side):
@@ -139,4 +141,61 @@ def test_launch_goes_to_the_given_stream(as_handle):
     side.synchronize()
     assert not torch.cuda.default_stream().query()  # the default stream is still busy: ours did not wait for it
     torch.testing.assert_close(got, 2.0 * x + y)
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- lean launch
+
+
+@flyc.kernel(do_not_specialize=["n"])
+def _scale_kernel(x_ptr, out_ptr, n, stride, alpha, BLOCK: fx.constexpr):
+    offs = fx.program_id(0) * BLOCK + fx.arange(0, BLOCK)
+    mask = offs < n
+    fx.store(out_ptr + offs * stride, alpha * fx.load(x_ptr + offs * stride, mask=mask), mask=mask)
+
+
+def _lean_scale(x, out, stride, alpha):
+    n = x.numel() // stride if stride else x.numel()
+    flyc.launch(_scale_kernel, (flyc.cdiv(max(n, 1), 64),), x, out, n, stride, alpha, BLOCK=64)
+
+
+def test_lean_launch_matches_reference(device):
+    """Specializations change between calls (alignment, int value 1 / multiple of 16, dtype): each stays right."""
+    for dtype in (torch.float32, torch.float16):
+        base = torch.randn(4099, device=device, dtype=dtype)
+        for offset, n, stride in [(0, 4096, 1), (1, 4096, 1), (0, 17, 1), (3, 1, 1), (0, 4096, 1), (0, 1000, 2)]:
+            x = base[offset : offset + n * stride]
+            out_base = empty_poisoned(4099, dtype=dtype, device=device)
+            out = out_base[offset : offset + n * stride]
+            _lean_scale(x, out, stride, 1.5)
+            torch.testing.assert_close(out[::stride], (1.5 * x[::stride].float()).to(dtype))
+            if stride > 1:  # every other element untouched
+                assert torch.isnan(out[1::stride].float()).all()
+
+
+def test_lean_spec_separates_what_triton_specializes():
+    spec = flyc._spec
+    assert spec(1) != spec(2) and spec(16) != spec(17) and spec(2**31) != spec(2**31 - 16)
+    assert spec(2**63) != spec(2**63 - 16)
+    assert spec(0.5) == spec(2.0)  # floats are never specialized
+    assert spec(True) != spec(False) and spec(None) == spec(None)
+    a = torch.zeros(8)
+    assert spec(a) != spec(a.half()) and spec(a[1:]) != spec(a)
+
+
+@pytest.mark.gpu
+def test_lean_launch_follows_the_current_stream():
+    x = torch.randn(4096, device="cuda")
+    out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
+    _lean_scale(x, out, 1, 2.0)  # first launch: compiles, goes through Triton
+    out.fill_(float("nan"))
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the default stream stays busy ~0.25 s
+    with torch.cuda.stream(side):
+        _lean_scale(x, out, 1, 2.0)  # lean path
+        got = out.clone()
+    side.synchronize()
+    assert not torch.cuda.default_stream().query()
+    torch.testing.assert_close(got, 2.0 * x)
     torch.cuda.synchronize()

@@ -157,7 +157,8 @@ def _qmax(dtype: torch.dtype) -> float:
 def _launch_rows(x2, q2, s, mode: int, qdtype: torch.dtype, cfg: QuantConfig, stream=None):
     m, n = x2.shape
     grid = (flyc.cdiv(m, cfg.block_m),)
-    _quant_rows_kernel[grid](
+    flyc.launch(
+        _quant_rows_kernel, grid,
         x2,
         q2,
         s,
@@ -177,7 +178,7 @@ def _launch_rows(x2, q2, s, mode: int, qdtype: torch.dtype, cfg: QuantConfig, st
 
 @flyc.jit(skip_empty=False)
 def _launch_amax_to_scale(amax, scale, qdtype: torch.dtype, stream=None):
-    _amax_to_scale_kernel[(1,)](amax, scale, amax.numel(), QMAX=_qmax(qdtype), BLOCK=1024, num_warps=4)
+    flyc.launch(_amax_to_scale_kernel, (1,), amax, scale, amax.numel(), QMAX=_qmax(qdtype), BLOCK=1024, num_warps=4)
 
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

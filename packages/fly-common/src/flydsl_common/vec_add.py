@@ -40,7 +40,7 @@ _BLOCK = 4096  # 16 KB of fp32 per operand per program: long enough bursts, enou
 @flyc.jit
 def _launch_vec_add(a, b, out, n: int, stream=None):
     grid = (flyc.cdiv(n, _BLOCK),)
-    _vec_add_kernel[grid](a, b, out, n, BLOCK=_BLOCK, IS_FLOAT=a.dtype.is_floating_point, num_warps=8)
+    flyc.launch(_vec_add_kernel, grid, a, b, out, n, BLOCK=_BLOCK, IS_FLOAT=a.dtype.is_floating_point, num_warps=8)
 
 
 def build_vec_add_module():

@@ -9,7 +9,6 @@ never benchmarks unless ``FLYDSL_AUTOTUNE=1`` or ``autotune=True``.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from pathlib import Path
 
@@ -115,7 +114,9 @@ def _tune_keys(arch: str) -> list[dict]:
 # it was given to the capture (and serves the default): `flydsl tune norm`
 # runs the public op once on generated inputs and gets exactly the task a
 # forced search in a user's process would run.
-_CAPTURE: contextvars.ContextVar[tuple[str, list] | None] = contextvars.ContextVar("fly_norm_capture", default=None)
+# A module global, not a context variable: on CUDA, autograd runs the backward
+# on its own device thread, where a context variable set here is not visible.
+_CAPTURE: list[tuple[str, list]] = []
 
 _TUNE_ELEMENTS = 1 << 25  # rows of the bucket's width, 64 MiB of bf16: past L2, like real activations
 
@@ -143,11 +144,11 @@ def _make_task(name: str):
         n = key["n_bucket"]
         dtype = parse_dtype("dtype", key["dtype"])
         captured: list = []
-        token = _CAPTURE.set((name, captured))
+        _CAPTURE.append((name, captured))
         try:
             _run_op(name, max(1, _TUNE_ELEMENTS // n), n, dtype, device)
         finally:
-            _CAPTURE.reset(token)
+            _CAPTURE.pop()
         if not captured or captured[0] is None:
             raise TuningError(f"{name}: the op built no search task for key {key}")
         return captured[0]()
@@ -199,7 +200,7 @@ def row_config_for(
     The config must also fit this exact ``n`` (a bucket's winner is chosen for
     the bucket's upper end): a single-pass config always covers the bucket.
     """
-    capture = _CAPTURE.get()
+    capture = _CAPTURE[-1] if _CAPTURE else None
     fast_key = (op, n, dtype, device)
     plain = capture is None and not autotune and not env.get("FLYDSL_AUTOTUNE")
     if plain:

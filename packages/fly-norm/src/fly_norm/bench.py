@@ -193,9 +193,12 @@ def _quant_bench() -> Bench:
             Provider("torch.compile", lambda t: _compiled("rmsnorm_quant", _torch_rms_quant).make(t[0].shape, *t)),
         ],
         bytes=lambda c: 3 * c.params["M"] * c.params["N"] + 2 * c.params["N"] + 4 * c.params["M"],
-        reference=lambda t: ref.rms_norm_ref(t[0], t[1], 1e-6),
+        # Judged against the reference's own quantization (fp64 norm, same rounding rule): the int8
+        # grid's error (half a step of amax/127, ~2e-2 of the rms at 16K+ columns) is then common
+        # to both, and only rounding flips of one step remain.
+        reference=lambda t: deq(ref.rms_norm_quant_ref(t[0], t[1], 1e-6)),
         output=deq,
-        tolerance=2e-2,  # int8: half a step of amax/127 per element, ~1e-2 relative
+        tolerance=2e-2,
         x_param="N",
     )
 

@@ -239,7 +239,8 @@ def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | N
 def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """Launch the forward kernel on [M, N] rows; no checks (callers check)."""
     m, n = x2.shape
-    _softmax_fwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+    flyc.launch(
+        _softmax_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2,
         y2,
         m,
@@ -255,7 +256,8 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
 
 def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
     m, n = y2.shape
-    _softmax_bwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+    flyc.launch(
+        _softmax_bwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         dy2,
         y2,
         dx2,

@@ -233,6 +233,23 @@ def _load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr):
         return fx.where(cmask, 1.0, 0.0)
 
 
+@flyc.func
+def _bwd_block_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, M, cols, cmask, stride_h, stride_dy,
+                     IS_RMS: fx.constexpr, BLOCK_M: fx.constexpr):  # fmt: skip
+    """h and dy (storage dtype) and the row statistics of row block ``blk``; zeros past the last row."""
+    rows = blk * BLOCK_M + fx.arange(0, BLOCK_M)
+    row_ok = rows < M
+    mask = row_ok[:, None] & cmask[None, :]
+    h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+    dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + cols[None, :], mask=mask, other=0.0)
+    rstd = fx.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    if IS_RMS:
+        mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+    else:
+        mean = fx.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    return h, dy, rstd, mean
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_kernel(
@@ -249,25 +266,27 @@ def _norm_bwd_kernel(
     part = row_offset(pid, N)  # this program's row of the [programs, N] partial buffers
 
     if SINGLE_PASS:
+        # Persistent loop over row blocks (blk = pid, pid + programs, ...). The
+        # next block's h and dy are loaded, in their storage dtype, before this
+        # block is reduced and written: the loads stay in flight through the
+        # reductions, which would otherwise leave the memory system idle.
         cmask = cols < N
         dw = fx.zeros([BLOCK_N], dtype=fx.float32)
         db = fx.zeros([BLOCK_N], dtype=fx.float32)
+        h_nx, dy_nx, rstd_nx, mean_nx = _bwd_block_loads(
+            h_ptr, dy_ptr, mean_ptr, rstd_ptr, pid, M, cols, cmask, stride_h, stride_dy, IS_RMS, BLOCK_M
+        )
         for blk in range(pid, fx.cdiv(M, BLOCK_M), programs):
-            # The weight is re-read per row block (an L1/L2 hit) instead of being held
-            # across the loop: registers go to h, dy and the dweight accumulator.
-            w = _load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
             rows = blk * BLOCK_M + fx.arange(0, BLOCK_M)
             row_ok = rows < M
             mask = row_ok[:, None] & cmask[None, :]
-            h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
-            dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + cols[None, :], mask=mask, other=0.0)
-            h = h.to(fx.float32)
-            dy = dy.to(fx.float32)
-            rstd = fx.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-            if IS_RMS:
-                mean = fx.zeros([BLOCK_M], dtype=fx.float32)
-            else:
-                mean = fx.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            h, dy, rstd, mean = h_nx.to(fx.float32), dy_nx.to(fx.float32), rstd_nx, mean_nx
+            h_nx, dy_nx, rstd_nx, mean_nx = _bwd_block_loads(
+                h_ptr, dy_ptr, mean_ptr, rstd_ptr, blk + programs, M, cols, cmask, stride_h, stride_dy, IS_RMS, BLOCK_M
+            )
+            # The weight is re-read per row block (an L1/L2 hit) instead of being held
+            # across the loop: registers go to h, dy, the prefetch and the dweight accumulator.
+            w = _load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
             xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
             g = dy * w
             c1 = fx.sum(g * xhat, axis=1) / N
@@ -399,7 +418,8 @@ def launch_fwd(
     store_stats = rstd is not None
     # Operands that are absent are replaced by a valid pointer the kernel never touches.
     # fmt: off
-    _norm_fwd_kernel[(flyc.cdiv(m, cfg.block_m),)](
+    flyc.launch(
+        _norm_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2, x2 if r2 is None else r2, x2 if w is None else w, x2 if b is None else b, x2 if s is None else s,
         y2, y2 if h2 is None else h2, x2 if mean is None else mean, x2 if rstd is None else rstd,
         x2 if qscale is None else qscale,
@@ -413,18 +433,17 @@ def launch_fwd(
     # fmt: on
 
 
-def bwd_programs(m: int, cfg: RowConfig, device: torch.device) -> int:
-    """Programs of the backward grid (each writes one row of the [programs, N] partials).
+def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
+    """Programs of the backward grid: one resident wave, each program looping over row blocks.
 
-    Two waves of SMs keep the memory system busy (the persistent-grid choice
-    of QuACK and Liger for the norm backward), but every program adds N fp32
-    partials to write and re-read: with few rows per program that traffic
-    rivals the rows themselves, so below 16 rows per SM one wave is used.
-    Not yet measured on the H200 (no device in this change): revisit in PERF.md.
+    A program of the backward holds up to ~128 registers a thread, so an SM
+    keeps ``16 // num_warps`` of them resident (65536 registers); more
+    programs would only queue behind them and add rows to the [programs, N]
+    fp32 partial buffer. ``per_sm`` overrides the count (measurements).
     """
     sms = flydsl.arch.current(device).sm_count
-    cap = 2 * sms if m >= 16 * sms else sms
-    return max(1, min(flyc.cdiv(m, cfg.block_m), cap))
+    per_sm = per_sm or max(1, 16 // cfg.num_warps)
+    return max(1, min(flyc.cdiv(m, cfg.block_m), per_sm * sms))
 
 
 @flyc.jit(skip_empty=False)
@@ -439,7 +458,8 @@ def launch_bwd(
     if m == 0:
         return
     # fmt: off
-    _norm_bwd_kernel[(programs,)](
+    flyc.launch(
+        _norm_bwd_kernel, (programs,),
         h2, h2 if w is None else w, dy2, h2 if dres2 is None else dres2, rstd if mean is None else mean, rstd,
         dx2, rstd if dwp is None else dwp, rstd if dbp is None else dbp, rstd if scratch is None else scratch,
         m, n, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
@@ -461,7 +481,7 @@ def launch_sum_partials(partials, out, stream=None):
     if n == 0:
         return
     block = min(_REDUCE_BLOCK, flyc.next_power_of_2(n))
-    _sum_partials_kernel[(flyc.cdiv(n, block),)](partials, out, p, n, BLOCK_N=block, num_warps=4)
+    flyc.launch(_sum_partials_kernel, (flyc.cdiv(n, block),), partials, out, p, n, BLOCK_N=block, num_warps=4)
 
 
 # ---------------------------------------------------------------- validation
@@ -483,6 +503,24 @@ def _check_vector(name, t, n, device, dtypes):
         raise LayoutError(f"{name}: expected a contiguous vector, got {describe(t)}")
 
 
+def _plain_call(x, weight, bias) -> bool:
+    """True for x with a dense last dim and contiguous weight/bias vectors of x's dtype (or fp32) on x's device.
+
+    A sufficient condition only: False sends the call through the full checks
+    of :func:`check_norm_args`, which accept it or name what is wrong.
+    """
+    if type(x) is not torch.Tensor or x.dtype not in FLOAT_DTYPES or not x.dim() or x.stride(-1) != 1:
+        return False
+    n, dtype, device = x.shape[-1], x.dtype, x.device
+    for v in (weight, bias):
+        if v is not None and (
+            type(v) is not torch.Tensor or v.dim() != 1 or v.shape[0] != n or v.stride(0) != 1
+            or (v.dtype is not dtype and v.dtype is not torch.float32) or v.device != device
+        ):  # fmt: skip
+            return False
+    return n > 0
+
+
 def check_norm_args(x, weight=None, bias=None, residual=None, smooth_scale=None, *, quant_dtype=None):
     """Validate the operands of a norm before anything is launched; errors name the argument.
 
@@ -490,6 +528,8 @@ def check_norm_args(x, weight=None, bias=None, residual=None, smooth_scale=None,
     (residual_out takes it). Quantized forward (the seed's rule): weight, bias
     and residual must have x's dtype; smooth_scale x's dtype or fp32.
     """
+    if residual is None and smooth_scale is None and quant_dtype is None and _plain_call(x, weight, bias):
+        return  # the common call, proven valid in a few attribute reads
     check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
     check_last_dim_contiguous("x", x)
     n = x.shape[-1]
@@ -513,7 +553,12 @@ def check_norm_args(x, weight=None, bias=None, residual=None, smooth_scale=None,
 
 def needs_grad(*tensors) -> bool:
     """True when autograd must record this call (grad mode on and some operand requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def detach_all(*tensors):
@@ -620,11 +665,14 @@ def norm_quant_forward(
     r2 = None if residual is None else as_rows(residual)
     h2 = None if residual is None else h.view(x2.shape)
 
-    def run(cfg):
+    def launch(cfg):
         launch_fwd(
             x2, r2, weight, bias, smooth_scale, q.view(x2.shape), h2, None, None, scale.view(-1), eps, 0.0,
             is_rms, qdtype, cfg,
         )  # fmt: skip
+
+    def run_dequantized(cfg):  # the search task's candidates are judged on q * scale
+        launch(cfg)
         return q.double() * scale.double()[..., None]
 
     def dequantized_reference():
@@ -632,9 +680,9 @@ def norm_quant_forward(
         return qr.double() * sr.double()[..., None]
 
     def task():
-        return SearchTask(run=run, reference=dequantized_reference, rtol=tolerance(qdtype))
+        return SearchTask(run=run_dequantized, reference=dequantized_reference, rtol=tolerance(qdtype))
 
-    run(config or config_for(x2.shape[1], x.dtype, x.device, task=task))
+    launch(config or config_for(x2.shape[1], x.dtype, x.device, task=task))
     return q, scale, h
 
 

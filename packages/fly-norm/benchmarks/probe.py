@@ -1,0 +1,161 @@
+"""Measurements behind PERF.md's decisions (not the benchmark): python probe.py [--out DIR] [--part NAME ...].
+
+Parts:
+- ``bwd_grid``: the norm backward's programs per SM (1, 2, 4, 8 and the
+  default) at each row width, bf16, M * N = 2**25, as a fraction of copy;
+- ``size``: forward rms_norm and a device copy of the same bytes at M * N =
+  2**25 and 2**27: how much of a gap to the copy ceiling is the size itself;
+- ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
+  Python path, the pieces, Triton's launch and the lean launch) against torch.
+"""
+
+# ruff: noqa: B023 - each closure is timed within its own loop iteration
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import flydsl  # noqa: F401
+import flydsl.arch
+from fly_norm import rms_norm
+from fly_norm._kernels import norm as shared
+from fly_norm.autotune import bwd_default_row_config
+from flydsl.autotune.timer import bench, rotating_copies
+
+_DT = torch.bfloat16
+
+
+def _copy_gbps(nbytes_each: int) -> float:
+    src = torch.empty(nbytes_each // 2, dtype=_DT, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src)).median_us * 1e-6
+    return 2 * nbytes_each / t / 1e9
+
+
+def part_bwd_grid() -> dict:
+    out = {"copy_GBps": _copy_gbps(1 << 28)}
+    rows = []
+    for n in (256, 1024, 2048, 4096, 8192, 16384, 32768):
+        m = (1 << 25) // n
+        x = torch.randn(m, n, device="cuda", dtype=_DT)
+        dy = torch.randn_like(x)
+        w = torch.randn(n, device="cuda", dtype=_DT)
+        rstd = torch.rand(m, device="cuda") + 0.5
+        dx = torch.empty_like(x)
+        dw = torch.empty(n, device="cuda", dtype=_DT)
+        cfg = bwd_default_row_config(n)
+        nbytes = 3 * 2 * m * n + 4 * m + 2 * 2 * n
+        for per_sm in (None, 1, 2, 4, 8):
+            programs = shared.bwd_programs(m, cfg, x.device, per_sm)
+            dwp = torch.empty(programs, n, dtype=torch.float32, device="cuda")
+            scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device="cuda")
+
+            def run():
+                shared.launch_bwd(x, w, dy, None, None, rstd, dx, dwp, None, scratch, 0.0, True, programs, cfg)
+                shared.launch_sum_partials(dwp, dw)
+
+            t = bench(run).median_us * 1e-6
+            rows.append({"N": n, "cfg": repr(cfg), "per_sm": per_sm or "default", "programs": programs,
+                         "us": t * 1e6, "frac_copy": nbytes / t / 1e9 / out["copy_GBps"]})
+            print(rows[-1], flush=True)
+
+    out["rows"] = rows
+    return out
+
+
+def part_size() -> dict:
+    rows = []
+    copy_big = _copy_gbps(1 << 28)
+    for elems in (1 << 25, 1 << 27):
+        for n in (1024, 4096, 16384):
+            m = elems // n
+            sets = rotating_copies((torch.randn(m, n, device="cuda", dtype=_DT),
+                                    torch.randn(n, device="cuda", dtype=_DT)), 50 << 20)
+            t = bench(lambda x, w: rms_norm(x, w, 1e-6), arg_sets=sets).median_us * 1e-6
+            src = sets[0][0]
+            dst = torch.empty_like(src)
+            tc = bench(lambda: dst.copy_(src)).median_us * 1e-6
+            nbytes = 4 * m * n
+            rows.append({"elements": elems, "N": n, "rms_us": t * 1e6, "copy_us": tc * 1e6,
+                         "rms_frac_big_copy": nbytes / t / 1e9 / copy_big, "rms_over_same_copy": tc / t})
+            print(rows[-1], flush=True)
+
+    return {"copy_big_GBps": copy_big, "rows": rows}
+
+
+def _host_us(fn, batch=200, batches=30) -> float:
+    for _ in range(2 * batch):
+        fn()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per.append((time.perf_counter() - t0) / batch * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per)
+
+
+def part_host() -> dict:
+    x = torch.randn(4, 4096, device="cuda", dtype=_DT)
+    w = torch.randn(4096, device="cuda", dtype=_DT)
+    y = torch.empty_like(x)
+    from fly_norm.rmsnorm import _fwd_config
+
+    c = _fwd_config(4096, x.dtype, x.device)
+    pieces = {
+        "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
+        "fly_rms_norm": lambda: rms_norm(x, w, 1e-6),
+        "launch_fwd": lambda: shared.launch_fwd(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
+                                                None, c),
+        "launch_fwd_unwrapped": lambda: shared.launch_fwd.__wrapped__(x, None, w, None, None, y, None, None, None,
+                                                                      None, 1e-6, 0.0, True, None, c),
+        "check_norm_args": lambda: shared.check_norm_args(x, w, None, None),
+        "config": lambda: _fwd_config(4096, x.dtype, x.device),
+        "empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+    }
+    res = {k: _host_us(f) for k, f in pieces.items()}
+    # end-to-end with the device (no backlog): what the latency bench sees
+    for name in ("torch_rms_norm", "fly_rms_norm"):
+        res[name + "_e2e"] = bench(pieces[name], backlog=False).median_us
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        rms_norm(x, w, 1e-6)
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    res["profile"] = s.getvalue()
+    print(json.dumps({k: v for k, v in res.items() if k != "profile"}, indent=1))
+    print(res["profile"])
+    return res
+
+
+PARTS = {"host": part_host, "bwd_grid": part_bwd_grid, "size": part_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--part", nargs="+", default=list(PARTS))
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "sms": flydsl.arch.current(torch.device("cuda")).sm_count}
+    for p in args.part:
+        result[p] = PARTS[p]()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "probe.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
