@@ -21,7 +21,8 @@ status=0
 for t in "${@:-packages/flydsl-runtime/tests packages/fly-common/tests}"; do
   for d in $t; do
     name=$(basename "$(dirname "$d")")
-    python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -x -n 8 2>&1 | tail -25 | tee "$OUT/pytest-$name.txt" || status=1
+    python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -n 8 > "$OUT/pytest-$name.txt" 2>&1 || status=1
+    tail -8 "$OUT/pytest-$name.txt"
   done
 done
 exit $status

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flydsl.arch
+import flydsl.compiler as flyc
 from fly_norm.autotune import (
     OPS,
     TUNABLES,
@@ -86,6 +87,7 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
     assert cli.main(argv) == 0
     data = json.loads((out / "softmax_fwd.json").read_text())
     assert data["name"] == "softmax_fwd" and len(data["entries"]) == 1
-    arch = flydsl.arch.name("cpu")
+    arch = data["entries"][0]["arch"]  # where the CLI tuned: the GPU when there is one, else the interpreter
+    assert arch == flydsl.arch.name("cuda" if torch.cuda.is_available() and not flyc.interpreting() else "cpu")
     served = ArtifactFile(out / "softmax_fwd.json", "softmax_fwd").lookup(arch, key)
     assert served is not None and row_config_valid(RowConfig(**served), 64, arch)

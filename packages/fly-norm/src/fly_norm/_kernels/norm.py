@@ -377,15 +377,20 @@ def _norm_bwd_kernel(
 
 
 @flyc.kernel
-def _sum_partials_kernel(p_ptr, out_ptr, P, N, BLOCK_N: fx.constexpr):
-    """out[c] = sum_p partials[p, c] in fp32, summed in a fixed order (deterministic)."""
+def _sum_partials_kernel(p_ptr, out_ptr, P, N, BLOCK_P: fx.constexpr, BLOCK_N: fx.constexpr):
+    """out[c] = sum_p partials[p, c] in fp32 for a narrow band of columns, in a fixed order (deterministic).
+
+    Each step sums a [BLOCK_P, BLOCK_N] tile over its rows: the bands are
+    narrow so that there are enough programs to keep every SM loading.
+    """
     c = fx.program_id(0) * BLOCK_N + fx.arange(0, BLOCK_N)
     cmask = c < N
+    r = fx.arange(0, BLOCK_P)
     acc = fx.zeros([BLOCK_N], dtype=fx.float32)
-    ptrs = p_ptr + c
-    for _ in range(0, P):
-        acc += fx.load(ptrs, mask=cmask, other=0.0)
-        ptrs += N  # pointer arithmetic is 64-bit: no int32 overflow at large P * N
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + r
+        mask = (rows < P)[:, None] & cmask[None, :]
+        acc += fx.sum(fx.load(p_ptr + row_offset(rows, N)[:, None] + c[None, :], mask=mask, other=0.0), axis=0)
     fx.store(out_ptr + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -471,17 +476,23 @@ def launch_bwd(
     # fmt: on
 
 
-_REDUCE_BLOCK = 1024  # columns per program of the partial reduction: 4 warps x 8 fp32 per thread
-
-
 @flyc.jit(skip_empty=False)
 def launch_sum_partials(partials, out, stream=None):
-    """out[N] (any float dtype) = partials[P, N].sum(0) in fp32, deterministic."""
+    """out[N] (any float dtype) = partials[P, N].sum(0) in fp32, deterministic.
+
+    Column bands of 16-128 columns, about two per SM, each summing
+    [2048 / band, band] tiles (16 fp32 a thread at 4 warps). The band depends
+    on N and the SM count only, so a given shape always sums in one order.
+    """
     p, n = partials.shape
     if n == 0:
         return
-    block = min(_REDUCE_BLOCK, flyc.next_power_of_2(n))
-    flyc.launch(_sum_partials_kernel, (flyc.cdiv(n, block),), partials, out, p, n, BLOCK_N=block, num_warps=4)
+    sms = flydsl.arch.current(partials.device).sm_count
+    band = max(16, min(128, flyc.next_power_of_2(flyc.cdiv(n, 2 * sms))))
+    flyc.launch(
+        _sum_partials_kernel, (flyc.cdiv(n, band),), partials, out, p, n, BLOCK_P=2048 // band, BLOCK_N=band,
+        num_warps=4,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- validation
