@@ -69,7 +69,8 @@ def test_forward_matches_reference(device, dtype, m, n):
     assert y.shape == x.shape and y.dtype == dtype
     assert_rel_close(y, softmax_ref(x))
     if m:
-        torch.testing.assert_close(y.double().sum(-1), torch.ones(m, dtype=torch.float64, device=y.device), rtol=0, atol=n * 2e-3)
+        ones = torch.ones(m, dtype=torch.float64, device=y.device)
+        torch.testing.assert_close(y.double().sum(-1), ones, rtol=0, atol=n * 2e-3)
     # The same rows through the low-level launcher into a poisoned buffer:
     # every element must be written.
     y2 = empty_poisoned(m, n, dtype=dtype, device=device)
