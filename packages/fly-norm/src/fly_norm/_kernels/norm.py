@@ -270,9 +270,11 @@ def _norm_bwd_kernel(
         # next block's h and dy are loaded, in their storage dtype, before this
         # block is reduced and written: the loads stay in flight through the
         # reductions, which would otherwise leave the memory system idle.
+        # dweight/dbias accumulate per element ([BLOCK_M, BLOCK_N]) and are reduced
+        # over the rows once, after the loop: no cross-warp reduction per block.
         cmask = cols < N
-        dw = fx.zeros([BLOCK_N], dtype=fx.float32)
-        db = fx.zeros([BLOCK_N], dtype=fx.float32)
+        dw = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+        db = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         h_nx, dy_nx, rstd_nx, mean_nx = _bwd_block_loads(
             h_ptr, dy_ptr, mean_ptr, rstd_ptr, pid, M, cols, cmask, stride_h, stride_dy, IS_RMS, BLOCK_M
         )
@@ -299,13 +301,13 @@ def _norm_bwd_kernel(
                 dx_ptr + row_offset(rows, stride_dx)[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
             )
             if COMPUTE_DW:
-                dw += fx.sum(dy * xhat, axis=0)
+                dw += dy * xhat
             if COMPUTE_DB:
-                db += fx.sum(dy, axis=0)
+                db += dy
         if COMPUTE_DW:
-            fx.store(dwp_ptr + part + cols, dw, mask=cmask)
+            fx.store(dwp_ptr + part + cols, fx.sum(dw, axis=0), mask=cmask)
         if COMPUTE_DB:
-            fx.store(dbp_ptr + part + cols, db, mask=cmask)
+            fx.store(dbp_ptr + part + cols, fx.sum(db, axis=0), mask=cmask)
     else:
         # Chunked rows (BLOCK_M == 1): this program owns a contiguous range of
         # rows. Pass 1 reduces each row's c1/c2 into a small fp32 scratch
