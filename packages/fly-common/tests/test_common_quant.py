@@ -20,7 +20,7 @@ SHAPES = [((1,), 1), ((3,), 7), ((5,), 33), ((2, 3), 100), ((4,), 257), ((1,), 1
 
 def _assert_matches(q, s, qr, sr, x, per_token):
     assert q.shape == x.shape
-    assert_quant_close(q, s, qr, sr, per_token=per_token)
+    assert_quant_close(q, s, qr, sr, per_token=per_token, x=x)
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)

@@ -1,8 +1,9 @@
 """Measurements behind PERF.md's decisions (not the benchmark): python probe.py [--out DIR] [--part NAME ...].
 
 Parts:
-- ``bwd_grid``: the norm backward's programs per SM (1, 2, 4, 8 and the
-  default) at each row width, bf16, M * N = 2**25, as a fraction of copy;
+- ``bwd_grid``: the norm backward's programs per SM (1, 2, 4 and the
+  default) at each row width, bf16, M * N = 2**25, as a fraction of copy,
+  with how many programs of the compiled kernel an SM holds at once;
 - ``size``: forward rms_norm and a device copy of the same bytes at M * N =
   2**25 and 2**27: how much of a gap to the copy ceiling is the size itself;
 - ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
@@ -56,9 +57,11 @@ def part_bwd_grid() -> dict:
         cfg = bwd_default_row_config(n)
         nbytes = 3 * 2 * m * n + 4 * m + 2 * 2 * n
         for per_sm in (None, 1, 2, 4):
+            scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device="cuda")
             programs = shared.bwd_programs(m, cfg, x.device, per_sm)
             dwp = torch.empty(programs, n, dtype=torch.float32, device="cuda")
-            scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device="cuda")
+            args, meta = shared._bwd_call(x, w, dy, None, None, rstd, dx, dwp, None, scratch, 0.0, True, cfg)
+            resident = flyc.programs_per_sm(shared._norm_bwd_kernel, *args, **meta)
 
             def run():
                 shared.launch_bwd(x, w, dy, None, None, rstd, dx, dwp, None, scratch, 0.0, True, programs, cfg)
@@ -67,6 +70,7 @@ def part_bwd_grid() -> dict:
             t = bench(run).median_us * 1e-6
             t_sum = bench(lambda: shared.launch_sum_partials(dwp, dw)).median_us
             rows.append({"N": n, "cfg": repr(cfg), "per_sm": per_sm or "default", "programs": programs,
+                         "resident_per_sm": resident,
                          "us": t * 1e6, "sum_us": t_sum, "frac_copy": nbytes / t / 1e9 / out["copy_GBps"]})
             print(rows[-1], flush=True)
 

@@ -199,3 +199,20 @@ def test_lean_launch_follows_the_current_stream():
     assert not torch.cuda.default_stream().query()
     torch.testing.assert_close(got, 2.0 * x)
     torch.cuda.synchronize()
+
+
+def test_programs_per_sm_is_one_in_the_interpreter(device):
+    if device.type == "cuda":
+        pytest.skip("the compiled path is tested below")
+    x = torch.randn(64, device=device)
+    assert flyc.programs_per_sm(_scale_kernel, x, x, 64, 1, 2.0, BLOCK=64) == 1
+
+
+@pytest.mark.gpu
+def test_programs_per_sm_reads_the_compiled_kernel():
+    x = torch.randn(4096, device="cuda")
+    out = torch.empty_like(x)
+    # One warp a program: 64 programs by threads, capped at 32 programs per SM.
+    assert flyc.programs_per_sm(_scale_kernel, x, out, 4096, 1, 2.0, BLOCK=64, num_warps=1) == 32
+    # 32 warps: 1024 threads a program, 2048 per SM.
+    assert flyc.programs_per_sm(_scale_kernel, x, out, 4096, 1, 2.0, BLOCK=64, num_warps=32) == 2

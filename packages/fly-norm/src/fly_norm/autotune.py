@@ -44,32 +44,48 @@ def _default(key, arch: str) -> RowConfig:
     return default_row_config(key["n_bucket"], arch)
 
 
-# Backward launch default (the "*_bwd" tunables). The backward keeps
-# h, dy, their products and the dweight accumulator live at once, so it needs
-# far fewer elements per thread than the forward: compiled for sm_90a (ptxas,
-# bf16, 16-byte aligned rows), 16 elements per thread take 96-120 registers
-# and never spill, 32 take 190-220, and the forward ladder's 64 spill (up to
-# 7 KB of stack at N = 16384). 32 warps cap a thread at 64 registers and
-# spill again, so rows wider than 16 warps x 32 threads x 16 elements go
-# through the chunked path with 8K-element chunks (98-120 registers).
+# Backward launch default (the "*_bwd" tunables). The backward keeps h, dy,
+# the next block's prefetch, their products and the per-element weight-gradient
+# accumulators live at once. Compiled for sm_90 (`python tools/sm90_compile.py
+# norm_bwd`: ptxas, bf16, 16-byte aligned rows), 16 elements a thread take
+# 179-213 registers for rms_norm (no spill up to 4K columns; 48 bytes of stack
+# at 8K with 16 warps) and 204-229 for layer_norm (a second accumulator, dbias,
+# and the mean): a single 4-warp program then fills an SM's registers. At 8
+# elements a thread layer_norm takes 109-122 registers (four 4-warp programs).
+# Measured on the H200 (PERF.md, v1): rms_norm at 16 elements reached 91-92%
+# of copy up to 8K columns, layer_norm 62-73%; layer_norm therefore uses 8
+# elements a thread wherever 16 warps suffice (up to 4K columns), 16 above.
+# 32 warps cap a thread at 64 registers and spill, so rows wider than 16 warps
+# x 32 threads x 16 elements go through the chunked path with 8K-element
+# chunks.
 _BWD_ELEMS_PER_THREAD = 16
+_BWD_ELEMS = {"layernorm_bwd": 8}  # ops whose default packs fewer elements per thread
 _BWD_MAX_WARPS = 16
 _BWD_CHUNK = RowConfig(1, 8192, 16, False)
 
 
-def bwd_default_row_config(n: int, arch: str = "sm_90") -> RowConfig:
-    """Pure default of the norm backward's launch config for rows of ``n`` elements (see above)."""
+def bwd_default_row_config(n: int, arch: str = "sm_90", elems_per_thread: int = _BWD_ELEMS_PER_THREAD) -> RowConfig:
+    """Pure default of the norm backward's launch config for rows of ``n`` elements (see above).
+
+    More warps first (up to 16), then more elements a thread (up to 16).
+    """
     del arch  # one table serves NVIDIA and AMD: at most 16 warps (1024 threads with 64-wide waves)
     block_n = flyc.next_power_of_2(max(n, 1))
     if block_n > 32 * _BWD_MAX_WARPS * _BWD_ELEMS_PER_THREAD:
         return _BWD_CHUNK
-    warps = max(4, min(_BWD_MAX_WARPS, block_n // (32 * _BWD_ELEMS_PER_THREAD)))
-    block_m = max(1, min(64, 32 * warps * _BWD_ELEMS_PER_THREAD // block_n))
+    elems = max(elems_per_thread, block_n // (32 * _BWD_MAX_WARPS))
+    warps = max(4, min(_BWD_MAX_WARPS, block_n // (32 * elems)))
+    block_m = max(1, min(64, 32 * warps * elems // block_n))
     return RowConfig(block_m, block_n, warps, True)
 
 
-def _bwd_default(key, arch: str) -> RowConfig:
-    return bwd_default_row_config(key["n_bucket"], arch)
+def _bwd_default_for(name: str):
+    elems = _BWD_ELEMS.get(name, _BWD_ELEMS_PER_THREAD)
+
+    def default(key, arch: str) -> RowConfig:
+        return bwd_default_row_config(key["n_bucket"], arch, elems)
+
+    return default
 
 
 def candidates(key, arch: str) -> list[RowConfig]:
@@ -160,7 +176,7 @@ def _make(name: str) -> Tunable:
     return Tunable(
         name=name,
         config_type=RowConfig,
-        default=_bwd_default if name.endswith("_bwd") else _default,
+        default=_bwd_default_for(name) if name.endswith("_bwd") else _default,
         candidates=candidates,
         is_valid=_valid,
         artifact_dir=ARTIFACTS,

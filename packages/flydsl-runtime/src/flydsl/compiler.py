@@ -46,7 +46,7 @@ import triton.language as tl
 from . import _backend
 from .errors import ArgumentError, DeviceError
 
-__all__ = ["kernel", "func", "jit", "launch", "cdiv", "next_power_of_2", "interpreting"]
+__all__ = ["kernel", "func", "jit", "launch", "programs_per_sm", "cdiv", "next_power_of_2", "interpreting"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -289,11 +289,12 @@ def _key(device: int, args: tuple, meta: dict) -> tuple:
 class _Lean:
     """Per-kernel table: specialization key -> (launcher, function, packed metadata, constexpr tail)."""
 
-    __slots__ = ("kernel", "table")
+    __slots__ = ("kernel", "table", "occupancy")
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.table: dict = {}
+        self.occupancy: dict = {}
 
     def first(self, key, grid, args, meta):
         compiled = self.kernel[grid](*args, **meta)  # Triton's path: compiles (or loads) and launches
@@ -310,6 +311,13 @@ def _hooks_idle() -> bool:
     return not getattr(enter, "calls", enter) and not getattr(exit_, "calls", exit_)
 
 
+def _lean(kernel) -> _Lean:
+    lean = kernel.__dict__.get("_flydsl_lean")
+    if lean is None:
+        lean = kernel._flydsl_lean = _Lean(kernel)
+    return lean
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with Triton's per-call host work skipped once compiled.
 
@@ -322,9 +330,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     if interpreting():
         kernel[grid](*args, **meta)
         return
-    lean = kernel.__dict__.get("_flydsl_lean")
-    if lean is None:
-        lean = kernel._flydsl_lean = _Lean(kernel)
+    lean = _lean(kernel)
     device = _current_cuda_device()  # a compiled kernel's handle belongs to one device's context
     key = _key(device, args, meta)
     entry = lean.table.get(key)
@@ -335,3 +341,44 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, packed, None, None, None, *args, *tail)
+
+
+def _sm_limits(device: int) -> tuple[int, int, int]:
+    """(registers, threads, shared-memory bytes) of one SM of ``device`` (Hopper's where torch does not say)."""
+    p = torch.cuda.get_device_properties(device)
+    return (
+        getattr(p, "regs_per_multiprocessor", 65536),
+        getattr(p, "max_threads_per_multi_processor", 2048),
+        getattr(p, "shared_memory_per_multiprocessor", 233472),
+    )
+
+
+def programs_per_sm(kernel, *args, **meta) -> int:
+    """How many programs of this specialization one SM holds at once: the size of a resident wave per SM.
+
+    Same arguments as :func:`launch`. Compiles the kernel if needed (no
+    launch) and reads its real register and shared-memory use, so a
+    persistent grid of ``programs_per_sm(...) * sm_count`` programs is one
+    wave whatever the launch config. Registers are allocated per warp in
+    blocks of 256; each program also reserves 1 KB of shared memory. The
+    interpreter runs one program at a time: 1.
+    """
+    if interpreting():
+        return 1
+    lean = _lean(kernel)
+    device = _current_cuda_device()
+    key = _key(device, args, meta)
+    count = lean.occupancy.get(key)
+    if count is None:
+        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        compiled._init_handles()
+        warps = compiled.metadata.num_warps
+        regs, threads, smem = _sm_limits(device)
+        regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+        by_regs = regs // (regs_per_warp * warps)
+        by_threads = threads // (32 * warps)
+        by_smem = smem // (compiled.metadata.shared + 1024)
+        count = lean.occupancy[key] = max(1, min(by_regs, by_threads, by_smem, 32))
+    return count

@@ -141,9 +141,13 @@ def _norm_fwd_kernel(
     row_ok = rows < M
     cols = fx.arange(0, BLOCK_N)
     x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
-    r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
     y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
-    h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
+    if HAS_RESIDUAL:
+        r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
+        h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
+    else:  # absent operands arrive as None (a constexpr): never dereferenced
+        r_rows = r_ptr
+        h_rows = h_ptr
 
     if SINGLE_PASS:
         cmask = cols < N
@@ -423,13 +427,11 @@ def launch_fwd(
     if m == 0:
         return
     store_stats = rstd is not None
-    # Operands that are absent are replaced by a valid pointer the kernel never touches.
+    # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off
     flyc.launch(
         _norm_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
-        x2, x2 if r2 is None else r2, x2 if w is None else w, x2 if b is None else b, x2 if s is None else s,
-        y2, y2 if h2 is None else h2, x2 if mean is None else mean, x2 if rstd is None else rstd,
-        x2 if qscale is None else qscale,
+        x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
         float(eps), float(weight_offset),
         IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
@@ -440,13 +442,32 @@ def launch_fwd(
     # fmt: on
 
 
-def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
-    """Programs of the backward grid: one resident wave, each program looping over row blocks.
+def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg: RowConfig):
+    """(args, meta) of the backward kernel; absent operands are replaced by ``rstd``, which they never touch."""
+    m, n = h2.shape
+    # fmt: off
+    args = (
+        h2, h2 if w is None else w, dy2, h2 if dres2 is None else dres2, rstd if mean is None else mean, rstd,
+        dx2, rstd if dwp is None else dwp, rstd if dbp is None else dbp, rstd if scratch is None else scratch,
+        m, n, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
+        float(weight_offset),
+    )
+    meta = dict(
+        IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
+        COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
+        num_warps=cfg.num_warps,
+    )
+    # fmt: on
+    return args, meta
 
-    A program of the backward holds up to ~128 registers a thread, so an SM
-    keeps ``16 // num_warps`` of them resident (65536 registers); more
-    programs would only queue behind them and add rows to the [programs, N]
-    fp32 partial buffer. ``per_sm`` overrides the count (measurements).
+
+def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
+    """Programs of the backward grid, each looping over row blocks: ``16 // num_warps`` per SM.
+
+    Measured on the H200 against 1, 2 and 4 per SM (PERF.md, v1): this count
+    won at every width, although with the 16-elements-a-thread defaults
+    (180-215 registers) only half of it is resident at 4-8 warps; the second
+    wave's programs start as the first finish. ``per_sm`` overrides it (probes).
     """
     sms = flydsl.arch.current(device).sm_count
     per_sm = per_sm or max(1, 16 // cfg.num_warps)
@@ -461,21 +482,10 @@ def launch_bwd(
 
     ``scratch`` (fp32 [2, M]) is needed by the chunked path only.
     """
-    m, n = h2.shape
-    if m == 0:
+    if h2.shape[0] == 0:
         return
-    # fmt: off
-    flyc.launch(
-        _norm_bwd_kernel, (programs,),
-        h2, h2 if w is None else w, dy2, h2 if dres2 is None else dres2, rstd if mean is None else mean, rstd,
-        dx2, rstd if dwp is None else dwp, rstd if dbp is None else dbp, rstd if scratch is None else scratch,
-        m, n, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
-        float(weight_offset),
-        IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
-        COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
-    )
-    # fmt: on
+    args, meta = _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg)
+    flyc.launch(_norm_bwd_kernel, (programs,), *args, **meta)
 
 
 @flyc.jit(skip_empty=False)
@@ -712,10 +722,10 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
                 t.zero_()
         return
     dev = h2.device
+    scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
     programs = bwd_programs(m, cfg, dev)
     dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
     dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
-    scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
     launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
     if dwp is not None:
         launch_sum_partials(dwp, dweight)

@@ -1,0 +1,103 @@
+"""Compile FlyDSL kernels for sm_90 on a machine without a GPU and report registers and spills.
+
+    python tools/sm90_compile.py norm_fwd norm_bwd      (cases below; default: all)
+
+Triton compiles for an explicit target without a device; ptxas (shipped in the
+triton wheel) reports each kernel's registers and stack; no launch happens.
+Used to check register budgets before spending device time: a program of
+W warps that needs more than 65536 / (32 * W * k) registers a thread cannot
+keep k programs resident on an SM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("FLYDSL_INTERPRET", "0")  # compile for the GPU target even on a machine without one
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import flydsl  # noqa: E402, F401 - backend choice before triton
+from fly_norm._kernels import norm  # noqa: E402
+from fly_norm.autotune import bwd_default_row_config  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def resources(kernel, signature: dict, constexprs: dict, num_warps: int) -> str:
+    """'REG:n STACK:n SHARED:n' of ``kernel`` compiled for sm_90 with ``signature`` (name -> Triton type)."""
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = ASTSource(kernel, sig, constexprs, attrs)
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    return m.group(0) if m else out.strip()
+
+
+def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=False):
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}
+    consts = {"r_ptr": None, "b_ptr": None, "s_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None,
+              "qs_ptr": None}
+    if residual:
+        ptrs.update(r_ptr="*bf16", h_ptr="*bf16")
+        del consts["r_ptr"], consts["h_ptr"]
+    if stats:
+        ptrs.update(rstd_ptr="*fp32", mean_ptr="*fp32")
+        del consts["rstd_ptr"], consts["mean_ptr"]
+    sig = {**ptrs, "M": "i32", "N": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+           "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
+    consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
+                  STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+    return norm._norm_fwd_kernel, sig, consts, warps
+
+
+def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
+    sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dres_ptr": "*bf16", "mean_ptr": "*fp32",
+           "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dwp_ptr": "*fp32", "dbp_ptr": "*fp32", "c_ptr": "*fp32",
+           "M": "i32", "N": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
+           "weight_offset": "fp32"}
+    consts = dict(IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True, COMPUTE_DB=db,
+                  BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+    return norm._norm_bwd_kernel, sig, consts, warps
+
+
+CASES = {
+    "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
+                 ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
+                 ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),
+                 ("rms res+stats 1x4096 w8", _fwd(1, 4096, 8, True, residual=True, stats=True))],
+    # The backward defaults of both norms (fly_norm.autotune), row widths 256-16K.
+    "norm_bwd": [
+        (f"{op} {c.block_m}x{c.block_n} w{c.num_warps}",
+         _bwd(c.block_m, c.block_n, c.num_warps, c.single_pass, is_rms=op == "rms", db=op == "ln"))
+        for op, elems in (("rms", 16), ("ln", 8))
+        for c in (bwd_default_row_config(n, "sm_90", elems) for n in (256, 1024, 2048, 4096, 8192, 16384))
+    ],
+}
+
+
+def main(argv: list[str]) -> int:
+    for group in argv or list(CASES):
+        for label, (kernel, sig, consts, warps) in CASES[group]:
+            try:
+                print(f"{group:9s} {label:28s} {resources(kernel, sig, consts, warps)}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next case
+                print(f"{group:9s} {label:28s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
