@@ -216,3 +216,8 @@ def test_programs_per_sm_reads_the_compiled_kernel():
     assert flyc.programs_per_sm(_scale_kernel, x, out, 4096, 1, 2.0, BLOCK=64, num_warps=1) == 32
     # 32 warps: 1024 threads a program, 2048 per SM.
     assert flyc.programs_per_sm(_scale_kernel, x, out, 4096, 1, 2.0, BLOCK=64, num_warps=32) == 2
+
+
+def test_on_current_device(device):
+    t = torch.zeros(2, device=device)
+    assert flyc.on_current_device(t) == (device.type == "cuda")

@@ -46,7 +46,10 @@ import triton.language as tl
 from . import _backend
 from .errors import ArgumentError, DeviceError
 
-__all__ = ["kernel", "func", "jit", "launch", "programs_per_sm", "cdiv", "next_power_of_2", "interpreting"]
+__all__ = [
+    "kernel", "func", "jit", "launch", "programs_per_sm", "on_current_device", "cdiv", "next_power_of_2",
+    "interpreting",
+]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,6 +139,15 @@ def _current_cuda_device() -> int:
     # torch.cuda.current_device() re-checks lazy initialisation on every call
     # (about a microsecond); the raw query is what the launch path can afford.
     return torch._C._cuda_getDevice()
+
+
+def on_current_device(t: torch.Tensor) -> bool:
+    """True for a CUDA tensor on the current device, where a launch without guards goes.
+
+    Callers that have already checked their operands' devices use it to call
+    a launcher's ``__wrapped__`` directly and skip the repeated checks.
+    """
+    return t.is_cuda and t.get_device() == _current_cuda_device()
 
 
 def _as_stream(stream: Any, device: torch.device):

@@ -604,7 +604,7 @@ def _fwd_outputs(x, residual, store_stats, is_rms, qdtype, placeholders=True):
     eager fast path, None (three fewer allocations per call)."""
     dev = x.device
     unused = _empty(dev) if placeholders else None
-    y = torch.empty(x.shape, dtype=qdtype or x.dtype, device=dev)
+    y = torch.empty_like(x, dtype=qdtype or x.dtype, memory_format=torch.contiguous_format)
     h = torch.empty(x.shape, dtype=residual.dtype, device=dev) if residual is not None else unused
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_stats else unused
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_stats and not is_rms else unused
@@ -650,8 +650,11 @@ def norm_forward(
     m_stats = rstd.view(-1) if store_stats else None
     mean_stats = mean.view(-1) if store_stats and not is_rms else None
 
+    # Eager calls on the current device skip the launcher's device checks: check_norm_args made them.
+    launch = launch_fwd.__wrapped__ if not placeholders and flyc.on_current_device(x) else launch_fwd
+
     def run(cfg):
-        launch_fwd(x2, r2, weight, bias, None, y2, h2, mean_stats, m_stats, None, eps, weight_offset, is_rms, None, cfg)
+        launch(x2, r2, weight, bias, None, y2, h2, mean_stats, m_stats, None, eps, weight_offset, is_rms, None, cfg)
         return y if residual is None else (y, h)
 
     cfg = config or config_for(
