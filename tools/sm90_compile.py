@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import flydsl  # noqa: E402, F401 - backend choice before triton
-from fly_norm._kernels import norm  # noqa: E402
+from fly_norm._kernels import norm, norm_split  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,7 +74,28 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
     return norm._norm_bwd_kernel, sig, consts, warps
 
 
+def _split(is_rms=True, residual=False, stats=False, parts=16):
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
+    consts = {"r_ptr": None, "b_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None}
+    if residual:
+        ptrs.update(r_ptr="*bf16", h_ptr="*bf16")
+        del consts["r_ptr"], consts["h_ptr"]
+    if stats:
+        ptrs.update(rstd_ptr="*fp32", mean_ptr="*fp32")
+        del consts["rstd_ptr"], consts["mean_ptr"]
+    if not is_rms:  # layer_norm with a bias
+        ptrs.update(b_ptr="*bf16")
+        del consts["b_ptr"]
+    sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+           "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
+    consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_STATS=stats,
+                  SLICE=norm_split._SLICE, PARTS_POW2=parts, SPIN_LIMIT=norm_split._SPIN_LIMIT)
+    return norm_split._norm_fwd_split_kernel, sig, consts, norm_split._WARPS
+
+
 CASES = {
+    "norm_split": [("rms", _split()), ("ln", _split(is_rms=False)),
+                   ("ln res+stats", _split(is_rms=False, residual=True, stats=True))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

@@ -8,7 +8,9 @@ against ``flydsl.expr`` only, and runs both compiled and in the interpreter
 - masked, vectorizable row loads/stores (upcast to fp32 on load, downcast on store);
 - fp32 reductions (sum, sum of squares, max, absolute max);
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
-- epilogue activations on fp32 values, selected by a constexpr code.
+- epilogue activations on fp32 values, selected by a constexpr code;
+- arrival counters for programs of one resident wave that work on the same
+  row (compiled only: the interpreter runs programs one after another).
 """
 
 from __future__ import annotations
@@ -97,6 +99,38 @@ def max_f32(x, axis: fx.constexpr):
 @flyc.func
 def absmax_f32(x, axis: fx.constexpr):
     return fx.max(fx.abs(x.to(fx.float32)), axis=axis)
+
+
+# ------------------------------------------------- programs of one resident wave
+
+# A kernel whose programs wait on each other must be launched with a grid no
+# larger than what the GPU holds at once (flyc.programs_per_sm x SMs), so that
+# every program it waits for is running. The interpreter executes programs one
+# at a time: there a wait would never end, and kernels must not call these.
+
+
+@flyc.func
+def arrive(counter_ptr):
+    """Make this program's stores visible, then count it in at ``counter_ptr`` (int32)."""
+    fx.debug_barrier()  # every thread's stores are issued before the count
+    fx.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@flyc.func
+def wait_count(counter_ptr, target, SPIN_LIMIT: fx.constexpr):
+    """Poll ``counter_ptr`` until it reaches ``target`` (acquire); False when SPIN_LIMIT polls passed first.
+
+    A False return means a program of the wave never arrived (a grid larger
+    than one wave, or SMs taken away): callers poison their output instead
+    of hanging the GPU.
+    """
+    seen = fx.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = fx.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    fx.debug_barrier()  # the whole program proceeds together, after the acquire
+    return seen >= target
 
 
 # ----------------------------------------------------------------- rounding

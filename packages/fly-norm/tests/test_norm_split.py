@@ -1,0 +1,78 @@
+"""The split path of the norm forward (rows of 32K+ columns over several programs of one wave; GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from norm_helpers import randn
+
+import flydsl.compiler as flyc
+from fly_norm import layer_norm, rms_norm
+from fly_norm._kernels.norm_split import SPLIT_MIN_N, launch_fwd_split, split_applies
+from fly_norm.reference import layer_norm_ref, rms_norm_ref
+from flydsl.testing import assert_rel_close, empty_poisoned
+
+
+def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_or_quantized_rows():
+    assert not split_applies(SPLIT_MIN_N - 1)
+    assert not split_applies(SPLIT_MIN_N, quantized=True)
+    assert split_applies(SPLIT_MIN_N) == (not flyc.interpreting())
+
+
+# (M, N): one slice short (40000 = 16384 + 16384 + 7232: 3 slices, padded to 4), an odd width
+# (65537: a 1-column last slice), more rows than the wave has row groups, the widest rows.
+SPLIT_SHAPES = [(5, 40000), (3, 65537), (300, 65536), (40, 262144), (2, 1048576)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n", SPLIT_SHAPES)
+def test_split_forward_matches_reference(dtype, m, n):
+    x = randn(m, n, dtype=dtype, device="cuda", scale=2.0) + 0.5
+    w = randn(n, dtype=dtype, device="cuda", seed=1)
+    b = randn(n, dtype=dtype, device="cuda", seed=2)
+    assert_rel_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert_rel_close(layer_norm(x, w, b, 1e-5), layer_norm_ref(x, w, b, 1e-5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_split_low_level_writes_every_element_and_the_stats(is_rms):
+    """Strided rows, fused residual, fp32 weight with bf16 rows, (1 + w), a large mean; poisoned outputs."""
+    m, n = 67, 50000
+    base = randn(m, n + 64, dtype=torch.bfloat16, device="cuda", scale=3.0) + 100.0  # |mean| >> std
+    x2 = base[:, 32 : 32 + n]
+    r2 = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
+    w = randn(n, dtype=torch.float32, device="cuda", seed=4)
+    b = None if is_rms else randn(n, dtype=torch.float32, device="cuda", seed=5)
+    y_buf = empty_poisoned(m, n + 16, dtype=torch.bfloat16, device="cuda")
+    y2 = y_buf[:, :n]
+    h2 = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    rstd = empty_poisoned(m, dtype=torch.float32, device="cuda")
+    mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device="cuda")
+    assert launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, 1e-5, 1.0, is_rms)
+    h = x2.double() + r2.double()
+    assert_rel_close(h2, h)
+    if is_rms:
+        ref = rms_norm_ref(x2, w, 1e-5, r2, 1.0)[0]
+        ref_rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-5)
+    else:
+        ref = layer_norm_ref(x2, w, b, 1e-5, r2, 1.0)[0]
+        ref_rstd = torch.rsqrt(h.var(-1, unbiased=False) + 1e-5)
+        assert_rel_close(mean, h.mean(-1), tol=1e-5)
+    assert_rel_close(y2, ref)
+    assert torch.isnan(y_buf[:, n:].float()).all()  # columns past the view untouched
+    assert_rel_close(rstd, ref_rstd, tol=1e-4)
+
+
+@pytest.mark.gpu
+def test_split_backward_through_the_saved_stats():
+    """Training on wide rows: the split forward's rstd feeds the backward."""
+    x = randn(33, 65536, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    w = randn(65536, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
+    dy = randn(33, 65536, dtype=torch.bfloat16, device="cuda", seed=2)
+    rms_norm(x, w, 1e-6).backward(dy)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rms_norm_ref(xd, wd, 1e-6).backward(dy.double())
+    assert_rel_close(x.grad, xd.grad)
+    assert_rel_close(w.grad, wd.grad)
