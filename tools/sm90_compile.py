@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import flydsl  # noqa: E402, F401 - backend choice before triton
-from fly_norm._kernels import norm, norm_split  # noqa: E402
+from fly_norm._kernels import norm, split  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -89,13 +89,26 @@ def _split(is_rms=True, residual=False, stats=False, parts=16):
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_STATS=stats,
-                  SLICE=norm_split._SLICE, PARTS_POW2=parts, SPIN_LIMIT=norm_split._SPIN_LIMIT)
-    return norm_split._norm_fwd_split_kernel, sig, consts, norm_split._WARPS
+                  SLICE=split._SLICE, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+    return split._norm_fwd_split_kernel, sig, consts, split._WARPS
+
+
+def _softmax_split(backward=False, parts=16):
+    consts = dict(SLICE=split._SLICE_BWD if backward else split._SLICE, PARTS_POW2=parts,
+                  SPIN_LIMIT=split._SPIN_LIMIT)
+    if backward:
+        sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+               "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
+        return split._softmax_bwd_split_kernel, sig, consts, split._WARPS
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+           "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
+    return split._softmax_fwd_split_kernel, sig, consts, split._WARPS
 
 
 CASES = {
     "norm_split": [("rms", _split()), ("ln", _split(is_rms=False)),
-                   ("ln res+stats", _split(is_rms=False, residual=True, stats=True))],
+                   ("ln res+stats", _split(is_rms=False, residual=True, stats=True)),
+                   ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

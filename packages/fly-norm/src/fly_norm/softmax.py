@@ -8,7 +8,10 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
 - single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
   program) stays in registers between the reductions and the write, so each
   element is read once and written once;
-- chunked (rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
+- split (a GPU, rows of 32K+ columns forward, 16K+ backward): each row over
+  several programs of one resident wave, read once
+  (:mod:`fly_norm._kernels.split`);
+- chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
   forward makes one *online* pass over the row's chunks that carries the
   running (max, sum) pair, then a second pass that normalizes and writes; the
   backward accumulates ``sum(dy * y)`` in a first pass and writes dx in a
@@ -45,6 +48,12 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
+from ._kernels.split import (
+    SPLIT_MIN_N_SOFTMAX_BWD,
+    launch_softmax_bwd_split,
+    launch_softmax_fwd_split,
+    split_applies,
+)
 from .autotune import row_config_for
 from .reference import softmax_bwd_ref, softmax_ref
 
@@ -237,8 +246,14 @@ def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | N
 
 
 def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
-    """Launch the forward kernel on [M, N] rows; no checks (callers check)."""
+    """Launch the forward kernel on [M, N] rows; no checks (callers check).
+
+    Rows of 32K+ columns on a GPU go through the split path (each row over
+    several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
+    """
     m, n = x2.shape
+    if split_applies(n) and launch_softmax_fwd_split(x2, y2):
+        return
     flyc.launch(
         _softmax_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2,
@@ -256,6 +271,8 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
 
 def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
     m, n = y2.shape
+    if split_applies(n, min_n=SPLIT_MIN_N_SOFTMAX_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
+        return
     flyc.launch(
         _softmax_bwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         dy2,

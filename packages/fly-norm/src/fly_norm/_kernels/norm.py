@@ -17,7 +17,7 @@ Forward, per row ``h = x (+ residual)``::
   The quantized forward needs the row's absolute max of y before writing, so
   it adds a third pass;
 - split (rows of 32K+ columns on a GPU, float output): each row over several
-  programs of one resident wave, read once (:mod:`.norm_split`).
+  programs of one resident wave, read once (:mod:`.split`).
 
 Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
 
@@ -46,7 +46,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset
 from flydsl_common.rows import RowConfig, as_rows
 
-from .norm_split import launch_fwd_split, split_applies
+from .split import launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
     "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
@@ -433,7 +433,7 @@ def launch_fwd(
     if split_applies(n, qdtype is not None) and launch_fwd_split.__wrapped__(
         x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rms
     ):
-        return  # wide rows on a GPU: split over the programs of one wave (norm_split.py)
+        return  # wide rows on a GPU: split over the programs of one wave (split.py)
     store_stats = rstd is not None
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off

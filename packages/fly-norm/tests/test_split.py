@@ -1,4 +1,4 @@
-"""The split path of the norm forward (rows of 32K+ columns over several programs of one wave; GPU only)."""
+"""The split paths (rows of 16K-32K+ columns over several programs of one wave; GPU only): norm forward, softmax."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ from norm_helpers import randn
 
 import flydsl.compiler as flyc
 from fly_norm import layer_norm, rms_norm
-from fly_norm._kernels.norm_split import SPLIT_MIN_N, launch_fwd_split, split_applies
-from fly_norm.reference import layer_norm_ref, rms_norm_ref
-from flydsl.testing import assert_rel_close, empty_poisoned
+from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_SOFTMAX_BWD, launch_fwd_split, split_applies
+from fly_norm.reference import layer_norm_ref, rms_norm_ref, softmax_bwd_ref, softmax_ref
+from fly_norm.softmax import softmax, softmax_bwd, softmax_bwd_config, softmax_config, softmax_fwd
+from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 
 
 def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_or_quantized_rows():
     assert not split_applies(SPLIT_MIN_N - 1)
     assert not split_applies(SPLIT_MIN_N, quantized=True)
     assert split_applies(SPLIT_MIN_N) == (not flyc.interpreting())
+    assert split_applies(SPLIT_MIN_N_SOFTMAX_BWD, min_n=SPLIT_MIN_N_SOFTMAX_BWD) == (not flyc.interpreting())
 
 
 # (M, N): one slice short (40000 = 16384 + 16384 + 7232: 3 slices, padded to 4), an odd width
@@ -76,3 +78,38 @@ def test_split_backward_through_the_saved_stats():
     rms_norm_ref(xd, wd, 1e-6).backward(dy.double())
     assert_rel_close(x.grad, xd.grad)
     assert_rel_close(w.grad, wd.grad)
+
+
+# ---------------------------------------------------------------- softmax
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n", [*SPLIT_SHAPES, (9, 20000)])
+def test_split_softmax_forward_and_backward(dtype, m, n):
+    x = randn(m, n, dtype=dtype, device="cuda", scale=4.0)
+    y = empty_poisoned(m, n, dtype=dtype, device="cuda")
+    softmax_fwd(x, y, softmax_config(n, dtype, x.device))
+    assert_rel_close(y, softmax_ref(x))
+    dy = randn(m, n, dtype=dtype, device="cuda", seed=3)
+    dx = empty_poisoned(m, n, dtype=dtype, device="cuda")
+    softmax_bwd(dy, y, dx, softmax_bwd_config(n, dtype, x.device))
+    # dx = y * (dy - dot) cancels where dy is close to dot: twice the dtype's tolerance, as the softmax tests
+    assert_rel_close(dx, softmax_bwd_ref(dy, y), tol=2 * tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_split_softmax_extremes():
+    """A row of -inf (NaN, as torch), a slice of -inf inside a finite row, huge and tiny magnitudes."""
+    n = 50000
+    x = randn(4, n, device="cuda", scale=3.0)
+    x[0] = float("-inf")
+    x[1, :20000] = float("-inf")  # the first slice and part of the second: max and sum come from the rest
+    x[2] = x[2] * 1e4
+    x[3] = x[3] - 1e4  # every exp(x) underflows unless the max is subtracted first
+    y = softmax(x)
+    ref = torch.softmax(x.double(), -1)
+    assert torch.isnan(y[0]).all() and torch.isnan(ref[0]).all()
+    assert (y[1, :20000] == 0).all()
+    assert_rel_close(y[1:], ref[1:])
+    torch.testing.assert_close(y[1:].double().sum(-1), torch.ones(3, dtype=torch.float64, device="cuda"))

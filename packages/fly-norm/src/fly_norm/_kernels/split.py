@@ -1,0 +1,273 @@
+"""Rows too wide for one program, split over several programs of one resident wave (GPU only).
+
+Used by the RMSNorm / LayerNorm forward and by softmax forward and backward
+for rows of tens of thousands of columns and more, where the one-program
+chunked paths (:mod:`fly_norm._kernels.norm`, :mod:`fly_norm.softmax`) read
+each row twice and the second read misses L2 once 132 rows of 128 KB+ are in
+flight.
+
+A row of N columns is cut into ``parts`` slices of SLICE columns (the last
+may be short). The grid is one resident wave of ``groups * parts`` programs;
+program ``pid`` always works on slice ``pid % parts`` of the rows ``group,
+group + groups, ...`` (``group = pid // parts``). For each of its rows a
+program
+
+1. reduces its slice, already in registers, to the slice's partial result
+   (norms: the sum of squares, or the slice's mean and M2; softmax forward:
+   the slice's max and sum of exponentials; softmax backward: the slice's
+   sum of dy * y), stores it to ``part[row]`` and counts itself in at the
+   row's arrival counter;
+2. loads the slice of its next row (a prefetch: those loads are in flight
+   while it waits);
+3. waits until every program of the row has arrived, merges the partial
+   results (LayerNorm: Chan's parallel formula; softmax: rescaling each
+   slice's sum to the row's max) and writes its slice of the output from
+   registers.
+
+Every element is read once and written once: the copy's floor.
+
+The waits need every program of a row to be running at once: the grid never
+exceeds one wave (:func:`flydsl.compiler.programs_per_sm`). A wait that does
+not end within SPIN_LIMIT polls poisons its row with NaN instead of hanging
+the GPU. The interpreter runs programs one at a time, so there these paths
+are never taken (:func:`split_applies`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import arrive, row_offset, wait_count
+
+__all__ = [
+    "SPLIT_MIN_N", "SPLIT_MIN_N_SOFTMAX_BWD", "split_applies", "launch_fwd_split", "launch_softmax_fwd_split",
+    "launch_softmax_bwd_split",
+]  # fmt: skip
+
+SPLIT_MIN_N = 32768  # rows at least this wide take a split forward on a GPU
+SPLIT_MIN_N_SOFTMAX_BWD = 16384  # the softmax backward's chunked path already lost 25% at 16K (PERF.md, v1)
+_SLICE = 16384  # columns a forward program holds: 16 warps x 32 threads x 32 elements
+_SLICE_BWD = 8192  # the softmax backward holds two rows (dy, y): 16 elements a thread each
+_WARPS = 16
+_SPIN_LIMIT = 1 << 20  # polls of a counter (~1 us each: about a second) before a row is given up, poisoned
+_LOG2E = fx.constexpr(1.4426950408889634)
+_NEG_INF = fx.constexpr(float("-inf"))
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_fwd_split_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr,              # inputs (None when absent)
+    y_ptr, h_ptr, mean_ptr, rstd_ptr,        # outputs (None when not wanted)
+    part_ptr, cnt_ptr,                       # fp32 [M, 2 * PARTS_POW2] slice statistics, int32 [M] arrivals (zeroed)
+    M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
+    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
+    STORE_STATS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):
+    # fmt: on
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    group = pid // parts
+    c = part * SLICE + fx.arange(0, SLICE)
+    cmask = c < N
+    n_here = fx.minimum(N - part * SLICE, SLICE) * 1.0  # elements of this slice
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
+
+    x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=0.0)
+    if HAS_RESIDUAL:
+        r_nx = fx.load(r_ptr + row_offset(group, stride_r) + c, mask=cmask & (group < M), other=0.0)
+    for row in range(group, M, groups):
+        h = x_nx.to(fx.float32)
+        if HAS_RESIDUAL:
+            h += r_nx.to(fx.float32)
+            fx.store(h_ptr + row_offset(row, stride_h) + c, h.to(h_ptr.dtype.element_ty), mask=cmask)
+        # 1. this slice's statistics, published
+        if IS_RMS:
+            s1 = fx.sum(h * h, axis=0)
+            s2 = s1 * 0.0
+        else:
+            s1 = fx.sum(h, axis=0) / n_here
+            d = fx.where(cmask, h - s1, 0.0)
+            s2 = fx.sum(d * d, axis=0)
+        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
+        fx.store(base + part, s1)
+        fx.store(base + PARTS_POW2 + part, s2)
+        arrive(cnt_ptr + row)
+        # 2. the next row's slice, in flight during the wait
+        nxt = row + groups
+        x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=0.0)
+        if HAS_RESIDUAL:
+            r_nx = fx.load(r_ptr + row_offset(nxt, stride_r) + c, mask=cmask & (nxt < M), other=0.0)
+        # 3. the row's statistics from every slice, then y
+        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
+        a = fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+        if IS_RMS:
+            mean = 0.0
+            var = fx.sum(a, axis=0) / N
+        else:
+            b = fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+            mean = fx.sum(a * p_count, axis=0) / N
+            dm = fx.where(p_ok, a - mean, 0.0)
+            var = (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N
+        rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
+        y = (h - mean) * rstd
+        if HAS_WEIGHT:
+            y = y * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)
+        if HAS_BIAS:
+            y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+        fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+        if STORE_STATS:
+            if not IS_RMS:
+                fx.store(mean_ptr + row, mean, mask=part == 0)
+            fx.store(rstd_ptr + row, rstd, mask=part == 0)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_fwd_split_kernel(
+    x_ptr, y_ptr, part_ptr, cnt_ptr, M, N, parts, stride_x, stride_y,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):  # fmt: skip
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    group = pid // parts
+    c = part * SLICE + fx.arange(0, SLICE)
+    cmask = c < N
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=_NEG_INF)
+    for row in range(group, M, groups):
+        x = x_nx.to(fx.float32)
+        # 1. the slice's max and its sum of exp(x - max) (an all -inf slice: max -inf, sum 0)
+        m_b = fx.max(x, axis=0)
+        base_b = fx.where(m_b > _NEG_INF, m_b, 0.0)
+        s_b = fx.sum(fx.exp2((x - base_b) * _LOG2E), axis=0)
+        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
+        fx.store(base + part, m_b)
+        fx.store(base + PARTS_POW2 + part, s_b)
+        arrive(cnt_ptr + row)
+        # 2. the next row's slice, in flight during the wait
+        nxt = row + groups
+        x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=_NEG_INF)
+        # 3. the row's max and sum from every slice, then y
+        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
+        ms = fx.load(base + p_idx, mask=p_ok, other=_NEG_INF, cache_modifier=".cg")
+        ss = fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+        m = fx.max(ms, axis=0)
+        row_base = fx.where(m > _NEG_INF, m, 0.0)
+        slice_base = fx.where(ms > _NEG_INF, ms, 0.0)
+        s = fx.sum(fx.where(ss > 0, ss * fx.exp2((slice_base - row_base) * _LOG2E), 0.0), axis=0)
+        inv = fx.where(ok, 1.0 / s, float("nan"))  # an all -inf row: 0 * inf = NaN, as torch.softmax
+        y = fx.exp2((x - row_base) * _LOG2E) * inv
+        fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_bwd_split_kernel(
+    dy_ptr, y_ptr, dx_ptr, part_ptr, cnt_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):  # fmt: skip
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    group = pid // parts
+    c = part * SLICE + fx.arange(0, SLICE)
+    cmask = c < N
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
+    y_nx = fx.load(y_ptr + row_offset(group, stride_y) + c, mask=cmask & (group < M), other=0.0)
+    for row in range(group, M, groups):
+        dy = dy_nx.to(fx.float32)
+        y = y_nx.to(fx.float32)
+        base = part_ptr + row_offset(row, PARTS_POW2)
+        fx.store(base + part, fx.sum(dy * y, axis=0))
+        arrive(cnt_ptr + row)
+        nxt = row + groups
+        dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
+        y_nx = fx.load(y_ptr + row_offset(nxt, stride_y) + c, mask=cmask & (nxt < M), other=0.0)
+        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
+        dot = fx.sum(fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0)
+        dot = fx.where(ok, dot, float("nan"))
+        fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
+
+
+# ---------------------------------------------------------------- host
+
+
+def split_applies(n: int, quantized: bool = False, min_n: int = SPLIT_MIN_N) -> bool:
+    """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns, float output."""
+    return n >= min_n and not quantized and not flyc.interpreting()
+
+
+def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> bool:
+    """Allocate the statistics and counters, size one wave and launch; False (nothing launched) when one wave
+    cannot hold all the slices of a row (rows past ~2M columns): the caller then takes its chunked path.
+
+    ``build(part, cnt, parts, parts_pow2)`` returns the kernel's (args, meta).
+    """
+    m, n = rows.shape
+    if m == 0:
+        return True
+    parts = flyc.cdiv(n, slice_cols)
+    pp = flyc.next_power_of_2(parts)
+    part = torch.empty(m, stat_cols * pp, dtype=torch.float32, device=device)
+    cnt = torch.zeros(m, dtype=torch.int32, device=device)
+    args, meta = build(part, cnt, parts, pp)
+    wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
+    if wave < parts:
+        return False
+    flyc.launch(kernel, (min(m, wave // parts) * parts,), *args, **meta)
+    return True
+
+
+@flyc.jit(skip_empty=False)
+def launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rms, stream=None) -> bool:
+    """Forward of either norm on [M, N] row views through the split path (False: not launched, see
+    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent).
+    """
+
+    def build(part, cnt, parts, pp):
+        m, n = x2.shape
+        # fmt: off
+        args = (
+            x2, r2, w, b, y2, h2, mean, rstd, part, cnt,
+            m, n, parts, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0),
+            0 if h2 is None else h2.stride(0), float(eps), float(weight_offset),
+        )
+        meta = dict(
+            IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+            STORE_STATS=rstd is not None, SLICE=_SLICE, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
+        )
+        # fmt: on
+        return args, meta
+
+    return _launch_split(_norm_fwd_split_kernel, x2, 2, build, _SLICE, x2.device)
+
+
+def launch_softmax_fwd_split(x2, y2) -> bool:
+    """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
+
+    def build(part, cnt, parts, pp):
+        m, n = x2.shape
+        args = (x2, y2, part, cnt, m, n, parts, x2.stride(0), y2.stride(0))
+        return args, dict(SLICE=_SLICE, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
+
+    return _launch_split(_softmax_fwd_split_kernel, x2, 2, build, _SLICE, x2.device)
+
+
+def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
+    """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
+
+    def build(part, cnt, parts, pp):
+        m, n = y2.shape
+        args = (dy2, y2, dx2, part, cnt, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
+        return args, dict(SLICE=_SLICE_BWD, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
+
+    return _launch_split(_softmax_bwd_split_kernel, y2, 1, build, _SLICE_BWD, y2.device)
