@@ -105,8 +105,23 @@ def _softmax_split(backward=False, parts=16):
     return split._softmax_fwd_split_kernel, sig, consts, split._WARPS
 
 
+def _bwd_split(is_rms=True, parts=4):
+    sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+           "dx_ptr": "*bf16", "dwp_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+           "parts": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
+           "weight_offset": "fp32"}
+    consts = dict(dres_ptr=None, IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True,
+                  COMPUTE_DB=not is_rms, SLICE=split._SLICE_BWD, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+    if is_rms:
+        consts.update(dbp_ptr=None)
+    else:
+        sig.update(dbp_ptr="*fp32")
+    return split._norm_bwd_split_kernel, sig, consts, split._WARPS
+
+
 CASES = {
-    "norm_split": [("rms", _split()), ("ln", _split(is_rms=False)),
+    "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
+                   ("rms", _split()), ("ln", _split(is_rms=False)),
                    ("ln res+stats", _split(is_rms=False, residual=True, stats=True)),
                    ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from norm_helpers import randn
+from norm_helpers import randn, reference_grads
 
 import flydsl.compiler as flyc
 from fly_norm import layer_norm, rms_norm
-from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_SOFTMAX_BWD, launch_fwd_split, split_applies
+from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split, split_applies
 from fly_norm.reference import layer_norm_ref, rms_norm_ref, softmax_bwd_ref, softmax_ref
 from fly_norm.softmax import softmax, softmax_bwd, softmax_bwd_config, softmax_config, softmax_fwd
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
@@ -18,7 +18,7 @@ def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_or_quantized
     assert not split_applies(SPLIT_MIN_N - 1)
     assert not split_applies(SPLIT_MIN_N, quantized=True)
     assert split_applies(SPLIT_MIN_N) == (not flyc.interpreting())
-    assert split_applies(SPLIT_MIN_N_SOFTMAX_BWD, min_n=SPLIT_MIN_N_SOFTMAX_BWD) == (not flyc.interpreting())
+    assert split_applies(SPLIT_MIN_N_BWD, min_n=SPLIT_MIN_N_BWD) == (not flyc.interpreting())
 
 
 # (M, N): one slice short (40000 = 16384 + 16384 + 7232: 3 slices, padded to 4), an odd width
@@ -68,16 +68,31 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 
 
 @pytest.mark.gpu
-def test_split_backward_through_the_saved_stats():
-    """Training on wide rows: the split forward's rstd feeds the backward."""
-    x = randn(33, 65536, dtype=torch.bfloat16, device="cuda").requires_grad_()
-    w = randn(65536, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
-    dy = randn(33, 65536, dtype=torch.bfloat16, device="cuda", seed=2)
-    rms_norm(x, w, 1e-6).backward(dy)
-    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    rms_norm_ref(xd, wd, 1e-6).backward(dy.double())
-    assert_rel_close(x.grad, xd.grad)
-    assert_rel_close(w.grad, wd.grad)
+@pytest.mark.parametrize("is_rms", [True, False])
+@pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
+def test_split_backward_with_fused_residual(is_rms, m, n):
+    """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward."""
+    x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
+    r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
+    w = randn(n, device="cuda", seed=2) * 0.1
+    b = None if is_rms else randn(n, device="cuda", seed=3)
+    dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=4)
+    dh = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=5)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)] + ([] if is_rms else [b.clone().requires_grad_()])
+    if is_rms:
+        y, h = rms_norm(leaves[0], leaves[2], 1e-6, residual=leaves[1], weight_offset=1.0)
+
+        def ref(a, rr, ww):
+            return rms_norm_ref(a, ww, 1e-6, rr, 1.0)
+    else:
+        y, h = layer_norm(leaves[0], leaves[2], leaves[3], 1e-5, residual=leaves[1], weight_offset=1.0)
+
+        def ref(a, rr, ww, bb):
+            return layer_norm_ref(a, ww, bb, 1e-5, rr, 1.0)
+    ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+    expected = reference_grads(ref, (x, r, w) if is_rms else (x, r, w, b), (dy, dh))
+    for leaf, exp, name in zip(leaves, expected, ["x", "residual", "weight", "bias"], strict=False):
+        assert_rel_close(leaf.grad, exp, name=f"d{name}", tol=tolerance(torch.bfloat16))
 
 
 # ---------------------------------------------------------------- softmax

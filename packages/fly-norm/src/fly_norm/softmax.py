@@ -49,7 +49,7 @@ from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
 from ._kernels.split import (
-    SPLIT_MIN_N_SOFTMAX_BWD,
+    SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
     launch_softmax_fwd_split,
     split_applies,
@@ -271,7 +271,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
 
 def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
     m, n = y2.shape
-    if split_applies(n, min_n=SPLIT_MIN_N_SOFTMAX_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
+    if split_applies(n, min_n=SPLIT_MIN_N_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
         return
     flyc.launch(
         _softmax_bwd_kernel, (flyc.cdiv(m, cfg.block_m),),

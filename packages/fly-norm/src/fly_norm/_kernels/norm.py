@@ -27,7 +27,8 @@ Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
 dweight/dbias are reduced deterministically without float atomics: each
 program accumulates its rows into fp32 registers and writes one row of a
 ``[programs, N]`` partial buffer; a second small kernel sums the partials
-column-wise in a fixed order.
+column-wise in a fixed order. Rows of 16K+ columns on a GPU go through the
+split backward of :mod:`.split` (same partials, one row per row group).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset
 from flydsl_common.rows import RowConfig, as_rows
 
-from .split import launch_fwd_split, split_applies
+from .split import SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
     "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
@@ -733,11 +734,19 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
                 t.zero_()
         return
     dev = h2.device
-    scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
-    programs = bwd_programs(m, cfg, dev)
-    dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
-    dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
-    launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
+    split = None
+    if split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave (split.py)
+        split = launch_bwd_split(
+            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms
+        )  # fmt: skip
+    if split is not None:
+        dwp, dbp = split
+    else:
+        scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
+        programs = bwd_programs(m, cfg, dev)
+        dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
+        dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
+        launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
     if dwp is not None:
         launch_sum_partials(dwp, dweight)
     if dbp is not None:

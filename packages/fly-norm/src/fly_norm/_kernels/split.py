@@ -43,14 +43,14 @@ import flydsl.expr as fx
 from flydsl_common.device import arrive, row_offset, wait_count
 
 __all__ = [
-    "SPLIT_MIN_N", "SPLIT_MIN_N_SOFTMAX_BWD", "split_applies", "launch_fwd_split", "launch_softmax_fwd_split",
-    "launch_softmax_bwd_split",
+    "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
+    "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 SPLIT_MIN_N = 32768  # rows at least this wide take a split forward on a GPU
-SPLIT_MIN_N_SOFTMAX_BWD = 16384  # the softmax backward's chunked path already lost 25% at 16K (PERF.md, v1)
+SPLIT_MIN_N_BWD = 16384  # backwards: the chunked paths lose 18-53% from 16K columns (PERF.md, v1)
 _SLICE = 16384  # columns a forward program holds: 16 warps x 32 threads x 32 elements
-_SLICE_BWD = 8192  # the softmax backward holds two rows (dy, y): 16 elements a thread each
+_SLICE_BWD = 8192  # a backward program holds two rows (h and dy, or y and dy): 16 elements a thread each
 _WARPS = 16
 _SPIN_LIMIT = 1 << 20  # polls of a counter (~1 us each: about a second) before a row is given up, poisoned
 _LOG2E = fx.constexpr(1.4426950408889634)
@@ -198,6 +198,77 @@ def _softmax_bwd_split_kernel(
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
+@flyc.func
+def _times_weight(v, w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr):
+    if HAS_WEIGHT:
+        return v * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)
+    else:
+        return v
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_bwd_split_kernel(
+    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # inputs (None when absent)
+    dx_ptr, dwp_ptr, dbp_ptr, part_ptr, cnt_ptr,          # dx, [groups, N] weight-gradient partials, row stats
+    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
+    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):
+    # fmt: on
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (w + offset): the two row means are
+    # the partial results; dweight / dbias accumulate per element over the program's rows, for its slice.
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    group = pid // parts
+    c = part * SLICE + fx.arange(0, SLICE)
+    cmask = c < N
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    dw = fx.zeros([SLICE], dtype=fx.float32)
+    db = fx.zeros([SLICE], dtype=fx.float32)
+    h_nx = fx.load(h_ptr + row_offset(group, stride_h) + c, mask=cmask & (group < M), other=0.0)
+    dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
+    for row in range(group, M, groups):
+        h = h_nx.to(fx.float32)
+        dy = dy_nx.to(fx.float32)
+        rstd = fx.load(rstd_ptr + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = fx.load(mean_ptr + row)
+        xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
+        g = _times_weight(dy, w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
+        fx.store(base + part, fx.sum(g * xhat, axis=0))
+        fx.store(base + PARTS_POW2 + part, fx.sum(g, axis=0))
+        arrive(cnt_ptr + row)
+        nxt = row + groups
+        h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
+        dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
+        if COMPUTE_DW:
+            dw += dy * xhat
+        if COMPUTE_DB:
+            db += dy
+        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
+        g = _times_weight(dy, w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
+        c1 = fx.sum(fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0) / N
+        if IS_RMS:
+            dx = (g - xhat * c1) * rstd
+        else:
+            c2 = fx.sum(fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0) / N
+            dx = (g - c2 - xhat * c1) * rstd
+        if HAS_DRES:
+            dx += fx.load(dres_ptr + row_offset(row, stride_dres) + c, mask=cmask, other=0.0).to(fx.float32)
+        dx = fx.where(ok, dx, float("nan"))
+        fx.store(dx_ptr + row_offset(row, stride_dx) + c, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+    if COMPUTE_DW:
+        fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
+    if COMPUTE_DB:
+        fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -206,25 +277,28 @@ def split_applies(n: int, quantized: bool = False, min_n: int = SPLIT_MIN_N) -> 
     return n >= min_n and not quantized and not flyc.interpreting()
 
 
-def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> bool:
-    """Allocate the statistics and counters, size one wave and launch; False (nothing launched) when one wave
-    cannot hold all the slices of a row (rows past ~2M columns): the caller then takes its chunked path.
+def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
+    """Allocate the row statistics and counters, size one wave and launch. Returns the row groups
+    launched, or 0 (nothing launched) when one wave cannot hold all the slices of a row (rows past ~2M
+    columns): the caller then takes its chunked path.
 
-    ``build(part, cnt, parts, parts_pow2)`` returns the kernel's (args, meta).
+    ``build(part, cnt, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
+    with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
+    fp32 tensor: only dtypes and alignment decide the compiled specialization), then with the count.
     """
     m, n = rows.shape
-    if m == 0:
-        return True
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
     part = torch.empty(m, stat_cols * pp, dtype=torch.float32, device=device)
     cnt = torch.zeros(m, dtype=torch.int32, device=device)
-    args, meta = build(part, cnt, parts, pp)
+    args, meta = build(part, cnt, parts, pp, None)
     wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
     if wave < parts:
-        return False
-    flyc.launch(kernel, (min(m, wave // parts) * parts,), *args, **meta)
-    return True
+        return 0
+    groups = min(m, wave // parts)
+    args, meta = build(part, cnt, parts, pp, groups)
+    flyc.launch(kernel, (groups * parts,), *args, **meta)
+    return groups
 
 
 @flyc.jit(skip_empty=False)
@@ -233,7 +307,7 @@ def launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rm
     :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent).
     """
 
-    def build(part, cnt, parts, pp):
+    def build(part, cnt, parts, pp, groups):
         m, n = x2.shape
         # fmt: off
         args = (
@@ -248,26 +322,60 @@ def launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rm
         # fmt: on
         return args, meta
 
-    return _launch_split(_norm_fwd_split_kernel, x2, 2, build, _SLICE, x2.device)
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 2, build, _SLICE, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
     """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
 
-    def build(part, cnt, parts, pp):
+    def build(part, cnt, parts, pp, groups):
         m, n = x2.shape
         args = (x2, y2, part, cnt, m, n, parts, x2.stride(0), y2.stride(0))
         return args, dict(SLICE=_SLICE, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
 
-    return _launch_split(_softmax_fwd_split_kernel, x2, 2, build, _SLICE, x2.device)
+    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, _SLICE, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
 
-    def build(part, cnt, parts, pp):
+    def build(part, cnt, parts, pp, groups):
         m, n = y2.shape
         args = (dy2, y2, dx2, part, cnt, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         return args, dict(SLICE=_SLICE_BWD, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
 
-    return _launch_split(_softmax_bwd_split_kernel, y2, 1, build, _SLICE_BWD, y2.device)
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, _SLICE_BWD, y2.device) > 0
+
+
+@flyc.jit(skip_empty=False)
+def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None):
+    """Backward of either norm on [M, N] row views through the split path: writes dx2 and returns the
+    [groups, N] fp32 weight-gradient partials (dw, db; None where not needed) for the caller's column sum,
+    or None when nothing was launched (see :func:`_launch_split`). ``M > 0``.
+    """
+    partials: dict = {}
+
+    def build(part, cnt, parts, pp, groups):
+        m, n = h2.shape
+        if groups is None:
+            dwp = dbp = part  # sizing the wave: any fresh fp32 buffer keys the same specialization
+        else:
+            dev = h2.device
+            dwp = partials["dw"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_dw else None
+            dbp = partials["db"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_db else None
+        # fmt: off
+        args = (
+            h2, w, dy2, dres2, mean, rstd, dx2, dwp if need_dw else None, dbp if need_db else None, part, cnt,
+            m, n, parts, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
+            float(weight_offset),
+        )
+        meta = dict(
+            IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
+            COMPUTE_DB=need_db, SLICE=_SLICE_BWD, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
+        )
+        # fmt: on
+        return args, meta
+
+    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, _SLICE_BWD, h2.device):
+        return None
+    return partials.get("dw"), partials.get("db")
