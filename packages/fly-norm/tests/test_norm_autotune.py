@@ -93,3 +93,13 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
     assert arch == flydsl.arch.name("cuda" if torch.cuda.is_available() and not flyc.interpreting() else "cpu")
     served = ArtifactFile(out / "softmax_fwd.json", "softmax_fwd").lookup(arch, key)
     assert served is not None and row_config_valid(RowConfig(**served), 64, arch)
+
+
+def test_gpu_tuning_skips_the_widths_of_the_split_paths():
+    from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
+
+    for op in OPS:
+        limit = SPLIT_MIN_N_BWD if op.endswith("_bwd") else SPLIT_MIN_N
+        gpu = [k["n_bucket"] for k in TUNABLES[op].tune_keys("sm_90")]
+        assert gpu and max(gpu) < limit and min(gpu) == 256
+        assert max(k["n_bucket"] for k in TUNABLES[op].tune_keys("cpu")) == 262144

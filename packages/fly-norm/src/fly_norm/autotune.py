@@ -22,6 +22,8 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
+from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
+
 __all__ = ["OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_default_row_config"]
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -29,6 +31,9 @@ OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_
 
 # Row widths the shipped artifacts cover (powers of two; a width is served by its bucket).
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
+# On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
+# row config does not steer: `flydsl tune norm` skips those buckets there.
+_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -120,8 +125,16 @@ def _valid(cfg: RowConfig, key, arch: str) -> bool:
     return row_config_valid(cfg, key["n_bucket"], arch)
 
 
-def _tune_keys(arch: str) -> list[dict]:
-    return [{"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS]
+def _tune_keys_for(name: str):
+    split_from = _SPLIT_FROM[name.rsplit("_", 1)[1]]
+
+    def tune_keys(arch: str) -> list[dict]:
+        gpu = arch != "cpu"
+        return [
+            {"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS if not (gpu and n >= split_from)
+        ]
+
+    return tune_keys
 
 
 # ------------------------------------------------------------ offline tuning
@@ -181,7 +194,7 @@ def _make(name: str) -> Tunable:
         is_valid=_valid,
         artifact_dir=ARTIFACTS,
         max_candidates=24,
-        tune_keys=_tune_keys,
+        tune_keys=_tune_keys_for(name),
         make_task=_make_task(name),
     )
 
