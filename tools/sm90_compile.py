@@ -74,9 +74,14 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
     return norm._norm_bwd_kernel, sig, consts, warps
 
 
-def _split(is_rms=True, residual=False, stats=False, parts=16):
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
-    consts = {"r_ptr": None, "b_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None}
+def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*i8" if quant else "*bf16", "part_ptr": "*fp32",
+            "cnt_ptr": "*i32"}
+    consts = {"r_ptr": None, "b_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None, "s_ptr": None,
+              "qs_ptr": None}
+    if quant:
+        ptrs.update(qs_ptr="*fp32")
+        del consts["qs_ptr"]
     if residual:
         ptrs.update(r_ptr="*bf16", h_ptr="*bf16")
         del consts["r_ptr"], consts["h_ptr"]
@@ -88,8 +93,9 @@ def _split(is_rms=True, residual=False, stats=False, parts=16):
         del consts["b_ptr"]
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
-    consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_STATS=stats,
-                  SLICE=split._SLICE, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+    consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
+                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=split._SLICE, PARTS_POW2=parts,
+                  SPIN_LIMIT=split._SPIN_LIMIT)
     return split._norm_fwd_split_kernel, sig, consts, split._WARPS
 
 
@@ -123,6 +129,7 @@ CASES = {
     "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
                    ("rms", _split()), ("ln", _split(is_rms=False)),
                    ("ln res+stats", _split(is_rms=False, residual=True, stats=True)),
+                   ("rms int8", _split(quant=1)),
                    ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from norm_helpers import randn, reference_grads
+from norm_helpers import assert_quant_matches, randn, reference_grads
 
 import flydsl.compiler as flyc
-from fly_norm import layer_norm, rms_norm
+from fly_norm import layer_norm, layer_norm_quant, rms_norm, rms_norm_quant
 from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split, split_applies
-from fly_norm.reference import layer_norm_ref, rms_norm_ref, softmax_bwd_ref, softmax_ref
+from fly_norm.reference import (
+    layer_norm_quant_ref,
+    layer_norm_ref,
+    rms_norm_quant_ref,
+    rms_norm_ref,
+    softmax_bwd_ref,
+    softmax_ref,
+)
 from fly_norm.softmax import softmax, softmax_bwd, softmax_bwd_config, softmax_config, softmax_fwd
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 
 
-def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_or_quantized_rows():
+def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_rows():
     assert not split_applies(SPLIT_MIN_N - 1)
-    assert not split_applies(SPLIT_MIN_N, quantized=True)
     assert split_applies(SPLIT_MIN_N) == (not flyc.interpreting())
     assert split_applies(SPLIT_MIN_N_BWD, min_n=SPLIT_MIN_N_BWD) == (not flyc.interpreting())
 
@@ -93,6 +99,24 @@ def test_split_backward_with_fused_residual(is_rms, m, n):
     expected = reference_grads(ref, (x, r, w) if is_rms else (x, r, w, b), (dy, dh))
     for leaf, exp, name in zip(leaves, expected, ["x", "residual", "weight", "bias"], strict=False):
         assert_rel_close(leaf.grad, exp, name=f"d{name}", tol=tolerance(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("m,n", [(5, 40000), (70, 65536)])
+def test_split_quantized_forward(qdtype, m, n):
+    """Quantized output through the split path: a second exchange of the slices' |y| maxima; SmoothQuant, residual."""
+    x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
+    r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
+    w = randn(n, dtype=torch.bfloat16, device="cuda", seed=2)
+    b = randn(n, dtype=torch.bfloat16, device="cuda", seed=3)
+    smooth = torch.rand(n, device="cuda") + 0.5
+    q, s, h = rms_norm_quant(x, w, 1e-6, dtype=qdtype, smooth_scale=smooth, residual=r)
+    qr, sr, hr = rms_norm_quant_ref(x, w, 1e-6, dtype=qdtype, smooth_scale=smooth, residual=r)
+    assert_quant_matches(q, s, qr, sr)
+    assert_rel_close(h, hr)
+    q, s = layer_norm_quant(x, w, b, 1e-5, dtype=qdtype)
+    assert_quant_matches(q, s, *layer_norm_quant_ref(x, w, b, 1e-5, dtype=qdtype))
 
 
 # ---------------------------------------------------------------- softmax

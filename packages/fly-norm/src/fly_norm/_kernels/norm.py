@@ -431,8 +431,8 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n, qdtype is not None) and launch_fwd_split.__wrapped__(
-        x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rms
+    if split_applies(n) and launch_fwd_split.__wrapped__(
+        x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, _quant_code(qdtype), _qmax(qdtype)
     ):
         return  # wide rows on a GPU: split over the programs of one wave (split.py)
     store_stats = rstd is not None

@@ -40,7 +40,7 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import arrive, row_offset, wait_count
+from flydsl_common.device import arrive, cast_sat_fp8e4m3, cast_sat_int8, row_offset, wait_count
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
@@ -60,12 +60,13 @@ _NEG_INF = fx.constexpr(float("-inf"))
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_split_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr,              # inputs (None when absent)
-    y_ptr, h_ptr, mean_ptr, rstd_ptr,        # outputs (None when not wanted)
-    part_ptr, cnt_ptr,                       # fp32 [M, 2 * PARTS_POW2] slice statistics, int32 [M] arrivals (zeroed)
+    x_ptr, r_ptr, w_ptr, b_ptr, s_ptr,       # inputs (None when absent; s: SmoothQuant column scales)
+    y_ptr, h_ptr, mean_ptr, rstd_ptr, qs_ptr,  # outputs (None when not wanted; y holds q when quantizing)
+    part_ptr, cnt_ptr,                       # fp32 [M, 3 * PARTS_POW2] slice statistics, int32 [M] arrivals (zeroed)
     M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
-    STORE_STATS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):
     # fmt: on
     pid = fx.program_id(0)
@@ -121,7 +122,25 @@ def _norm_fwd_split_kernel(
             y = y * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)
         if HAS_BIAS:
             y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
-        fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+        if QUANT == 0:
+            fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+        else:
+            # 4. quantized output: a second round on the same counter exchanges the slices' |y| maxima.
+            if HAS_SMOOTH:
+                y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+            fx.store(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
+            arrive(cnt_ptr + row)
+            ok2 = wait_count(cnt_ptr + row, 2 * parts, SPIN_LIMIT)
+            amax_p = fx.load(base + 2 * PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+            amax = fx.max(amax_p, axis=0)
+            inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)  # an all-zero row: q = 0
+            if QUANT == 1:
+                q = cast_sat_int8(y * inv)
+            else:
+                q = cast_sat_fp8e4m3(y * inv)
+            fx.store(y_ptr + row_offset(row, stride_y) + c, q, mask=cmask)
+            # a row given up on (see wait_count) gets a NaN scale: every value dequantizes to NaN
+            fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
         if STORE_STATS:
             if not IS_RMS:
                 fx.store(mean_ptr + row, mean, mask=part == 0)
@@ -272,9 +291,9 @@ def _norm_bwd_split_kernel(
 # ---------------------------------------------------------------- host
 
 
-def split_applies(n: int, quantized: bool = False, min_n: int = SPLIT_MIN_N) -> bool:
-    """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns, float output."""
-    return n >= min_n and not quantized and not flyc.interpreting()
+def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
+    """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns."""
+    return n >= min_n and not flyc.interpreting()
 
 
 def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
@@ -302,27 +321,31 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
 
 
 @flyc.jit(skip_empty=False)
-def launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, eps, weight_offset, is_rms, stream=None) -> bool:
+def launch_fwd_split(
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
+) -> bool:
     """Forward of either norm on [M, N] row views through the split path (False: not launched, see
-    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent).
+    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
+    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
     """
 
     def build(part, cnt, parts, pp, groups):
         m, n = x2.shape
         # fmt: off
         args = (
-            x2, r2, w, b, y2, h2, mean, rstd, part, cnt,
+            x2, r2, w, b, s, y2, h2, mean, rstd, qscale, part, cnt,
             m, n, parts, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0),
             0 if h2 is None else h2.stride(0), float(eps), float(weight_offset),
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            STORE_STATS=rstd is not None, SLICE=_SLICE, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
+            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=_SLICE,
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
         )
         # fmt: on
         return args, meta
 
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 2, build, _SLICE, x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, _SLICE, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
