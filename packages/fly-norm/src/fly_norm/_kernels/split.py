@@ -96,7 +96,7 @@ def _norm_fwd_split_kernel(
             s1 = fx.sum(h, axis=0) / n_here
             d = fx.where(cmask, h - s1, 0.0)
             s2 = fx.sum(d * d, axis=0)
-        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
+        base = part_ptr + row_offset(row, 3 * PARTS_POW2)  # [s1 | s2 | amax] slots per row
         fx.store(base + part, s1)
         fx.store(base + PARTS_POW2 + part, s2)
         arrive(cnt_ptr + row)
