@@ -249,14 +249,17 @@ def _norm_bwd_split_kernel(
     db = fx.zeros([SLICE], dtype=fx.float32)
     h_nx = fx.load(h_ptr + row_offset(group, stride_h) + c, mask=cmask & (group < M), other=0.0)
     dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
+    rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
+    if not IS_RMS:
+        mean_nx = fx.load(mean_ptr + group, mask=group < M, other=0.0)
     for row in range(group, M, groups):
         h = h_nx.to(fx.float32)
         dy = dy_nx.to(fx.float32)
-        rstd = fx.load(rstd_ptr + row)
+        rstd = rstd_nx
         if IS_RMS:
             mean = 0.0
         else:
-            mean = fx.load(mean_ptr + row)
+            mean = mean_nx
         xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
         g = _times_weight(dy, w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
         base = part_ptr + row_offset(row, 2 * PARTS_POW2)
@@ -266,6 +269,9 @@ def _norm_bwd_split_kernel(
         nxt = row + groups
         h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
         dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
+        rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
+        if not IS_RMS:
+            mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
         if COMPUTE_DW:
             dw += dy * xhat
         if COMPUTE_DB:
