@@ -47,16 +47,18 @@ def resources(kernel, signature: dict, constexprs: dict, num_warps: int) -> str:
     return m.group(0) if m else out.strip()
 
 
+def _norm_fwd_operands(quant=0, residual=False, stats=False, bias=False):
+    """(pointer signature, None constexprs) of the norm forward kernels' optional operands."""
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*i8" if quant else "*bf16"}
+    present = {"qs_ptr": quant, "r_ptr": residual, "h_ptr": residual, "rstd_ptr": stats, "mean_ptr": stats,
+               "b_ptr": bias, "s_ptr": False}
+    dtypes = {"qs_ptr": "*fp32", "rstd_ptr": "*fp32", "mean_ptr": "*fp32"}
+    ptrs.update({k: dtypes.get(k, "*bf16") for k, on in present.items() if on})
+    return ptrs, {k: None for k, on in present.items() if not on}
+
+
 def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=False):
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}
-    consts = {"r_ptr": None, "b_ptr": None, "s_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None,
-              "qs_ptr": None}
-    if residual:
-        ptrs.update(r_ptr="*bf16", h_ptr="*bf16")
-        del consts["r_ptr"], consts["h_ptr"]
-    if stats:
-        ptrs.update(rstd_ptr="*fp32", mean_ptr="*fp32")
-        del consts["rstd_ptr"], consts["mean_ptr"]
+    ptrs, consts = _norm_fwd_operands(residual=residual, stats=stats)
     sig = {**ptrs, "M": "i32", "N": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
@@ -75,22 +77,8 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
 
 
 def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*i8" if quant else "*bf16", "part_ptr": "*fp32",
-            "cnt_ptr": "*i32"}
-    consts = {"r_ptr": None, "b_ptr": None, "h_ptr": None, "mean_ptr": None, "rstd_ptr": None, "s_ptr": None,
-              "qs_ptr": None}
-    if quant:
-        ptrs.update(qs_ptr="*fp32")
-        del consts["qs_ptr"]
-    if residual:
-        ptrs.update(r_ptr="*bf16", h_ptr="*bf16")
-        del consts["r_ptr"], consts["h_ptr"]
-    if stats:
-        ptrs.update(rstd_ptr="*fp32", mean_ptr="*fp32")
-        del consts["rstd_ptr"], consts["mean_ptr"]
-    if not is_rms:  # layer_norm with a bias
-        ptrs.update(b_ptr="*bf16")
-        del consts["b_ptr"]
+    ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
+    ptrs.update(part_ptr="*fp32", cnt_ptr="*i32")
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,

@@ -57,6 +57,17 @@ _LOG2E = fx.constexpr(1.4426950408889634)
 _NEG_INF = fx.constexpr(float("-inf"))
 
 
+@flyc.func
+def _my_slice(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
+    """This program's place in the wave: (group, groups, part, its columns, their mask, part indices, their mask)."""
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    c = part * SLICE + fx.arange(0, SLICE)
+    p_idx = fx.arange(0, PARTS_POW2)
+    return pid // parts, groups, part, c, c < N, p_idx, p_idx < parts
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_split_kernel(
@@ -69,15 +80,8 @@ def _norm_fwd_split_kernel(
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):
     # fmt: on
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    group = pid // parts
-    c = part * SLICE + fx.arange(0, SLICE)
-    cmask = c < N
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     n_here = fx.minimum(N - part * SLICE, SLICE) * 1.0  # elements of this slice
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
 
     x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=0.0)
@@ -152,14 +156,7 @@ def _softmax_fwd_split_kernel(
     x_ptr, y_ptr, part_ptr, cnt_ptr, M, N, parts, stride_x, stride_y,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):  # fmt: skip
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    group = pid // parts
-    c = part * SLICE + fx.arange(0, SLICE)
-    cmask = c < N
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=_NEG_INF)
     for row in range(group, M, groups):
         x = x_nx.to(fx.float32)
@@ -192,14 +189,7 @@ def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, part_ptr, cnt_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):  # fmt: skip
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    group = pid // parts
-    c = part * SLICE + fx.arange(0, SLICE)
-    cmask = c < N
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
     y_nx = fx.load(y_ptr + row_offset(group, stride_y) + c, mask=cmask & (group < M), other=0.0)
     for row in range(group, M, groups):
@@ -237,14 +227,7 @@ def _norm_bwd_split_kernel(
     # fmt: on
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (w + offset): the two row means are
     # the partial results; dweight / dbias accumulate per element over the program's rows, for its slice.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    group = pid // parts
-    c = part * SLICE + fx.arange(0, SLICE)
-    cmask = c < N
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
     h_nx = fx.load(h_ptr + row_offset(group, stride_h) + c, mask=cmask & (group < M), other=0.0)
