@@ -152,3 +152,29 @@ def test_split_softmax_extremes():
     assert (y[1, :20000] == 0).all()
     assert_rel_close(y[1:], ref[1:])
     torch.testing.assert_close(y[1:].double().sum(-1), torch.ones(3, dtype=torch.float64, device="cuda"))
+
+
+def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypatch):
+    """The host side on any machine: the grid never exceeds one wave; rows wider than a wave's slices decline."""
+    import types
+
+    from fly_norm._kernels import split
+
+    launched = []
+    monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 2)
+    monkeypatch.setattr(split.flyc, "launch", lambda kernel, grid, *a, **k: launched.append(grid))
+    monkeypatch.setattr(split.flydsl.arch, "current", lambda device: types.SimpleNamespace(sm_count=10))
+    seen_groups = []
+
+    def build(part, cnt, parts, pp, groups):
+        seen_groups.append(groups)
+        assert part.shape[1] == 2 * pp and cnt.dtype == torch.int32 and (cnt == 0).all()
+        return (), {}
+
+    rows = torch.empty(50, 5 * 1024)  # 5 parts of 1024 columns; a wave of 20 programs holds 4 rows
+    assert split._launch_split(None, rows, 2, build, 1024, "cpu") == 4
+    assert launched == [(20,)] and seen_groups == [None, 4]
+    few = torch.empty(3, 5 * 1024)  # fewer rows than the wave could take: one group per row
+    assert split._launch_split(None, few, 2, build, 1024, "cpu") == 3 and launched[-1] == (15,)
+    wide = torch.empty(2, 21 * 1024)  # 21 parts > a wave of 20: declined, nothing launched
+    assert split._launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2

@@ -655,7 +655,7 @@ def norm_forward(
         return y, h, mean, rstd
     x2 = as_rows(x)
     r2 = None if residual is None else as_rows(residual)
-    y2, h2 = y.view(x2.shape), (None if residual is None else h.view(x2.shape))
+    y2, h2 = as_rows(y), (None if residual is None else as_rows(h))  # contiguous: plain [M, N] views
     m_stats = rstd.view(-1) if store_stats else None
     mean_stats = mean.view(-1) if store_stats and not is_rms else None
 
