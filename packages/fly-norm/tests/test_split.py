@@ -178,3 +178,126 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
     assert split._launch_split(None, few, 2, build, 1024, "cpu") == 3 and launched[-1] == (15,)
     wide = torch.empty(2, 21 * 1024)  # 21 parts > a wave of 20: declined, nothing launched
     assert split._launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+
+
+# ------------------------------------------- the split kernels' arithmetic on any machine
+#
+# With one slice per row (N <= the slice width) a row's only program never waits for
+# another, so the interpreter, which runs programs one after another, runs these kernels
+# too: every exchange, merge and prefetch path except the cross-program wait itself.
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_one_slice_forward_with_residual_and_stats(device, is_rms):
+    m, n = 7, 300  # more rows than the wave's row groups on a 2-core interpreter: the row loop runs
+    x, r = randn(m, n, device=device, scale=2.0) + 3.0, randn(m, n, device=device, seed=1)
+    w, b = randn(n, device=device, seed=2), None if is_rms else randn(n, device=device, seed=3)
+    y = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    h = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    rstd = empty_poisoned(m, dtype=torch.float32, device=device)
+    mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device=device)
+    assert launch_fwd_split(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.5, is_rms, 0, 127.0)
+    hh = x.double() + r.double()
+    if is_rms:
+        ref = rms_norm_ref(x, w, 1e-5, r, 0.5)[0]
+        assert_rel_close(rstd, torch.rsqrt(hh.pow(2).mean(-1) + 1e-5), tol=1e-5)
+    else:
+        ref = layer_norm_ref(x, w, b, 1e-5, r, 0.5)[0]
+        assert_rel_close(mean, hh.mean(-1), tol=1e-5)
+        assert_rel_close(rstd, torch.rsqrt(hh.var(-1, unbiased=False) + 1e-5), tol=1e-5)
+    assert_rel_close(y, ref)
+    assert_rel_close(h, hh)
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_one_slice_quantized_forward(device, qdtype):
+    m, n = 5, 200
+    x, w = randn(m, n, device=device), randn(n, device=device, seed=1)
+    smooth = torch.rand(n, device=device) + 0.5
+    q = torch.empty(m, n, dtype=qdtype, device=device)
+    scale = empty_poisoned(m, dtype=torch.float32, device=device)
+    code, qmax = (1, 127.0) if qdtype == torch.int8 else (2, 448.0)
+    assert launch_fwd_split(x, None, w, None, smooth, q, None, None, None, scale, 1e-6, 0.0, True, code, qmax)
+    assert_quant_matches(q, scale, *rms_norm_quant_ref(x, w, 1e-6, dtype=qdtype, smooth_scale=smooth))
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_one_slice_backward(device, is_rms):
+    from fly_norm._kernels.split import launch_bwd_split
+
+    m, n = 6, 257
+    h = randn(m, n, device=device, scale=2.0) + 1.0
+    w = randn(n, device=device, seed=1)
+    dy, dres = randn(m, n, device=device, seed=2), randn(m, n, device=device, seed=3)
+    mu = torch.zeros(m, device=device) if is_rms else h.mean(-1)
+    var = h.pow(2).mean(-1) if is_rms else h.var(-1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-5)
+    dx = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    dwp, dbp = launch_bwd_split(h, w, dy, dres, None if is_rms else mu, rstd, dx, True, not is_rms, 1.0, is_rms)
+    xhat = (h.double() - mu.double()[:, None]) * rstd.double()[:, None]
+    g = dy.double() * (w.double() + 1.0)
+    ref = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not is_rms:
+        ref = ref - g.mean(-1, keepdim=True)
+    assert_rel_close(dx, ref * rstd.double()[:, None] + dres.double())
+    assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-5)
+    if not is_rms:
+        assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
+
+
+def test_one_slice_softmax(device):
+    from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
+
+    m, n = 6, 333
+    x = randn(m, n, device=device, scale=5.0)
+    x[1] = float("-inf")  # a row of -inf: NaN, as torch.softmax
+    y = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    assert launch_softmax_fwd_split(x, y)
+    ref = torch.softmax(x.double(), -1)
+    assert torch.isnan(y[1]).all() and torch.isnan(ref[1]).all()
+    keep = torch.tensor([0, 2, 3, 4, 5], device=device)
+    assert_rel_close(y[keep], ref[keep])
+    dy = randn(m, n, device=device, seed=1)
+    dx = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    assert launch_softmax_bwd_split(dy, y[keep].contiguous(), dx[: len(keep)])
+    assert_rel_close(dx[: len(keep)], softmax_bwd_ref(dy[: len(keep)], y[keep]), tol=2 * tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("kernel", ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd"])
+def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
+    """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
+    after SPIN_LIMIT polls and writes NaN; the row's last program sees every partial result, so its slice
+    checks the cross-slice merge (sums of squares, Chan's mean/M2, max/sum rescaling, dot products)."""
+    if not flyc.interpreting():
+        pytest.skip("on a GPU both programs of a row run at once")
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "_SLICE", 64)
+    monkeypatch.setattr(split, "_SLICE_BWD", 64)
+    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    m, n = 3, 100  # slices of 64 and 36 columns
+    x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
+    out = empty_poisoned(m, n, dtype=torch.float32)
+    if kernel == "rms":
+        assert split.launch_fwd_split(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
+        ref = rms_norm_ref(x, w, 1e-6)
+    elif kernel == "layer":
+        assert split.launch_fwd_split(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
+        ref = layer_norm_ref(x, w, b, 1e-5)
+    elif kernel == "softmax":
+        assert split.launch_softmax_fwd_split(x, out)
+        ref = softmax_ref(x)
+    elif kernel == "softmax_bwd":
+        y = torch.softmax(x, -1)
+        assert split.launch_softmax_bwd_split(w.expand(m, n).contiguous(), y, out)
+        ref = softmax_bwd_ref(w.expand(m, n), y)
+    else:
+        rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+        dwp, _ = split.launch_bwd_split(x, None, b.expand(m, n).contiguous(), None, None, rstd, out, True, False, 0.0,
+                                        True)  # fmt: skip
+        xhat = x.double() * rstd.double()[:, None]
+        g = b.double().expand(m, n)
+        ref = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
+        assert_rel_close(dwp.sum(0), (g * xhat).sum(0), tol=1e-5)  # accumulated before the waits
+    assert torch.isnan(out[:, :64]).all()  # the first slices' programs gave up waiting
+    assert_rel_close(out[:, 64:], ref[:, 64:])  # the last ones merged both slices

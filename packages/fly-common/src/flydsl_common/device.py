@@ -53,7 +53,7 @@ _INTERPRET = fx.constexpr(flydsl.interpreting())
 @flyc.func
 def row_offset(row, stride):
     """Element offset of ``row`` for a row stride, computed in int64."""
-    return row.to(fx.int64) * stride
+    return fx.cast(row, fx.int64) * stride  # fx.cast: also a plain int (an interpreted loop index)
 
 
 @flyc.func
