@@ -106,7 +106,9 @@ def absmax_f32(x, axis: fx.constexpr):
 # A kernel whose programs wait on each other must be launched with a grid no
 # larger than what the GPU holds at once (flyc.programs_per_sm x SMs), so that
 # every program it waits for is running. The interpreter executes programs one
-# at a time: there a wait would never end, and kernels must not call these.
+# at a time: there a wait ends only when the awaited programs ran earlier (or
+# at its spin limit), so production paths take another route there; tests use
+# it to check a kernel's arithmetic and its give-up path.
 
 
 @flyc.func

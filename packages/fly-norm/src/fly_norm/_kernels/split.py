@@ -29,8 +29,10 @@ Every element is read once and written once: the copy's floor.
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`). A wait that does
 not end within SPIN_LIMIT polls poisons its row with NaN instead of hanging
-the GPU. The interpreter runs programs one at a time, so there these paths
-are never taken (:func:`split_applies`).
+the GPU. The interpreter runs programs one at a time, so the public ops never
+take these paths there (:func:`split_applies`); tests run them through it with
+one slice a row (no waiting) and with a tiny spin limit (the give-up path, and
+the last program of each row merging every slice: ``tests/test_split.py``).
 """
 
 from __future__ import annotations
