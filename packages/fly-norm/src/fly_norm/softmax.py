@@ -8,7 +8,7 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
 - single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
   program) stays in registers between the reductions and the write, so each
   element is read once and written once;
-- split (a GPU, rows of 32K+ columns forward, 16K+ backward): each row over
+- split (a GPU, rows wider than 16K columns forward, 8K backward): each row over
   several programs of one resident wave, read once
   (:mod:`fly_norm._kernels.split`);
 - chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
@@ -248,7 +248,7 @@ def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | N
 def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """Launch the forward kernel on [M, N] rows; no checks (callers check).
 
-    Rows of 32K+ columns on a GPU go through the split path (each row over
+    Rows wider than 16K columns on a GPU go through the split path (each row over
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape

@@ -16,7 +16,7 @@ Forward, per row ``h = x (+ residual)``::
   |mean| >> std); pass 2 re-reads the row (mostly from L2) and writes y.
   The quantized forward needs the row's absolute max of y before writing, so
   it adds a third pass;
-- split (rows of 32K+ columns on a GPU, float output): each row over several
+- split (rows wider than 16K columns on a GPU): each row over several
   programs of one resident wave, read once (:mod:`.split`).
 
 Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
@@ -27,7 +27,7 @@ Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
 dweight/dbias are reduced deterministically without float atomics: each
 program accumulates its rows into fp32 registers and writes one row of a
 ``[programs, N]`` partial buffer; a second small kernel sums the partials
-column-wise in a fixed order. Rows of 16K+ columns on a GPU go through the
+column-wise in a fixed order. Rows wider than 8K columns on a GPU go through the
 split backward of :mod:`.split` (same partials, one row per row group).
 """
 

@@ -43,14 +43,16 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import arrive, cast_sat_fp8e4m3, cast_sat_int8, row_offset, wait_count
+from flydsl_common.rows import MAX_SINGLE_PASS
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
     "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
-SPLIT_MIN_N = 32768  # rows at least this wide take a split forward on a GPU
-SPLIT_MIN_N_BWD = 16384  # backwards: the chunked paths lose 18-53% from 16K columns (PERF.md, v1)
+# On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
+SPLIT_MIN_N = MAX_SINGLE_PASS + 1  # forward: wider than one program keeps in registers (16K)
+SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
 _SLICE = 16384  # columns a forward program holds: 16 warps x 32 threads x 32 elements
 _SLICE_BWD = 8192  # a backward program holds two rows (h and dy, or y and dy): 16 elements a thread each
 _WARPS = 16
