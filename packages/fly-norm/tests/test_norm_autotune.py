@@ -103,3 +103,13 @@ def test_gpu_tuning_skips_the_widths_of_the_split_paths():
         gpu = [k["n_bucket"] for k in TUNABLES[op].tune_keys("sm_90")]
         assert gpu and max(gpu) < limit and min(gpu) == 256
         assert max(k["n_bucket"] for k in TUNABLES[op].tune_keys("cpu")) == 262144
+
+
+@pytest.mark.parametrize("n", [256, 1024, 4096, 8192])
+def test_backward_candidates_never_pack_more_than_the_backward_can_hold(n):
+    from fly_norm.autotune import bwd_candidates
+
+    space = bwd_candidates({"n_bucket": n, "dtype": "bf16"}, "sm_90")
+    assert space and all(row_config_valid(c, n, "sm_90") and c.single_pass for c in space)
+    assert all(c.block_m * c.block_n // (32 * c.num_warps) <= 16 and c.num_warps <= 16 for c in space)
+    assert bwd_default_row_config(n, "sm_90", 16) in space and bwd_default_row_config(n, "sm_90", 8) in space

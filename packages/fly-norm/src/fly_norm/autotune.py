@@ -24,7 +24,10 @@ from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
-__all__ = ["OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_default_row_config"]
+__all__ = [
+    "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
+    "bwd_default_row_config",
+]  # fmt: skip
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_bwd", "softmax_bwd")
@@ -121,6 +124,23 @@ def candidates(key, arch: str) -> list[RowConfig]:
     return out
 
 
+def bwd_candidates(key, arch: str) -> list[RowConfig]:
+    """The backward's space: single pass at 8 or 16 elements a thread and 4-16 warps (more spill; see above).
+
+    Rows wider than the single-pass limit take the split paths on a GPU (not steered by a row config), so
+    only single-pass configs are searched; about six per key.
+    """
+    n = key["n_bucket"]
+    out = []
+    for warps in (4, 8, 16):
+        for elems in (8, 16):
+            per_program = 32 * warps * elems
+            if per_program < n or per_program // n > 64:
+                continue
+            out.append(RowConfig(per_program // n, n, warps, True))
+    return out
+
+
 def _valid(cfg: RowConfig, key, arch: str) -> bool:
     return row_config_valid(cfg, key["n_bucket"], arch)
 
@@ -190,7 +210,7 @@ def _make(name: str) -> Tunable:
         name=name,
         config_type=RowConfig,
         default=_bwd_default_for(name) if name.endswith("_bwd") else _default,
-        candidates=candidates,
+        candidates=bwd_candidates if name.endswith("_bwd") else candidates,
         is_valid=_valid,
         artifact_dir=ARTIFACTS,
         max_candidates=24,
