@@ -47,6 +47,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset
 from flydsl_common.rows import RowConfig, as_rows
 
+from .affine import load_weight
 from .split import SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
@@ -235,14 +236,6 @@ def _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
 
 
 @flyc.func
-def _load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr):
-    if HAS_WEIGHT:
-        return fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
-    else:
-        return fx.where(cmask, 1.0, 0.0)
-
-
-@flyc.func
 def _bwd_block_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, M, cols, cmask, stride_h, stride_dy,
                      IS_RMS: fx.constexpr, BLOCK_M: fx.constexpr):  # fmt: skip
     """h and dy (storage dtype) and the row statistics of row block ``blk``; zeros past the last row."""
@@ -297,7 +290,7 @@ def _norm_bwd_kernel(
             )
             # The weight is re-read per row block (an L1/L2 hit) instead of being held
             # across the loop: registers go to h, dy, the prefetch and the dweight accumulator.
-            w = _load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
+            w = load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
             xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
             g = dy * w
             c1 = fx.sum(g * xhat, axis=1) / N
@@ -343,7 +336,7 @@ def _norm_bwd_kernel(
                 cmask = (c < N)[None, :]
                 h = fx.load(h_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
                 dy = fx.load(dy_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
-                g = dy * _load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+                g = dy * load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
                 xhat = fx.where(cmask, (h - mean[:, None]) * rstd[:, None], 0.0)
                 s1 += g * xhat
                 s2 += g
@@ -354,7 +347,7 @@ def _norm_bwd_kernel(
         for start in range(0, N, BLOCK_N):
             c = start + cols
             cmask = (c < N)[None, :]
-            w = _load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+            w = load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
             dw = fx.zeros([BLOCK_N], dtype=fx.float32)
             db = fx.zeros([BLOCK_N], dtype=fx.float32)
             for row in range(row0, row1):

@@ -45,6 +45,8 @@ import flydsl.expr as fx
 from flydsl_common.device import arrive, cast_sat_fp8e4m3, cast_sat_int8, row_offset, wait_count
 from flydsl_common.rows import MAX_SINGLE_PASS
 
+from .affine import load_weight
+
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
     "launch_softmax_fwd_split", "launch_softmax_bwd_split",
@@ -127,7 +129,7 @@ def _norm_fwd_split_kernel(
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
         y = (h - mean) * rstd
         if HAS_WEIGHT:
-            y = y * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)
+            y = y * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
         if HAS_BIAS:
             y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
         if QUANT == 0:
@@ -211,14 +213,6 @@ def _softmax_bwd_split_kernel(
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
-@flyc.func
-def _times_weight(v, w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr):
-    if HAS_WEIGHT:
-        return v * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)
-    else:
-        return v
-
-
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_split_kernel(
@@ -248,7 +242,7 @@ def _norm_bwd_split_kernel(
         else:
             mean = mean_nx
         xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
-        g = _times_weight(dy, w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+        g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
         base = part_ptr + row_offset(row, 2 * PARTS_POW2)
         fx.store(base + part, fx.sum(g * xhat, axis=0))
         fx.store(base + PARTS_POW2 + part, fx.sum(g, axis=0))
@@ -264,7 +258,7 @@ def _norm_bwd_split_kernel(
         if COMPUTE_DB:
             db += dy
         ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
-        g = _times_weight(dy, w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
+        g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
         c1 = fx.sum(fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0) / N
         if IS_RMS:
             dx = (g - xhat * c1) * rstd
