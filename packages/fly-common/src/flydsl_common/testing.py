@@ -37,6 +37,6 @@ def assert_quant_close(q, s, qr, sr, *, per_token: bool = True, scale_rtol: floa
         return
     scale = (sr[..., None] if per_token else sr).double()
     exact = torch.where(scale > 0, x.double() / torch.where(scale > 0, scale, 1.0), 0.0)  # x in units of a step
-    mid = (q.double() + qr.double()) / 2 if q.dtype == torch.int8 else (q.float().double() + qr.float().double()) / 2
+    mid = (q.float().double() + qr.float().double()) / 2  # the tie between the two codes, in steps
     off_tie = differ & ((exact - mid).abs() > 1e-5 * exact.abs() + 1e-12)
     assert not off_tie.any(), f"{off_tie.sum().item()} quantized values differ from the reference away from a tie"
