@@ -31,14 +31,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def resources(kernel, signature: dict, constexprs: dict, num_warps: int) -> str:
+def resources(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg=None) -> str:
     """'REG:n STACK:n SHARED:n' of ``kernel`` compiled for sm_90 with ``signature`` (name -> Triton type)."""
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
     src = ASTSource(kernel, sig, constexprs, attrs)
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "maxnreg": maxnreg})
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
         Path(cubin).write_bytes(compiled.asm["cubin"])
@@ -78,39 +78,39 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
 
 def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
     ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
-    ptrs.update(part_ptr="*fp32", cnt_ptr="*i32")
+    ptrs.update(slot_ptr="*i64")
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
-                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=split._SLICE, PARTS_POW2=parts,
+                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=split.FWD_SLICE[0], PARTS_POW2=parts,
                   SPIN_LIMIT=split._SPIN_LIMIT)
-    return split._norm_fwd_split_kernel, sig, consts, split._WARPS
+    return split._norm_fwd_split_kernel, sig, consts, split.FWD_SLICE[1:]
 
 
 def _softmax_split(backward=False, parts=16):
-    consts = dict(SLICE=split._SLICE_BWD if backward else split._SLICE, PARTS_POW2=parts,
-                  SPIN_LIMIT=split._SPIN_LIMIT)
+    slice_cols, *warps = split.BWD_SLICE if backward else split.FWD_SLICE
+    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
     if backward:
-        sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+        sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
-        return split._softmax_bwd_split_kernel, sig, consts, split._WARPS
-    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+        return split._softmax_bwd_split_kernel, sig, consts, warps
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
-    return split._softmax_fwd_split_kernel, sig, consts, split._WARPS
+    return split._softmax_fwd_split_kernel, sig, consts, warps
 
 
 def _bwd_split(is_rms=True, parts=4):
     sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-           "dx_ptr": "*bf16", "dwp_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+           "dx_ptr": "*bf16", "dwp_ptr": "*fp32", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
            "weight_offset": "fp32"}
     consts = dict(dres_ptr=None, IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True,
-                  COMPUTE_DB=not is_rms, SLICE=split._SLICE_BWD, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+                  COMPUTE_DB=not is_rms, SLICE=split.BWD_SLICE[0], PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
     if is_rms:
         consts.update(dbp_ptr=None)
     else:
         sig.update(dbp_ptr="*fp32")
-    return split._norm_bwd_split_kernel, sig, consts, split._WARPS
+    return split._norm_bwd_split_kernel, sig, consts, split.BWD_SLICE[1:]
 
 
 CASES = {
@@ -136,8 +136,9 @@ CASES = {
 def main(argv: list[str]) -> int:
     for group in argv or list(CASES):
         for label, (kernel, sig, consts, warps) in CASES[group]:
+            opts = warps if isinstance(warps, tuple) else (warps,)  # num_warps[, maxnreg]
             try:
-                print(f"{group:9s} {label:28s} {resources(kernel, sig, consts, warps)}", flush=True)
+                print(f"{group:9s} {label:28s} {resources(kernel, sig, consts, *opts)}", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on with the next case
                 print(f"{group:9s} {label:28s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0

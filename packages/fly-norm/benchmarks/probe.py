@@ -6,6 +6,9 @@ Parts:
   with how many programs of the compiled kernel an SM holds at once;
 - ``size``: forward rms_norm and a device copy of the same bytes at M * N =
   2**25 and 2**27: how much of a gap to the copy ceiling is the size itself;
+- ``split``: the split paths' (slice, warps, register cap) candidates on
+  wide rows, bf16, M * N = 2**27, each op as a fraction of copy, with the
+  programs an SM holds at once;
 - ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
   Python path, the pieces, Triton's launch and the lean launch) against torch.
 """
@@ -150,7 +153,63 @@ def part_host() -> dict:
     return res
 
 
-PARTS = {"host": part_host, "bwd_grid": part_bwd_grid, "size": part_size}
+SPLIT_FWD = [(16384, 16, None), (4096, 4, None), (4096, 8, None), (2048, 4, None), (1024, 4, None)]
+SPLIT_BWD = [(8192, 16, None), (2048, 4, None), (2048, 8, None), (1024, 4, None), (4096, 8, None)]
+
+
+def part_split() -> dict:
+    from fly_norm._kernels import split
+
+    out = {"copy_GBps": _copy_gbps(1 << 28)}
+    rows = []
+    for n in (16384, 32768, 65536, 262144):
+        m = (1 << 27) // n
+        x = torch.randn(m, n, device="cuda", dtype=_DT)
+        dy = torch.randn_like(x)
+        y = torch.empty_like(x)
+        w = torch.randn(n, device="cuda", dtype=_DT)
+        rstd = torch.rand(m, device="cuda") + 0.5
+        mean = torch.randn(m, device="cuda")
+        dw = torch.empty(n, device="cuda", dtype=torch.float32)
+        fwd = {
+            "rms": lambda: split.launch_fwd_split(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0,
+                                                  True, 0, 127.0),
+            "ln": lambda: split.launch_fwd_split(x, None, w, w, None, y, None, None, None, None, 1e-5, 0.0,
+                                                 False, 0, 127.0),
+            "softmax": lambda: split.launch_softmax_fwd_split(x, y),
+        }
+
+        def norm_bwd(is_rms):
+            def run():
+                dwp, dbp = split.launch_bwd_split(x, w, dy, None, None if is_rms else mean, rstd, y, True,
+                                                  not is_rms, 0.0, is_rms)
+                shared.launch_sum_partials(dwp, dw)
+                if dbp is not None:
+                    shared.launch_sum_partials(dbp, dw)
+            return run
+
+        bwd = {"rms_bwd": norm_bwd(True), "ln_bwd": norm_bwd(False),
+               "softmax_bwd": lambda: split.launch_softmax_bwd_split(dy, x, y)}
+        for table, cfgs, ops, nbytes in ((fwd, SPLIT_FWD, "FWD_SLICE", 2 * 2 * m * n),
+                                         (bwd, SPLIT_BWD, "BWD_SLICE", 3 * 2 * m * n)):
+            if table is fwd and n < 32768:
+                continue
+            for cfg in cfgs:
+                setattr(split, ops, cfg)
+                for name, run in table.items():
+                    try:
+                        t = bench(run).median_us
+                        row = {"N": n, "op": name, "cfg": cfg, "us": t,
+                               "frac_copy": nbytes / (t * 1e-6) / 1e9 / out["copy_GBps"]}
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit: report, go on
+                        row = {"N": n, "op": name, "cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    rows.append(row)
+                    print(row, flush=True)
+    out["rows"] = rows
+    return out
+
+
+PARTS = {"host": part_host, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
     h2 = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
     rstd = empty_poisoned(m, dtype=torch.float32, device="cuda")
     mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device="cuda")
-    assert launch_fwd_split(x2, r2, w, b, y2, h2, mean, rstd, 1e-5, 1.0, is_rms)
+    assert launch_fwd_split(x2, r2, w, b, None, y2, h2, mean, rstd, None, 1e-5, 1.0, is_rms, 0, 127.0)
     h = x2.double() + r2.double()
     assert_rel_close(h2, h)
     if is_rms:
@@ -166,9 +166,9 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
     monkeypatch.setattr(split.flydsl.arch, "current", lambda device: types.SimpleNamespace(sm_count=10))
     seen_groups = []
 
-    def build(part, cnt, parts, pp, groups):
+    def build(slots, parts, pp, groups):
         seen_groups.append(groups)
-        assert part.shape[1] == 2 * pp and cnt.dtype == torch.int32 and (cnt == 0).all()
+        assert slots.shape[1] == 2 * pp and slots.dtype == torch.int64 and (slots == 0).all()
         return (), {}
 
     rows = torch.empty(50, 5 * 1024)  # 5 parts of 1024 columns; a wave of 20 programs holds 4 rows
@@ -272,8 +272,8 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "_SLICE", 64)
-    monkeypatch.setattr(split, "_SLICE_BWD", 64)
+    monkeypatch.setattr(split, "FWD_SLICE", (64, 4))
+    monkeypatch.setattr(split, "BWD_SLICE", (64, 4))
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)

@@ -9,8 +9,9 @@ against ``flydsl.expr`` only, and runs both compiled and in the interpreter
 - fp32 reductions (sum, sum of squares, max, absolute max);
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
 - epilogue activations on fp32 values, selected by a constexpr code;
-- arrival counters for programs of one resident wave that work on the same
-  row (compiled only: the interpreter runs programs one after another).
+- tagged-word exchange (``publish`` / ``collect``) between programs of one
+  resident wave that work on the same row (compiled only: the interpreter
+  runs programs one after another).
 """
 
 from __future__ import annotations
@@ -111,28 +112,36 @@ def absmax_f32(x, axis: fx.constexpr):
 # it to check a kernel's arithmetic and its give-up path.
 
 
-@flyc.func
-def arrive(counter_ptr):
-    """Make this program's stores visible, then count it in at ``counter_ptr`` (int32)."""
-    fx.debug_barrier()  # every thread's stores are issued before the count
-    fx.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+_PUBLISHED = fx.constexpr(1 << 32)  # the tag in a slot's upper half: the lower half holds the fp32 bits
 
 
 @flyc.func
-def wait_count(counter_ptr, target, SPIN_LIMIT: fx.constexpr):
-    """Poll ``counter_ptr`` until it reaches ``target`` (acquire); False when SPIN_LIMIT polls passed first.
+def publish(slot_ptr, value):
+    """Store fp32 ``value`` at the int64 ``slot_ptr`` (zeroed beforehand) as one tagged word.
 
-    A False return means a program of the wave never arrived (a grid larger
-    than one wave, or SMs taken away): callers poison their output instead
-    of hanging the GPU.
+    A relaxed atomic and no fence: the word carries its own "written" tag, so
+    a reader needs no ordering against this program's other stores (a release
+    fence would wait for every store the program still has in flight).
     """
-    seen = fx.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    bits = value.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
+    fx.atomic_xchg(slot_ptr, bits | _PUBLISHED, sem="relaxed", scope="gpu")
+
+
+@flyc.func
+def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
+    """Poll the masked int64 slots until every one holds a published word; returns (fp32 values, ok).
+
+    ``ok`` is False when SPIN_LIMIT polls passed first: a program of the wave
+    never published (a grid larger than one wave, or SMs taken away). Callers
+    poison their output instead of hanging the GPU. Masked-off slots read as
+    published zeros.
+    """
+    w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
-        seen = fx.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while (fx.min(w >> 32, axis=0) == 0) & (spins < SPIN_LIMIT):
+        w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
         spins += 1
-    fx.debug_barrier()  # the whole program proceeds together, after the acquire
-    return seen >= target
+    return w.to(fx.int32).to(fx.float32, bitcast=True), fx.min(w >> 32, axis=0) > 0
 
 
 # ----------------------------------------------------------------- rounding

@@ -15,11 +15,11 @@ program
 1. reduces its slice, already in registers, to the slice's partial result
    (norms: the sum of squares, or the slice's mean and M2; softmax forward:
    the slice's max and sum of exponentials; softmax backward: the slice's
-   sum of dy * y), stores it to ``part[row]`` and counts itself in at the
-   row's arrival counter;
+   sum of dy * y) and publishes it in the row's slot for this slice (a
+   tagged word: :func:`flydsl_common.device.publish`, no fence);
 2. loads the slice of its next row (a prefetch: those loads are in flight
    while it waits);
-3. waits until every program of the row has arrived, merges the partial
+3. waits until every slot of the row is published, merges the partial
    results (LayerNorm: Chan's parallel formula; softmax: rescaling each
    slice's sum to the row's max) and writes its slice of the output from
    registers.
@@ -42,7 +42,7 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import arrive, cast_sat_fp8e4m3, cast_sat_int8, row_offset, wait_count
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publish, row_offset
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_weight
@@ -55,10 +55,12 @@ __all__ = [
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 SPLIT_MIN_N = MAX_SINGLE_PASS + 1  # forward: wider than one program keeps in registers (16K)
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
-_SLICE = 16384  # columns a forward program holds: 16 warps x 32 threads x 32 elements
-_SLICE_BWD = 8192  # a backward program holds two rows (h and dy, or y and dy): 16 elements a thread each
-_WARPS = 16
-_SPIN_LIMIT = 1 << 20  # polls of a counter (~1 us each: about a second) before a row is given up, poisoned
+# (columns a program holds, warps, register cap or None): set by measurement (PERF.md); several programs
+# share an SM so that one's wait overlaps the others' loads. Forward: 32 elements a thread; backward
+# (two rows held: h and dy, or y and dy): 16 elements a thread each.
+FWD_SLICE = (4096, 4, 128)
+BWD_SLICE = (2048, 4, 128)
+_SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 _LOG2E = fx.constexpr(1.4426950408889634)
 _NEG_INF = fx.constexpr(float("-inf"))
 
@@ -79,7 +81,7 @@ def _my_slice(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
 def _norm_fwd_split_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, s_ptr,       # inputs (None when absent; s: SmoothQuant column scales)
     y_ptr, h_ptr, mean_ptr, rstd_ptr, qs_ptr,  # outputs (None when not wanted; y holds q when quantizing)
-    part_ptr, cnt_ptr,                       # fp32 [M, 3 * PARTS_POW2] slice statistics, int32 [M] arrivals (zeroed)
+    slot_ptr,                                # int64 [M, 3 * PARTS_POW2] slice statistics (zeroed)
     M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
@@ -106,23 +108,23 @@ def _norm_fwd_split_kernel(
             s1 = fx.sum(h, axis=0) / n_here
             d = fx.where(cmask, h - s1, 0.0)
             s2 = fx.sum(d * d, axis=0)
-        base = part_ptr + row_offset(row, 3 * PARTS_POW2)  # [s1 | s2 | amax] slots per row
-        fx.store(base + part, s1)
-        fx.store(base + PARTS_POW2 + part, s2)
-        arrive(cnt_ptr + row)
+        base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [s1 | s2 | amax] slots per row
+        publish(base + part, s1)
+        if not IS_RMS:
+            publish(base + PARTS_POW2 + part, s2)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=0.0)
         if HAS_RESIDUAL:
             r_nx = fx.load(r_ptr + row_offset(nxt, stride_r) + c, mask=cmask & (nxt < M), other=0.0)
         # 3. the row's statistics from every slice, then y
-        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
-        a = fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+        a, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
         if IS_RMS:
             mean = 0.0
             var = fx.sum(a, axis=0) / N
         else:
-            b = fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+            b, ok_b = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
+            ok = ok & ok_b
             mean = fx.sum(a * p_count, axis=0) / N
             dm = fx.where(p_ok, a - mean, 0.0)
             var = (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N
@@ -135,13 +137,11 @@ def _norm_fwd_split_kernel(
         if QUANT == 0:
             fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
         else:
-            # 4. quantized output: a second round on the same counter exchanges the slices' |y| maxima.
+            # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
                 y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
-            fx.store(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
-            arrive(cnt_ptr + row)
-            ok2 = wait_count(cnt_ptr + row, 2 * parts, SPIN_LIMIT)
-            amax_p = fx.load(base + 2 * PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+            publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
+            amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
             amax = fx.max(amax_p, axis=0)
             inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)  # an all-zero row: q = 0
             if QUANT == 1:
@@ -149,7 +149,7 @@ def _norm_fwd_split_kernel(
             else:
                 q = cast_sat_fp8e4m3(y * inv)
             fx.store(y_ptr + row_offset(row, stride_y) + c, q, mask=cmask)
-            # a row given up on (see wait_count) gets a NaN scale: every value dequantizes to NaN
+            # a row given up on (see collect) gets a NaN scale: every value dequantizes to NaN
             fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
         if STORE_STATS:
             if not IS_RMS:
@@ -159,7 +159,7 @@ def _norm_fwd_split_kernel(
 
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_fwd_split_kernel(
-    x_ptr, y_ptr, part_ptr, cnt_ptr, M, N, parts, stride_x, stride_y,
+    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
@@ -170,17 +170,17 @@ def _softmax_fwd_split_kernel(
         m_b = fx.max(x, axis=0)
         base_b = fx.where(m_b > _NEG_INF, m_b, 0.0)
         s_b = fx.sum(fx.exp2((x - base_b) * _LOG2E), axis=0)
-        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
-        fx.store(base + part, m_b)
-        fx.store(base + PARTS_POW2 + part, s_b)
-        arrive(cnt_ptr + row)
+        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+        publish(base + part, m_b)
+        publish(base + PARTS_POW2 + part, s_b)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=_NEG_INF)
         # 3. the row's max and sum from every slice, then y
-        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
-        ms = fx.load(base + p_idx, mask=p_ok, other=_NEG_INF, cache_modifier=".cg")
-        ss = fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg")
+        ms, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
+        ms = fx.where(p_ok, ms, _NEG_INF)
+        ss, ok_s = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
+        ok = ok & ok_s
         m = fx.max(ms, axis=0)
         row_base = fx.where(m > _NEG_INF, m, 0.0)
         slice_base = fx.where(ms > _NEG_INF, ms, 0.0)
@@ -192,7 +192,7 @@ def _softmax_fwd_split_kernel(
 
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_bwd_split_kernel(
-    dy_ptr, y_ptr, dx_ptr, part_ptr, cnt_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
+    dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
@@ -201,15 +201,13 @@ def _softmax_bwd_split_kernel(
     for row in range(group, M, groups):
         dy = dy_nx.to(fx.float32)
         y = y_nx.to(fx.float32)
-        base = part_ptr + row_offset(row, PARTS_POW2)
-        fx.store(base + part, fx.sum(dy * y, axis=0))
-        arrive(cnt_ptr + row)
+        base = slot_ptr + row_offset(row, PARTS_POW2)
+        publish(base + part, fx.sum(dy * y, axis=0))
         nxt = row + groups
         dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
         y_nx = fx.load(y_ptr + row_offset(nxt, stride_y) + c, mask=cmask & (nxt < M), other=0.0)
-        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
-        dot = fx.sum(fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0)
-        dot = fx.where(ok, dot, float("nan"))
+        dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
+        dot = fx.where(ok, fx.sum(dots, axis=0), float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -217,7 +215,7 @@ def _softmax_bwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_split_kernel(
     h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # inputs (None when absent)
-    dx_ptr, dwp_ptr, dbp_ptr, part_ptr, cnt_ptr,          # dx, [groups, N] weight-gradient partials, row stats
+    dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,                   # dx, [groups, N] weight-gradient partials, row slots
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
@@ -243,10 +241,10 @@ def _norm_bwd_split_kernel(
             mean = mean_nx
         xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
         g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
-        base = part_ptr + row_offset(row, 2 * PARTS_POW2)
-        fx.store(base + part, fx.sum(g * xhat, axis=0))
-        fx.store(base + PARTS_POW2 + part, fx.sum(g, axis=0))
-        arrive(cnt_ptr + row)
+        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+        publish(base + part, fx.sum(g * xhat, axis=0))
+        if not IS_RMS:
+            publish(base + PARTS_POW2 + part, fx.sum(g, axis=0))
         nxt = row + groups
         h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
         dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
@@ -257,13 +255,15 @@ def _norm_bwd_split_kernel(
             dw += dy * xhat
         if COMPUTE_DB:
             db += dy
-        ok = wait_count(cnt_ptr + row, parts, SPIN_LIMIT)
+        c1s, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
         g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
-        c1 = fx.sum(fx.load(base + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0) / N
+        c1 = fx.sum(c1s, axis=0) / N
         if IS_RMS:
             dx = (g - xhat * c1) * rstd
         else:
-            c2 = fx.sum(fx.load(base + PARTS_POW2 + p_idx, mask=p_ok, other=0.0, cache_modifier=".cg"), axis=0) / N
+            c2s, ok_2 = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
+            ok = ok & ok_2
+            c2 = fx.sum(c2s, axis=0) / N
             dx = (g - c2 - xhat * c1) * rstd
         if HAS_DRES:
             dx += fx.load(dres_ptr + row_offset(row, stride_dres) + c, mask=cmask, other=0.0).to(fx.float32)
@@ -278,6 +278,11 @@ def _norm_bwd_split_kernel(
 # ---------------------------------------------------------------- host
 
 
+def _launch_opts(cfg) -> dict:
+    """Triton launch options of a (slice, warps, register cap) config."""
+    return {"num_warps": cfg[1]} if cfg[2] is None else {"num_warps": cfg[1], "maxnreg": cfg[2]}
+
+
 def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
     """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns."""
     return n >= min_n and not flyc.interpreting()
@@ -288,21 +293,20 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
     launched, or 0 (nothing launched) when one wave cannot hold all the slices of a row (rows past ~2M
     columns): the caller then takes its chunked path.
 
-    ``build(part, cnt, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
+    ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
     fp32 tensor: only dtypes and alignment decide the compiled specialization), then with the count.
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
-    part = torch.empty(m, stat_cols * pp, dtype=torch.float32, device=device)
-    cnt = torch.zeros(m, dtype=torch.int32, device=device)
-    args, meta = build(part, cnt, parts, pp, None)
+    slots = torch.zeros(m, stat_cols * pp, dtype=torch.int64, device=device)
+    args, meta = build(slots, parts, pp, None)
     wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
     if wave < parts:
         return 0
     groups = min(m, wave // parts)
-    args, meta = build(part, cnt, parts, pp, groups)
+    args, meta = build(slots, parts, pp, groups)
     flyc.launch(kernel, (groups * parts,), *args, **meta)
     return groups
 
@@ -316,45 +320,45 @@ def launch_fwd_split(
     ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
     """
 
-    def build(part, cnt, parts, pp, groups):
+    def build(slots, parts, pp, groups):
         m, n = x2.shape
         # fmt: off
         args = (
-            x2, r2, w, b, s, y2, h2, mean, rstd, qscale, part, cnt,
+            x2, r2, w, b, s, y2, h2, mean, rstd, qscale, slots,
             m, n, parts, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0),
             0 if h2 is None else h2.stride(0), float(eps), float(weight_offset),
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=_SLICE,
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
+            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=FWD_SLICE[0],
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(FWD_SLICE),
         )
         # fmt: on
         return args, meta
 
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, _SLICE, x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, FWD_SLICE[0], x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
     """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
 
-    def build(part, cnt, parts, pp, groups):
+    def build(slots, parts, pp, groups):
         m, n = x2.shape
-        args = (x2, y2, part, cnt, m, n, parts, x2.stride(0), y2.stride(0))
-        return args, dict(SLICE=_SLICE, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
+        args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
+        return args, dict(SLICE=FWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(FWD_SLICE))
 
-    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, _SLICE, x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, FWD_SLICE[0], x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
 
-    def build(part, cnt, parts, pp, groups):
+    def build(slots, parts, pp, groups):
         m, n = y2.shape
-        args = (dy2, y2, dx2, part, cnt, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
-        return args, dict(SLICE=_SLICE_BWD, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS)
+        args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
+        return args, dict(SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE))
 
-    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, _SLICE_BWD, y2.device) > 0
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, BWD_SLICE[0], y2.device) > 0
 
 
 @flyc.jit(skip_empty=False)
@@ -365,27 +369,27 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
     """
     partials: dict = {}
 
-    def build(part, cnt, parts, pp, groups):
+    def build(slots, parts, pp, groups):
         m, n = h2.shape
         if groups is None:
-            dwp = dbp = part  # sizing the wave: any fresh fp32 buffer keys the same specialization
+            dwp = dbp = slots.view(torch.float32)  # sizing the wave: any fp32 buffer keys the same specialization
         else:
             dev = h2.device
             dwp = partials["dw"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_dw else None
             dbp = partials["db"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_db else None
         # fmt: off
         args = (
-            h2, w, dy2, dres2, mean, rstd, dx2, dwp if need_dw else None, dbp if need_db else None, part, cnt,
+            h2, w, dy2, dres2, mean, rstd, dx2, dwp if need_dw else None, dbp if need_db else None, slots,
             m, n, parts, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
             float(weight_offset),
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
-            COMPUTE_DB=need_db, SLICE=_SLICE_BWD, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, num_warps=_WARPS,
+            COMPUTE_DB=need_db, SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE),
         )
         # fmt: on
         return args, meta
 
-    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, _SLICE_BWD, h2.device):
+    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device):
         return None
     return partials.get("dw"), partials.get("db")
