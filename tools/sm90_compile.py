@@ -88,7 +88,7 @@ def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
 
 
 def _softmax_split(backward=False, parts=16):
-    slice_cols, *warps = split.BWD_SLICE if backward else split.FWD_SLICE
+    slice_cols, *warps = split.SOFTMAX_BWD_SLICE if backward else split.FWD_SLICE
     consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
     if backward:
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",

@@ -153,8 +153,11 @@ def part_host() -> dict:
     return res
 
 
-SPLIT_FWD = [(16384, 16, None), (4096, 4, None), (4096, 8, None), (2048, 4, None), (1024, 4, None)]
-SPLIT_BWD = [(8192, 16, None), (2048, 4, None), (2048, 8, None), (1024, 4, None), (4096, 8, None)]
+# the first round (tagged words, one collect a value) measured (16384, 16), (4096, 4), (4096, 8), (2048, 4),
+# (1024, 4) forward and (8192, 16), (2048, 4), (2048, 8), (1024, 4), (4096, 8) backward: PERF.md
+SPLIT_FWD = [(4096, 4, None), (4096, 4, 168), (4096, 4, 128), (16384, 16, None), (8192, 8, None)]
+SPLIT_BWD = [(8192, 16, None), (2048, 4, None), (2048, 4, 168), (1024, 4, None), (1024, 2, None)]
+SPLIT_SOFTMAX_BWD = [(2048, 4, None), (4096, 4, None), (1024, 4, None), (2048, 4, 96)]
 
 
 def part_split() -> dict:
@@ -188,10 +191,11 @@ def part_split() -> dict:
                     shared.launch_sum_partials(dbp, dw)
             return run
 
-        bwd = {"rms_bwd": norm_bwd(True), "ln_bwd": norm_bwd(False),
-               "softmax_bwd": lambda: split.launch_softmax_bwd_split(dy, x, y)}
+        bwd = {"rms_bwd": norm_bwd(True), "ln_bwd": norm_bwd(False)}
+        smb = {"softmax_bwd": lambda: split.launch_softmax_bwd_split(dy, x, y)}
         for table, cfgs, ops, nbytes in ((fwd, SPLIT_FWD, "FWD_SLICE", 2 * 2 * m * n),
-                                         (bwd, SPLIT_BWD, "BWD_SLICE", 3 * 2 * m * n)):
+                                         (bwd, SPLIT_BWD, "BWD_SLICE", 3 * 2 * m * n),
+                                         (smb, SPLIT_SOFTMAX_BWD, "SOFTMAX_BWD_SLICE", 3 * 2 * m * n)):
             if table is fwd and n < 32768:
                 continue
             for cfg in cfgs:

@@ -272,8 +272,9 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_SLICE", (64, 4))
-    monkeypatch.setattr(split, "BWD_SLICE", (64, 4))
+    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)

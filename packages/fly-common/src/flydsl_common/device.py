@@ -129,7 +129,9 @@ def publish(slot_ptr, value):
 
 @flyc.func
 def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
-    """Poll the masked int64 slots until every one holds a published word; returns (fp32 values, ok).
+    """Poll the masked int64 slots (a block of any shape) until every one holds a published word;
+    returns (fp32 values, ok). One poll loop for every slot: a caller exchanging several values per
+    program collects them together rather than waiting once per value.
 
     ``ok`` is False when SPIN_LIMIT polls passed first: a program of the wave
     never published (a grid larger than one wave, or SMs taken away). Callers
@@ -138,10 +140,10 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     """
     w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     spins = 0
-    while (fx.min(w >> 32, axis=0) == 0) & (spins < SPIN_LIMIT):
+    while (fx.min(w >> 32, axis=None) == 0) & (spins < SPIN_LIMIT):
         w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
         spins += 1
-    return w.to(fx.int32).to(fx.float32, bitcast=True), fx.min(w >> 32, axis=0) > 0
+    return w.to(fx.int32).to(fx.float32, bitcast=True), fx.min(w >> 32, axis=None) > 0
 
 
 # ----------------------------------------------------------------- rounding

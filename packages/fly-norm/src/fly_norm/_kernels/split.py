@@ -58,11 +58,26 @@ SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 w
 # (columns a program holds, warps, register cap or None): set by measurement (PERF.md); several programs
 # share an SM so that one's wait overlaps the others' loads. Forward: 32 elements a thread; backward
 # (two rows held: h and dy, or y and dy): 16 elements a thread each.
-FWD_SLICE = (4096, 4, 128)
-BWD_SLICE = (2048, 4, 128)
+FWD_SLICE = (4096, 4, None)
+BWD_SLICE = (8192, 16, None)  # the norms' (which also hold per-column weight-gradient sums)
+SOFTMAX_BWD_SLICE = (2048, 4, None)
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 _LOG2E = fx.constexpr(1.4426950408889634)
 _NEG_INF = fx.constexpr(float("-inf"))
+
+
+@flyc.func
+def _pair_slots(base, part, p_idx, p_ok):
+    """Slots of two values a slice, interleaved: this slice's two, every slice's [PARTS_POW2, 2] and mask."""
+    k = fx.arange(0, 2)
+    return base + 2 * part, base + 2 * p_idx[:, None] + k[None, :], p_ok[:, None] & (k[None, :] < 2)
+
+
+@flyc.func
+def _unpair(v):
+    """Columns 0 and 1 of a [PARTS_POW2, 2] block."""
+    k = fx.arange(0, 2)[None, :]
+    return fx.sum(fx.where(k == 0, v, 0.0), axis=1), fx.sum(fx.where(k == 1, v, 0.0), axis=1)
 
 
 @flyc.func
@@ -108,23 +123,24 @@ def _norm_fwd_split_kernel(
             s1 = fx.sum(h, axis=0) / n_here
             d = fx.where(cmask, h - s1, 0.0)
             s2 = fx.sum(d * d, axis=0)
-        base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [s1 | s2 | amax] slots per row
-        publish(base + part, s1)
+        base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
+        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        publish(mine, s1)
         if not IS_RMS:
-            publish(base + PARTS_POW2 + part, s2)
+            publish(mine + 1, s2)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=0.0)
         if HAS_RESIDUAL:
             r_nx = fx.load(r_ptr + row_offset(nxt, stride_r) + c, mask=cmask & (nxt < M), other=0.0)
         # 3. the row's statistics from every slice, then y
-        a, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
         if IS_RMS:
+            a, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
             mean = 0.0
             var = fx.sum(a, axis=0) / N
         else:
-            b, ok_b = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
-            ok = ok & ok_b
+            ab, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
+            a, b = _unpair(ab)
             mean = fx.sum(a * p_count, axis=0) / N
             dm = fx.where(p_ok, a - mean, 0.0)
             var = (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N
@@ -171,16 +187,16 @@ def _softmax_fwd_split_kernel(
         base_b = fx.where(m_b > _NEG_INF, m_b, 0.0)
         s_b = fx.sum(fx.exp2((x - base_b) * _LOG2E), axis=0)
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        publish(base + part, m_b)
-        publish(base + PARTS_POW2 + part, s_b)
+        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        publish(mine, m_b)
+        publish(mine + 1, s_b)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=_NEG_INF)
         # 3. the row's max and sum from every slice, then y
-        ms, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
+        ms_ss, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
+        ms, ss = _unpair(ms_ss)  # masked-off slots read 0: their max is made -inf, their sum stays 0
         ms = fx.where(p_ok, ms, _NEG_INF)
-        ss, ok_s = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
-        ok = ok & ok_s
         m = fx.max(ms, axis=0)
         row_base = fx.where(m > _NEG_INF, m, 0.0)
         slice_base = fx.where(ms > _NEG_INF, ms, 0.0)
@@ -242,9 +258,10 @@ def _norm_bwd_split_kernel(
         xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
         g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        publish(base + part, fx.sum(g * xhat, axis=0))
+        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        publish(mine, fx.sum(g * xhat, axis=0))
         if not IS_RMS:
-            publish(base + PARTS_POW2 + part, fx.sum(g, axis=0))
+            publish(mine + 1, fx.sum(g, axis=0))
         nxt = row + groups
         h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
         dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
@@ -255,14 +272,16 @@ def _norm_bwd_split_kernel(
             dw += dy * xhat
         if COMPUTE_DB:
             db += dy
-        c1s, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
+        if IS_RMS:
+            c1s, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)
+        else:
+            c12, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
+            c1s, c2s = _unpair(c12)
         g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
         c1 = fx.sum(c1s, axis=0) / N
         if IS_RMS:
             dx = (g - xhat * c1) * rstd
         else:
-            c2s, ok_2 = collect(base + PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
-            ok = ok & ok_2
             c2 = fx.sum(c2s, axis=0) / N
             dx = (g - c2 - xhat * c1) * rstd
         if HAS_DRES:
@@ -356,9 +375,11 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     def build(slots, parts, pp, groups):
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
-        return args, dict(SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE))
+        cfg = SOFTMAX_BWD_SLICE
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
-    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, BWD_SLICE[0], y2.device) > 0
+    cols = SOFTMAX_BWD_SLICE[0]
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
 
 
 @flyc.jit(skip_empty=False)
