@@ -153,11 +153,11 @@ def part_host() -> dict:
     return res
 
 
-# the first round (tagged words, one collect a value) measured (16384, 16), (4096, 4), (4096, 8), (2048, 4),
-# (1024, 4) forward and (8192, 16), (2048, 4), (2048, 8), (1024, 4), (4096, 8) backward: PERF.md
-SPLIT_FWD = [(4096, 4, None), (4096, 4, 168), (4096, 4, 128), (16384, 16, None), (8192, 8, None)]
-SPLIT_BWD = [(8192, 16, None), (2048, 4, None), (2048, 4, 168), (1024, 4, None), (1024, 2, None)]
-SPLIT_SOFTMAX_BWD = [(2048, 4, None), (4096, 4, None), (1024, 4, None), (2048, 4, 96)]
+# rounds 1-2 (PERF.md) measured (16384, 16), (8192, 8), (4096, 4), (4096, 8), (2048, 4), (1024, 4) forward,
+# (8192, 16), (4096, 8), (2048, 4), (2048, 8), (1024, 4), (1024, 2) backward, with register caps of 96-168
+SPLIT_FWD = [(4096, 4, None), (8192, 8, None), (2048, 4, None), (4096, 8, None)]
+SPLIT_BWD = [(2048, 4, None), (4096, 8, None), (4096, 4, None), (8192, 16, None), (1024, 2, None)]
+SPLIT_SOFTMAX_BWD = [(4096, 4, None), (8192, 8, None), (4096, 8, None)]
 
 
 def part_split() -> dict:

@@ -110,6 +110,13 @@ def _norm_fwd_split_kernel(
     x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=0.0)
     if HAS_RESIDUAL:
         r_nx = fx.load(r_ptr + row_offset(group, stride_r) + c, mask=cmask & (group < M), other=0.0)
+    # the per-column operands of this program's slice, once: no load (an L2 round trip) after the waits
+    if HAS_WEIGHT:
+        wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+    if HAS_BIAS:
+        bv = fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+    if HAS_SMOOTH:
+        sv = fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
     for row in range(group, M, groups):
         h = x_nx.to(fx.float32)
         if HAS_RESIDUAL:
@@ -147,15 +154,15 @@ def _norm_fwd_split_kernel(
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
         y = (h - mean) * rstd
         if HAS_WEIGHT:
-            y = y * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+            y = y * wv
         if HAS_BIAS:
-            y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+            y = y + bv
         if QUANT == 0:
             fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
         else:
             # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
-                y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+                y = y * sv
             publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
             amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
             amax = fx.max(amax_p, axis=0)
@@ -247,6 +254,7 @@ def _norm_bwd_split_kernel(
     rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
     if not IS_RMS:
         mean_nx = fx.load(mean_ptr + group, mask=group < M, other=0.0)
+    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # the slice's, once: no load after the waits
     for row in range(group, M, groups):
         h = h_nx.to(fx.float32)
         dy = dy_nx.to(fx.float32)
@@ -256,7 +264,7 @@ def _norm_bwd_split_kernel(
         else:
             mean = mean_nx
         xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
-        g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+        g = dy * wv
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
         publish(mine, fx.sum(g * xhat, axis=0))
@@ -277,7 +285,7 @@ def _norm_bwd_split_kernel(
         else:
             c12, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
             c1s, c2s = _unpair(c12)
-        g = dy * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # again (an L1 hit): fewer live registers
+        g = dy * wv
         c1 = fx.sum(c1s, axis=0) / N
         if IS_RMS:
             dx = (g - xhat * c1) * rstd
