@@ -80,14 +80,15 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
 
 
 def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
+    cfg = split.FWD_SLICE if is_rms else split.LN_FWD_SLICE
     ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
     ptrs.update(slot_ptr="*i64")
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
-                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=split.FWD_SLICE[0], PARTS_POW2=parts,
+                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=cfg[0], PARTS_POW2=parts,
                   SPIN_LIMIT=split._SPIN_LIMIT)
-    return split._norm_fwd_split_kernel, sig, consts, split.FWD_SLICE[1:]
+    return split._norm_fwd_split_kernel, sig, consts, cfg[1:]
 
 
 def _softmax_split(backward=False, parts=16):
@@ -96,10 +97,10 @@ def _softmax_split(backward=False, parts=16):
     if backward:
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
-        return split._softmax_bwd_split_kernel, sig, consts, warps
+        return split._softmax_bwd_split_kernel, sig, consts, tuple(warps)
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
-    return split._softmax_fwd_split_kernel, sig, consts, warps
+    return split._softmax_fwd_split_kernel, sig, consts, tuple(warps)
 
 
 def _bwd_split(is_rms=True, parts=4):

@@ -156,6 +156,7 @@ def part_host() -> dict:
 # rounds 1-2 (PERF.md) measured (16384, 16), (8192, 8), (4096, 4), (4096, 8), (2048, 4), (1024, 4) forward,
 # (8192, 16), (4096, 8), (2048, 4), (2048, 8), (1024, 4), (1024, 2) backward, with register caps of 96-168
 SPLIT_FWD = [(4096, 4, None), (8192, 8, None), (2048, 4, None), (4096, 8, None)]
+SPLIT_LN_FWD = [(4096, 4, 96), (4096, 4, None), (4096, 4, 80)]
 SPLIT_BWD = [(2048, 4, None), (4096, 8, None), (4096, 4, None), (8192, 16, None), (1024, 2, None)]
 SPLIT_SOFTMAX_BWD = [(4096, 4, None), (8192, 8, None), (4096, 8, None)]
 
@@ -194,9 +195,10 @@ def part_split() -> dict:
         bwd = {"rms_bwd": norm_bwd(True), "ln_bwd": norm_bwd(False)}
         smb = {"softmax_bwd": lambda: split.launch_softmax_bwd_split(dy, x, y)}
         for table, cfgs, ops, nbytes in ((fwd, SPLIT_FWD, "FWD_SLICE", 2 * 2 * m * n),
+                                         ({"ln": fwd.pop("ln")}, SPLIT_LN_FWD, "LN_FWD_SLICE", 2 * 2 * m * n),
                                          (bwd, SPLIT_BWD, "BWD_SLICE", 3 * 2 * m * n),
                                          (smb, SPLIT_SOFTMAX_BWD, "SOFTMAX_BWD_SLICE", 3 * 2 * m * n)):
-            if table is fwd and n < 32768:
+            if "BWD" not in ops and n < 32768:
                 continue
             for cfg in cfgs:
                 setattr(split, ops, cfg)

@@ -273,6 +273,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)

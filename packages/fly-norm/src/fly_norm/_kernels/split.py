@@ -58,9 +58,10 @@ SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 w
 # (columns a program holds, warps, register cap or None): set by measurement (PERF.md); several programs
 # share an SM so that one's wait overlaps the others' loads. Forward: 32 elements a thread; backward
 # (two rows held: h and dy, or y and dy): 16 elements a thread each.
-FWD_SLICE = (4096, 4, None)
-BWD_SLICE = (8192, 16, None)  # the norms' (which also hold per-column weight-gradient sums)
-SOFTMAX_BWD_SLICE = (2048, 4, None)
+FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
+LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
+BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
+SOFTMAX_BWD_SLICE = (4096, 4, None)
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 _LOG2E = fx.constexpr(1.4426950408889634)
 _NEG_INF = fx.constexpr(float("-inf"))
@@ -110,13 +111,9 @@ def _norm_fwd_split_kernel(
     x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=0.0)
     if HAS_RESIDUAL:
         r_nx = fx.load(r_ptr + row_offset(group, stride_r) + c, mask=cmask & (group < M), other=0.0)
-    # the per-column operands of this program's slice, once: no load (an L2 round trip) after the waits
-    if HAS_WEIGHT:
-        wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
-    if HAS_BIAS:
-        bv = fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
-    if HAS_SMOOTH:
-        sv = fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+    # The per-column operands (weight, bias, smooth scale) are loaded again for every row, after the wait
+    # (L1 hits): held in registers for the whole loop instead, they cost a resident program per SM, and
+    # measured slower (PERF.md).
     for row in range(group, M, groups):
         h = x_nx.to(fx.float32)
         if HAS_RESIDUAL:
@@ -154,15 +151,15 @@ def _norm_fwd_split_kernel(
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
         y = (h - mean) * rstd
         if HAS_WEIGHT:
-            y = y * wv
+            y = y * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
         if HAS_BIAS:
-            y = y + bv
+            y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
         if QUANT == 0:
             fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
         else:
             # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
-                y = y * sv
+                y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
             publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
             amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
             amax = fx.max(amax_p, axis=0)
@@ -357,13 +354,14 @@ def launch_fwd_split(
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=FWD_SLICE[0],
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(FWD_SLICE),
+            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
         )
         # fmt: on
         return args, meta
 
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, FWD_SLICE[0], x2.device) > 0
+    cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
