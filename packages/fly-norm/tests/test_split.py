@@ -178,6 +178,9 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
     assert split._launch_split(None, few, 2, build, 1024, "cpu") == 3 and launched[-1] == (15,)
     wide = torch.empty(2, 21 * 1024)  # 21 parts > a wave of 20: declined, nothing launched
     assert split._launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+    monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 32)  # a wave of 320
+    too_many = torch.empty(2, (split.SPLIT_MAX_PARTS + 1) * 1024)  # fits the wave, but too many slices
+    assert split._launch_split(None, too_many, 2, build, 1024, "cpu") == 0 and len(launched) == 2
 
 
 # ------------------------------------------- the split kernels' arithmetic on any machine

@@ -22,7 +22,7 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
-from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from ._kernels.split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
@@ -36,7 +36,7 @@ OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
 # row config does not steer: `flydsl tune norm` skips those buckets there.
-_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
+_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD, "layernorm_fwd": LN_SPLIT_MIN_N}
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -146,7 +146,7 @@ def _valid(cfg: RowConfig, key, arch: str) -> bool:
 
 
 def _tune_keys_for(name: str):
-    split_from = _SPLIT_FROM[name.rsplit("_", 1)[1]]
+    split_from = _SPLIT_FROM.get(name, _SPLIT_FROM[name.rsplit("_", 1)[1]])
 
     def tune_keys(arch: str) -> list[dict]:
         gpu = arch != "cpu"

@@ -48,7 +48,7 @@ from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_weight
-from .split import SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
+from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
     "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
@@ -424,7 +424,7 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n) and launch_fwd_split.__wrapped__(
+    if split_applies(n, SPLIT_MIN_N if is_rms else LN_SPLIT_MIN_N) and launch_fwd_split.__wrapped__(
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, _quant_code(qdtype), _qmax(qdtype)
     ):
         return  # wide rows on a GPU: split over the programs of one wave (split.py)

@@ -48,12 +48,17 @@ from flydsl_common.rows import MAX_SINGLE_PASS
 from .affine import load_weight
 
 __all__ = [
-    "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
+    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
     "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 SPLIT_MIN_N = MAX_SINGLE_PASS + 1  # forward: wider than one program keeps in registers (16K)
+# LayerNorm forward: the chunked path measured better at 32K (79% vs 71% of copy; a tie at 64K: PERF.md v3)
+LN_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
+# Rows of more slices than this take the chunked paths: the wave then holds only a few rows and every
+# program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
+SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
 # (columns a program holds, warps, register cap or None): set by measurement (PERF.md); several programs
 # share an SM so that one's wait overlaps the others' loads. Forward: 32 elements a thread; backward
@@ -313,9 +318,9 @@ def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
 
 
 def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
-    """Allocate the row statistics and counters, size one wave and launch. Returns the row groups
-    launched, or 0 (nothing launched) when one wave cannot hold all the slices of a row (rows past ~2M
-    columns): the caller then takes its chunked path.
+    """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
+    launched, or 0 (nothing launched) when a row has more than SPLIT_MAX_PARTS slices or one wave cannot
+    hold them all (    columns): the caller then takes its chunked path.
 
     ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
@@ -323,6 +328,8 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
+    if parts > SPLIT_MAX_PARTS:
+        return 0
     pp = flyc.next_power_of_2(parts)
     slots = torch.zeros(m, stat_cols * pp, dtype=torch.int64, device=device)
     args, meta = build(slots, parts, pp, None)
