@@ -201,6 +201,37 @@ def test_lean_launch_follows_the_current_stream():
     torch.cuda.synchronize()
 
 
+@pytest.mark.gpu
+def test_bound_launch_matches_reference_and_follows_the_stream():
+    x = torch.randn(4096, device="cuda")
+    bound = flyc.bind(_scale_kernel, x, x, 4096, 1, 2.0, BLOCK=64)
+    for n in (4096, 1024):  # same specialization: multiples of 16, aligned
+        out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
+        bound(flyc.cdiv(n, 64), x, out, n, 1, 3.0)
+        torch.testing.assert_close(out[:n], 3.0 * x[:n])
+        assert torch.isnan(out[n:]).all()
+    side = torch.cuda.Stream()
+    out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the default stream stays busy ~0.25 s
+    with torch.cuda.stream(side):
+        bound(64, x, out, 4096, 1, 0.5)
+    side.synchronize()
+    assert not torch.cuda.default_stream().query()
+    torch.testing.assert_close(out, 0.5 * x)
+    torch.cuda.synchronize()
+
+
+def test_bind_needs_compiled_kernels_and_keyword_constexprs(device):
+    x = torch.randn(64, device=device)
+    if device.type != "cuda":
+        with pytest.raises(RuntimeError, match="interpreter"):
+            flyc.bind(_scale_kernel, x, x, 64, 1, 2.0, BLOCK=64)
+        return
+    with pytest.raises(TypeError, match="BLOCK"):
+        flyc.bind(_scale_kernel, x, x, 64, 1, 2.0)
+
+
 def test_programs_per_sm_is_one_in_the_interpreter(device):
     if device.type == "cuda":
         pytest.skip("the compiled path is tested below")

@@ -228,8 +228,12 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, *, weight_offset=0.0, a
 
         y = layer_norm(torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16), w, b)
     """
-    shared.check_norm_args(x, weight, bias, residual)
     eps, weight_offset = float(eps), float(weight_offset)  # the custom op's schema takes floats
+    if not autotune:  # small eager calls: a cached launch plan (None: not such a call)
+        out = shared.eager_forward(x, weight, bias, residual, eps, weight_offset, False, _fwd_config)
+        if out is not None:
+            return out
+    shared.check_norm_args(x, weight, bias, residual)
     grad = shared.needs_grad(x, weight, bias, residual)
     if grad or torch.compiler.is_compiling():
         y, h, _, _ = torch.ops.fly_norm.layer_norm_fwd(x, weight, bias, residual, eps, weight_offset, grad)

@@ -217,8 +217,12 @@ def rms_norm(x, weight, eps=1e-6, residual=None, *, weight_offset=0.0, autotune=
 
         y = rms_norm(torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16), w)
     """
-    shared.check_norm_args(x, weight, None, residual)
     eps, weight_offset = float(eps), float(weight_offset)  # the custom op's schema takes floats
+    if not autotune:  # small eager calls: a cached launch plan (None: not such a call)
+        out = shared.eager_forward(x, weight, None, residual, eps, weight_offset, True, _fwd_config)
+        if out is not None:
+            return out
+    shared.check_norm_args(x, weight, None, residual)
     grad = shared.needs_grad(x, weight, residual)
     if grad or torch.compiler.is_compiling():
         y, h, _ = torch.ops.fly_norm.rms_norm_fwd(x, weight, residual, eps, weight_offset, grad)

@@ -47,8 +47,8 @@ from . import _backend
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
-    "kernel", "func", "jit", "launch", "programs_per_sm", "on_current_device", "cdiv", "next_power_of_2",
-    "interpreting",
+    "kernel", "func", "jit", "launch", "bind", "Bound", "programs_per_sm", "on_current_device", "cdiv",
+    "next_power_of_2", "interpreting",
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -353,6 +353,56 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, packed, None, None, None, *args, *tail)
+
+
+class Bound:
+    """One compiled specialization of a kernel, launched with no per-call keying (see :func:`bind`)."""
+
+    __slots__ = ("kernel", "device", "entry", "meta")
+
+    def __init__(self, kernel, device: int, entry: tuple, meta: dict):
+        self.kernel, self.device, self.entry, self.meta = kernel, device, entry, meta
+
+    def __call__(self, grid0: int, *args) -> None:
+        """Launch ``grid0`` programs (a 1-D grid) on the current stream of the bound device."""
+        if not _hooks_idle():  # a profiler hook is installed: Triton's own path reports the launch
+            self.kernel[(grid0,)](*args, **self.meta)
+            return
+        run, function, packed, tail = self.entry
+        run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), function, packed, None, None, None,
+            *args, *tail)  # fmt: skip
+
+
+def bind(kernel, *args, **meta) -> Bound:
+    """Compile (or find) ``kernel``'s specialization for these arguments, as a :class:`Bound` launch.
+
+    For host paths where :func:`launch`'s keying is the cost (small eager
+    calls). The caller keeps the Bound under a key of its own, and that key
+    must separate everything Triton specializes on (:func:`_spec`: each
+    tensor's dtype and 16-byte alignment, each int's being 1, a multiple of
+    16, its width) and the device: a Bound launched with arguments of another
+    specialization runs code compiled for the wrong assumptions. Arguments as
+    :func:`launch` (runtime ones positionally, constexprs and options by
+    keyword). Compiled runs on the current CUDA device only.
+    """
+    if interpreting():
+        raise RuntimeError("flyc.bind: the interpreter has no compiled kernel to bind; use flyc.launch")
+    lean = _lean(kernel)
+    device = _current_cuda_device()
+    key = _key(device, args, meta)
+    entry = lean.table.get(key)
+    if entry is None:
+        names = kernel.arg_names[len(args) :]
+        missing = [n for n in names if n not in meta]
+        if missing:
+            raise TypeError(f"flyc.bind: give {missing} by keyword (constexprs after the runtime arguments)")
+        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        compiled._init_handles()
+        entry = (compiled.run, compiled.function, compiled.packed_metadata, tuple(meta[n] for n in names))
+        lean.table[key] = entry
+    return Bound(kernel, device, entry, meta)
 
 
 def _sm_limits(device: int) -> tuple[int, int, int]:

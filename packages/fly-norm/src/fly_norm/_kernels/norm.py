@@ -40,6 +40,7 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+from flydsl import env
 from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
@@ -428,7 +429,7 @@ def launch_fwd(
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, _quant_code(qdtype), _qmax(qdtype)
     ):
         return  # wide rows on a GPU: split over the programs of one wave (split.py)
-    store_stats = rstd is not None
+    store_stats = rstd is not None and (mean is not None or is_rms)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off
     flyc.launch(
@@ -436,12 +437,18 @@ def launch_fwd(
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
         float(eps), float(weight_offset),
-        IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-        HAS_SMOOTH=s is not None, STORE_STATS=store_stats and (mean is not None or is_rms),
-        QUANT=_quant_code(qdtype), QMAX=_qmax(qdtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+        **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg),
     )
     # fmt: on
+
+
+def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig) -> dict:
+    """The forward kernel's constexprs and launch options."""
+    return dict(
+        IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+        HAS_SMOOTH=s is not None, STORE_STATS=store_stats, QUANT=_quant_code(qdtype), QMAX=_qmax(qdtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+    )
 
 
 def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg: RowConfig):
@@ -664,6 +671,88 @@ def norm_forward(
     )
     run(cfg)
     return y, h, mean, rstd
+
+
+# ---------------------------------------------------------------- eager small calls
+
+# Plans of the eager fast path: a cheap key of the call -> (bound launch, rows a program). The key holds
+# everything the forward kernel's compiled specialization depends on for such a call: the operands'
+# dtypes and 16-byte alignment, the row width (also the row stride), the device; M is never specialized.
+_EAGER_PLANS: dict = {}
+
+
+def _vector_ok(v, n, dtype, device_index) -> bool:
+    return v is None or (
+        type(v) is torch.Tensor and v.dim() == 1 and v.shape[0] == n and v.stride(0) == 1
+        and (v.dtype is dtype or v.dtype is torch.float32) and v.is_cuda and v.get_device() == device_index
+    )  # fmt: skip
+
+
+def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, config_for: ConfigFor):
+    """y (or (y, residual_out)) of a plain eager norm call through a cached launch plan; None when the call
+    is not one, and the caller takes the general path (which also validates and names bad arguments).
+
+    Plain: compiled GPU run, dense x with rows of at most SPLIT_MIN_N - 1 columns on the current device,
+    vector operands as :func:`_plain_call` accepts, an optional residual of x's shape, dense, on the same
+    device; no gradient needed, not tracing. This is what small decode-time calls are, and there the
+    general path's keying and checks cost more than the kernel. ``FLYDSL_AUTOTUNE`` is honoured when a
+    plan is made (the config is chosen then, searched if asked).
+    """
+    if type(x) is not torch.Tensor or not x.is_cuda or flyc.interpreting() or not x.is_contiguous():
+        return None
+    if x.dtype not in FLOAT_DTYPES or not x.dim():
+        return None
+    n = x.shape[-1]
+    dev = x.get_device()
+    if not 0 < n < SPLIT_MIN_N or dev != torch._C._cuda_getDevice():
+        return None
+    dtype = x.dtype
+    if not (_vector_ok(weight, n, dtype, dev) and _vector_ok(bias, n, dtype, dev)):
+        return None
+    if residual is not None and (
+        type(residual) is not torch.Tensor or residual.shape != x.shape or not residual.is_contiguous()
+        or residual.dtype not in FLOAT_DTYPES or not residual.is_cuda or residual.get_device() != dev
+    ):  # fmt: skip
+        return None
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    ):  # fmt: skip
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    m = x.numel() // n
+    if m == 0:
+        return None
+    key = (
+        is_rms, dtype, n, dev, x.data_ptr() & 15,
+        None if weight is None else (weight.dtype, weight.data_ptr() & 15),
+        None if bias is None else (bias.dtype, bias.data_ptr() & 15),
+        None if residual is None else (residual.dtype, residual.data_ptr() & 15),
+    )  # fmt: skip
+    plan = _EAGER_PLANS.get(key)
+    if plan is None and env.get("FLYDSL_AUTOTUNE"):
+        return None  # a search may be due: the general path runs it (and then serves its winner)
+    y = torch.empty_like(x)
+    h = None if residual is None else torch.empty_like(residual)
+    if plan is None:
+        x2, y2 = x.view(m, n), y.view(m, n)
+        r2 = None if residual is None else residual.view(m, n)
+        h2 = None if h is None else h.view(m, n)
+        cfg = config_for(n, dtype, x.device, autotune=None, task=None)
+        # fmt: off
+        bound = flyc.bind(
+            _norm_fwd_kernel, x2, r2, weight, bias, None, y2, h2, None, None, None,
+            m, n, n, 0 if r2 is None else n, n, 0 if h2 is None else n, eps, weight_offset,
+            **_fwd_meta(is_rms, r2, weight, bias, None, False, None, cfg),
+        )
+        # fmt: on
+        plan = _EAGER_PLANS[key] = (bound, cfg.block_m)
+    bound, block_m = plan
+    rn = 0 if residual is None else n
+    bound(-(-m // block_m), x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps,
+          weight_offset)  # fmt: skip
+    return y if residual is None else (y, h)
 
 
 def norm_quant_forward(

@@ -1,0 +1,67 @@
+"""The eager fast path of rms_norm / layer_norm (cached launch plans for small inference calls; GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from norm_helpers import randn
+
+from fly_norm import layer_norm, rms_norm
+from fly_norm._kernels import norm as shared
+from fly_norm.reference import layer_norm_ref, rms_norm_ref
+from fly_norm.rmsnorm import _fwd_config
+from flydsl.testing import assert_rel_close
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("wdtype", ["same", "fp32", None])
+def test_plans_serve_every_batch_size_and_operand_mix(dtype, wdtype):
+    n = 4096
+    w = None if wdtype is None else randn(n, dtype=dtype if wdtype == "same" else torch.float32, device="cuda", seed=1)
+    b = None if wdtype is None else randn(n, dtype=w.dtype, device="cuda", seed=2)
+    for m in (1, 3, 64, 1000):  # one plan a key: M is a runtime value
+        x = randn(m, n, dtype=dtype, device="cuda", seed=m) + 0.25
+        assert_rel_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        assert_rel_close(layer_norm(x, w, b, 1e-5), layer_norm_ref(x, w, b, 1e-5))
+    keys = [k for k in shared._EAGER_PLANS if k[1] is dtype and k[2] == n]
+    assert len({k[0] for k in keys}) == 2  # both norms planned
+
+
+def test_plans_keep_residual_offsets_and_odd_widths_apart():
+    for n in (1, 7, 255, 4097, 16383):
+        x = randn(2, 3, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
+        r = randn(2, 3, n, dtype=torch.float32, device="cuda", seed=1)
+        w = randn(n, dtype=torch.bfloat16, device="cuda", seed=2)
+        y, h = rms_norm(x, w, 1e-6, residual=r, weight_offset=1.0)
+        ry, rh = rms_norm_ref(x, w, 1e-6, r, 1.0)
+        assert_rel_close(y, ry)
+        assert_rel_close(h, rh)
+        assert h.dtype == torch.float32 and y.shape == x.shape
+    # a weight view at an odd offset is not 16-byte aligned: its own plan, still right
+    n = 4096
+    wbase = randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=3)
+    x = randn(5, n, dtype=torch.bfloat16, device="cuda")
+    for w in (wbase[:n], wbase[1:]):
+        assert_rel_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    xbase = randn(5 * n + 1, dtype=torch.bfloat16, device="cuda")
+    xo = xbase[1:].view(5, n)  # misaligned rows
+    assert_rel_close(layer_norm(xo, None, None, 1e-5), layer_norm_ref(xo, None, None, 1e-5))
+
+
+def test_calls_the_plan_does_not_cover_take_the_general_path():
+    n = 4096
+    x = randn(4, n, dtype=torch.bfloat16, device="cuda")
+    w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
+    assert shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config) is not None
+    xg = x.clone().requires_grad_()
+    assert shared.eager_forward(xg, w, None, None, 1e-6, 0.0, True, _fwd_config) is None  # autograd records it
+    assert shared.eager_forward(x[:, : n // 2], w[: n // 2], None, None, 1e-6, 0.0, True, _fwd_config) is None  # strided
+    assert shared.eager_forward(x, w[:100], None, None, 1e-6, 0.0, True, _fwd_config) is None  # bad weight: general path
+    with pytest.raises(Exception, match="weight"):
+        rms_norm(x, w[:100])  # ... which names it
+    wide = randn(2, 40000, dtype=torch.bfloat16, device="cuda")
+    assert shared.eager_forward(wide, None, None, None, 1e-6, 0.0, True, _fwd_config) is None  # split path widths
+    y = rms_norm(xg, w)
+    assert y.requires_grad
