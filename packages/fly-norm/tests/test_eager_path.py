@@ -54,14 +54,18 @@ def test_calls_the_plan_does_not_cover_take_the_general_path():
     n = 4096
     x = randn(4, n, dtype=torch.bfloat16, device="cuda")
     w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
-    assert shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config) is not None
+
+    def fast(x, w):
+        return shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config)
+
+    assert fast(x, w) is not None
     xg = x.clone().requires_grad_()
-    assert shared.eager_forward(xg, w, None, None, 1e-6, 0.0, True, _fwd_config) is None  # autograd records it
-    assert shared.eager_forward(x[:, : n // 2], w[: n // 2], None, None, 1e-6, 0.0, True, _fwd_config) is None  # strided
-    assert shared.eager_forward(x, w[:100], None, None, 1e-6, 0.0, True, _fwd_config) is None  # bad weight: general path
+    assert fast(xg, w) is None  # autograd records it
+    assert fast(x[:, : n // 2], w[: n // 2]) is None  # strided rows
+    assert fast(x, w[:100]) is None  # a bad weight: the general path ...
     with pytest.raises(Exception, match="weight"):
         rms_norm(x, w[:100])  # ... which names it
     wide = randn(2, 40000, dtype=torch.bfloat16, device="cuda")
-    assert shared.eager_forward(wide, None, None, None, 1e-6, 0.0, True, _fwd_config) is None  # split path widths
+    assert fast(wide, None) is None  # split path widths
     y = rms_norm(xg, w)
     assert y.requires_grad
