@@ -677,7 +677,8 @@ def norm_forward(
 
 # Plans of the eager fast path: a cheap key of the call -> (bound launch, rows a program). The key holds
 # everything the forward kernel's compiled specialization depends on for such a call: the operands'
-# dtypes and 16-byte alignment, the row width (also the row stride), the device; M is never specialized.
+# dtypes and 16-byte alignment (fresh outputs are always aligned), the row width (also the row stride),
+# the device, and whether M needs 64 bits (its value is never specialized).
 _EAGER_PLANS: dict = {}
 
 
@@ -725,7 +726,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     if m == 0:
         return None
     key = (
-        is_rms, dtype, n, dev, x.data_ptr() & 15,
+        is_rms, dtype, n, dev, m >> 31, x.data_ptr() & 15,  # M is not specialized, but its width (i32/i64) is
         None if weight is None else (weight.dtype, weight.data_ptr() & 15),
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
         None if residual is None else (residual.dtype, residual.data_ptr() & 15),
