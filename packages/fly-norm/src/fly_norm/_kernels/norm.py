@@ -471,16 +471,27 @@ def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offs
 
 
 def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
-    """Programs of the backward grid, each looping over row blocks: ``16 // num_warps`` per SM.
-
-    Measured on the H200 against 1, 2 and 4 per SM (PERF.md, v1): this count
-    won at every width, although with the 16-elements-a-thread defaults
-    (180-215 registers) only half of it is resident at 4-8 warps; the second
-    wave's programs start as the first finish. ``per_sm`` overrides it (probes).
-    """
+    """Programs of the backward grid, each looping over row blocks: ``per_sm`` an SM, by default
+    ``16 // num_warps`` (see :func:`bwd_resident` for what GPU launches use)."""
     sms = flydsl.arch.current(device).sm_count
     per_sm = per_sm or max(1, 16 // cfg.num_warps)
     return max(1, min(flyc.cdiv(m, cfg.block_m), per_sm * sms))
+
+
+def bwd_resident(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, cfg) -> int | None:
+    """Programs of this backward specialization an SM holds at once (None in the interpreter).
+
+    The backward grid is exactly one resident wave: throughput follows the row bytes an SM keeps in
+    flight, so every program that fits should run. v1 measured 1, 2 and 4 programs an SM and picked
+    ``16 // num_warps``: for its configs (~120 registers) exactly the resident count; layer_norm's
+    8-element configs (~90 registers) hold 5 programs of 4 warps, not 4.
+    """
+    if flyc.interpreting():
+        return None
+    part = rstd  # sizing: any fp32 buffer keys the same specialization as the partials
+    args, meta = _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, part if need_dw else None, part if need_db else None,
+                           None if cfg.single_pass else rstd, weight_offset, is_rms, cfg)  # fmt: skip
+    return flyc.programs_per_sm(_norm_bwd_kernel, *args, **meta)
 
 
 @flyc.jit(skip_empty=False)
@@ -826,7 +837,10 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
         dwp, dbp = split
     else:
         scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
-        programs = bwd_programs(m, cfg, dev)
+        per_sm = bwd_resident(
+            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms, cfg
+        )  # fmt: skip
+        programs = bwd_programs(m, cfg, dev, per_sm)
         dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
         dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
         launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
