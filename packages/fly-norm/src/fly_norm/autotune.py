@@ -30,13 +30,19 @@ __all__ = [
 ]  # fmt: skip
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
-OPS = ("rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_bwd", "softmax_bwd")
+OPS = (
+    "rmsnorm_fwd", "layernorm_fwd", "softmax_fwd", "rmsnorm_bwd", "layernorm_bwd", "softmax_bwd",
+    "rmsnorm_quant", "layernorm_quant",  # the quantized forwards: same kernel and space, their own winners
+)  # fmt: skip
 
 # Row widths the shipped artifacts cover (powers of two; a width is served by its bucket).
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
 # row config does not steer: `flydsl tune norm` skips those buckets there.
-_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD, "layernorm_fwd": LN_SPLIT_MIN_N}
+_SPLIT_FROM = {
+    "fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD,
+    "layernorm_fwd": LN_SPLIT_MIN_N, "layernorm_quant": LN_SPLIT_MIN_N,
+}  # fmt: skip
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -55,17 +61,17 @@ def _default(key, arch: str) -> RowConfig:
 # Backward launch default (the "*_bwd" tunables). The backward keeps h, dy,
 # the next block's prefetch, their products and the per-element weight-gradient
 # accumulators live at once. Compiled for sm_90 (`python tools/sm90_compile.py
-# norm_bwd`: ptxas, bf16, 16-byte aligned rows), 16 elements a thread take
-# 179-213 registers for rms_norm (no spill up to 4K columns; 48 bytes of stack
-# at 8K with 16 warps) and 204-229 for layer_norm (a second accumulator, dbias,
-# and the mean): a single 4-warp program then fills an SM's registers. At 8
-# elements a thread layer_norm takes 109-122 registers (four 4-warp programs).
-# Measured on the H200 (PERF.md, v1): rms_norm at 16 elements reached 91-92%
-# of copy up to 8K columns, layer_norm 62-73%; layer_norm therefore uses 8
-# elements a thread wherever 16 warps suffice (up to 4K columns), 16 above.
-# 32 warps cap a thread at 64 registers and spill, so rows wider than 16 warps
-# x 32 threads x 16 elements go through the chunked path with 8K-element
-# chunks.
+# norm_bwd`: ptxas, bf16, widths and strides multiples of 16 as Triton
+# specializes them), 16 elements a thread take 118-127 registers for rms_norm
+# (four 4-warp programs an SM) and 144-150 for layer_norm (a second
+# accumulator, dbias, and the mean: three); 8 elements a thread take 88-94 for
+# layer_norm (five). Measured on the H200 (PERF.md): rms_norm at 16 elements
+# reached 91-92% of copy up to 8K columns; layer_norm 62-66% at 16 elements
+# and 69-74% at 8 (v2), so layer_norm uses 8 elements a thread wherever 16
+# warps suffice (up to 4K columns), 16 above. The grid is the resident count
+# (norm.bwd_resident). 32 warps cap a thread at 64 registers and spill, so
+# rows wider than 16 warps x 32 threads x 16 elements go through the chunked
+# path with 8K-element chunks (on a GPU, the split path takes them first).
 _BWD_ELEMS_PER_THREAD = 16
 _BWD_ELEMS = {"layernorm_bwd": 8}  # ops whose default packs fewer elements per thread
 _BWD_MAX_WARPS = 16
@@ -171,11 +177,17 @@ _TUNE_ELEMENTS = 1 << 25  # rows of the bucket's width, 64 MiB of bf16: past L2,
 
 
 def _run_op(op: str, m: int, n: int, dtype: torch.dtype, device) -> None:
-    from . import layer_norm, rms_norm, softmax
+    from . import layer_norm, layer_norm_quant, rms_norm, rms_norm_quant, softmax
 
     x = torch.randn(m, n, device=device, dtype=dtype)
     w = torch.randn(n, device=device, dtype=dtype)
     b = torch.randn(n, device=device, dtype=dtype)
+    if op == "rmsnorm_quant":
+        rms_norm_quant(x, w, 1e-6)
+        return
+    if op == "layernorm_quant":
+        layer_norm_quant(x, w, b, 1e-5)
+        return
     fwd = {
         "rmsnorm": lambda t: rms_norm(t, w, 1e-6, autotune=False),
         "layernorm": lambda t: layer_norm(t, w, b, 1e-5, autotune=False),

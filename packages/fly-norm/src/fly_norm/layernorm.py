@@ -29,6 +29,7 @@ __all__ = ["layer_norm", "layer_norm_quant", "layernorm_fwd", "layernorm_bwd", "
 
 _fwd_config = functools.partial(row_config_for, "layernorm_fwd")
 _bwd_config = functools.partial(row_config_for, "layernorm_bwd")
+_quant_config = functools.partial(row_config_for, "layernorm_quant")
 
 
 # ---------------------------------------------------------------- host launch
@@ -164,7 +165,8 @@ def _layer_norm_quant(x, weight, bias, residual, smooth_scale, eps, dtype):
         return layer_norm_quant_ref(x, weight, bias, eps, dtype=dtype, smooth_scale=smooth_scale, residual=residual)
 
     return shared.norm_quant_forward(
-        x, weight, bias, residual, smooth_scale, eps, dtype, is_rms=False, config_for=_fwd_config, reference=reference
+        x, weight, bias, residual, smooth_scale, eps, dtype, is_rms=False, config_for=_quant_config,
+        reference=reference,
     )
 
 

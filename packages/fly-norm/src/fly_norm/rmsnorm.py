@@ -35,6 +35,7 @@ __all__ = [
 # row_config_for(op, n, dtype, device, autotune=, task=): searched winner, shipped artifact or default ladder.
 _fwd_config = functools.partial(row_config_for, "rmsnorm_fwd")
 _bwd_config = functools.partial(row_config_for, "rmsnorm_bwd")
+_quant_config = functools.partial(row_config_for, "rmsnorm_quant")
 
 
 # ---------------------------------------------------------------- host launch
@@ -152,7 +153,7 @@ def _rms_norm_quant_op(
 
 def _rms_norm_quant(x, weight, residual, smooth_scale, eps, dtype):
     return shared.norm_quant_forward(
-        x, weight, None, residual, smooth_scale, eps, dtype, is_rms=True, config_for=_fwd_config,
+        x, weight, None, residual, smooth_scale, eps, dtype, is_rms=True, config_for=_quant_config,
         reference=lambda: rms_norm_quant_ref(x, weight, eps, dtype=dtype, smooth_scale=smooth_scale, residual=residual),
     )  # fmt: skip
 
