@@ -24,10 +24,15 @@ program
    slice's sum to the row's max) and writes its slice of the output from
    registers.
 
-Every element is read once and written once: the copy's floor.
+Every element is read once and written once: the copy's floor. What limits
+the speed is the exchange's latency (a publish reaching L2 and a poll seeing
+it, ~1 us a row), hidden by the loads of the other programs resident on the
+same SM: small slices (4096 columns, 4 warps) and few registers, so that
+several programs share each SM (PERF.md, v3).
 
 The waits need every program of a row to be running at once: the grid never
-exceeds one wave (:func:`flydsl.compiler.programs_per_sm`). A wait that does
+exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
+than SPLIT_MAX_PARTS slices are left to the chunked paths. A wait that does
 not end within SPIN_LIMIT polls poisons its row with NaN instead of hanging
 the GPU. The interpreter runs programs one at a time, so the public ops never
 take these paths there (:func:`split_applies`); tests run them through it with
@@ -60,9 +65,9 @@ LN_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
-# (columns a program holds, warps, register cap or None): set by measurement (PERF.md); several programs
-# share an SM so that one's wait overlaps the others' loads. Forward: 32 elements a thread; backward
-# (two rows held: h and dy, or y and dy): 16 elements a thread each.
+# (columns a program holds, warps, register cap or None): set by measurement (PERF.md, probe.py --part
+# split); several programs share an SM so that one's wait overlaps the others' loads. 32 elements a
+# thread (the backward holds two rows: h and dy, or y and dy).
 FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
 LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
