@@ -93,6 +93,17 @@ def sumsq_f32(x, axis: fx.constexpr):
 
 
 @flyc.func
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@flyc.func
+def sum2_f32(x, y, axis: fx.constexpr):
+    """(sum of x, sum of y) in fp32 as one reduction: one exchange between warps instead of two."""
+    return fx.reduce((x.to(fx.float32), y.to(fx.float32)), axis, _add_pairs)
+
+
+@flyc.func
 def max_f32(x, axis: fx.constexpr):
     return fx.max(x.to(fx.float32), axis=axis)
 

@@ -45,7 +45,7 @@ from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
 from flydsl.testing import tolerance
-from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset
+from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum2_f32
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_weight
@@ -294,8 +294,13 @@ def _norm_bwd_kernel(
             w = load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
             xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
             g = dy * w
-            c1 = fx.sum(g * xhat, axis=1) / N
-            c2 = fx.sum(g, axis=1) / N
+            if IS_RMS:
+                c1 = fx.sum(g * xhat, axis=1) / N
+                c2 = c1  # unused
+            else:
+                c1, c2 = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both row sums
+                c1 = c1 / N
+                c2 = c2 / N
             dx = _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS)
             if HAS_DRES:
                 dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + cols[None, :], mask=mask, other=0.0)

@@ -47,7 +47,7 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publish, row_offset
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publish, row_offset, sum2_f32
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_weight
@@ -274,9 +274,12 @@ def _norm_bwd_split_kernel(
         g = dy * wv
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
-        publish(mine, fx.sum(g * xhat, axis=0))
-        if not IS_RMS:
-            publish(mine + 1, fx.sum(g, axis=0))
+        if IS_RMS:
+            publish(mine, fx.sum(g * xhat, axis=0))
+        else:
+            s_gx, s_g = sum2_f32(g * xhat, g, 0)  # one exchange between warps for both
+            publish(mine, s_gx)
+            publish(mine + 1, s_g)
         nxt = row + groups
         h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
         dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
