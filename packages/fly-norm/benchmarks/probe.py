@@ -122,6 +122,8 @@ def part_host() -> dict:
     from fly_norm.rmsnorm import _fwd_config
 
     c = _fwd_config(4096, x.dtype, x.device)
+    shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config)  # makes the plan
+    bound = next(p[0] for k, p in shared._EAGER_PLANS.items() if k[1] == _DT and k[2] == 4096)
     pieces = {
         "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
         "fly_rms_norm": lambda: rms_norm(x, w, 1e-6),
@@ -134,6 +136,11 @@ def part_host() -> dict:
         "empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
         "empty_like": lambda: torch.empty_like(x),
         "lean_key": lambda: flyc._key(0, (x, x, w, w, w, y, y, x, x, x, 4, 4096, 4096, 0, 4096, 0, 1e-6, 0.0), {}),
+        # the eager fast path (v4) and its pieces
+        "eager_forward": lambda: shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config),
+        "bound_launch": lambda: bound(4, x, None, w, None, None, y, None, None, None, None, 4, 4096, 4096, 0, 4096, 0,
+                                      1e-6, 0.0),
+        "is_compiling": torch.compiler.is_compiling,
     }
     res = {k: _host_us(f) for k, f in pieces.items()}
     # end-to-end with the device (no backlog): what the latency bench sees
