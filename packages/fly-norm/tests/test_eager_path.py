@@ -69,3 +69,20 @@ def test_calls_the_plan_does_not_cover_take_the_general_path():
     assert fast(wide, None) is None  # split path widths
     y = rms_norm(xg, w)
     assert y.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_softmax_plans(dtype):
+    from fly_norm import softmax
+    from fly_norm.reference import softmax_ref
+    from fly_norm.softmax import _EAGER_PLANS, _eager_fwd
+
+    for n in (1, 7, 1000, 4096, 16383):
+        for m in (1, 5, 64):
+            x = randn(m, 2, n, dtype=dtype, device="cuda", scale=3.0, seed=m)
+            assert_rel_close(softmax(x), softmax_ref(x))
+            assert_rel_close(softmax(x, dim=2), softmax_ref(x))
+    assert any(k[0] is dtype and k[1] == 4096 for k in _EAGER_PLANS)
+    x = randn(8, 4096, dtype=dtype, device="cuda")
+    assert _eager_fwd(x[:, :100]) is None  # strided rows: the general path
+    assert_rel_close(softmax(x, dim=0), softmax_ref(x, dim=0))  # not the last dim: the general path

@@ -16,7 +16,7 @@ itself reaches only ~93% of its large-size bandwidth, see PERF.md):
   is built once and reused with ``retain_graph``);
 - ``softmax_bwd``: read y and dy, write dx;
 - ``rmsnorm_quant``: read x and weight, write int8 q and fp32 row scales;
-- ``latency``: ``rms_norm`` at M <= 64 rows of N = 4096, end-to-end call
+- ``latency``: rms_norm, layer_norm and softmax at M <= 64 rows of N = 4096, end-to-end call
   time (host + device, no GPU backlog) against torch eager.
 """
 
@@ -208,29 +208,41 @@ def _quant_bench() -> Bench:
 
 
 def _latency_bench() -> Bench:
+    from .layernorm import layer_norm
     from .rmsnorm import rms_norm
+    from .softmax import softmax
+
+    # op -> (ours, torch's, reference, per-column parameters)
+    ops = {
+        "rms_norm": (lambda x, w: rms_norm(x, w, 1e-6), _torch_rms, lambda x, w: ref.rms_norm_ref(x, w, 1e-6), 1),
+        "layer_norm": (lambda x, w, b: layer_norm(x, w, b, 1e-5), _torch_ln,
+                       lambda x, w, b: ref.layer_norm_ref(x, w, b, 1e-5), 2),
+        "softmax": (lambda x: softmax(x, -1), _torch_softmax, lambda x: ref.softmax_ref(x, -1), 0),
+    }
 
     def setup(case, device):
         m, n = _mn(case)
-        return (torch.randn(m, n, device=device, dtype=_DT), torch.randn(n, device=device, dtype=_DT))
+        params = [torch.randn(n, device=device, dtype=_DT) for _ in range(ops[case.params["op"]][3])]
+        return (case.params["op"], torch.randn(m, n, device=device, dtype=_DT), *params)
 
-    cases = [Case(f"{m}x4096", {"M": m, "N": 4096}) for m in (1, 4, 16, 64)]
+    def provider(which):
+        return lambda t: (lambda f, args: lambda: f(*args))(ops[t[0]][which], t[1:])
+
+    cases = [Case(f"{op} {m}x4096", {"op": op, "M": m, "N": 4096}) for op in ops for m in (1, 4, 16, 64)]
     return Bench(
         name="latency",
         cases=cases,
         quick_cases=cases[:1],
         setup=setup,
-        providers=[
-            Provider("flydsl", lambda t: lambda: rms_norm(t[0], t[1], 1e-6), is_ours=True),
-            Provider("torch", lambda t: lambda: _torch_rms(*t)),
-        ],
-        bytes=lambda c: 2 * (2 * c.params["M"] * c.params["N"] + c.params["N"]),
-        reference=lambda t: ref.rms_norm_ref(t[0], t[1], 1e-6),
+        providers=[Provider("flydsl", provider(0), is_ours=True), Provider("torch", provider(1))],
+        bytes=lambda c: 2 * (2 * c.params["M"] * c.params["N"] + ops[c.params["op"]][3] * c.params["N"]),
+        reference=lambda t: ops[t[0]][2](*t[1:]),
         tolerance=2e-2,
         x_param="M",
+        group_by=("op",),
         rotate=False,
         timer_kwargs={"backlog": False},  # end-to-end: host launch + device, as an eager caller sees it
-        description="rms_norm at small batches, end-to-end call latency (host + device, no GPU backlog).",
+        description="small batches, end-to-end call latency (host + device, no GPU backlog).",
     )
 
 

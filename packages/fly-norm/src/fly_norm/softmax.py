@@ -8,9 +8,9 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
 - single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
   program) stays in registers between the reductions and the write, so each
   element is read once and written once;
-- split (a GPU, rows wider than 16K columns forward, 8K backward): each row over
-  several programs of one resident wave, read once
-  (:mod:`fly_norm._kernels.split`);
+- split (a GPU, rows wider than 16K columns forward, 8K backward, up to 64
+  slices of 4096): each row over several programs of one resident wave, read
+  once (:mod:`fly_norm._kernels.split`);
 - chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
   forward makes one *online* pass over the row's chunks that carries the
   running (max, sum) pair, then a second pass that normalizes and writes; the
@@ -48,7 +48,9 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
+from ._kernels.eager import plain_rows, searching
 from ._kernels.split import (
+    SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
     launch_softmax_fwd_split,
@@ -360,6 +362,31 @@ def _check_bwd(dy, y, dy_name="dy", y_name="y", ndim=None) -> None:
     _check_layout(dy_name, dy)
 
 
+_EAGER_PLANS: dict = {}  # cheap key of a plain call -> (bound launch, rows a program): see _kernels/eager.py
+
+
+def _eager_fwd(x: torch.Tensor):
+    """softmax over the last dim of a plain eager call through a cached launch plan; None when the call is
+    not one (:func:`fly_norm._kernels.eager.plain_rows`, rows narrower than the split path's)."""
+    rows = plain_rows(x, SPLIT_MIN_N - 1)
+    if rows is None:
+        return None
+    m, n, dev = rows
+    key = (x.dtype, n, dev, m >> 31, x.data_ptr() & 15)
+    plan = _EAGER_PLANS.get(key)
+    if plan is None and searching():
+        return None
+    y = torch.empty_like(x)
+    args = (x, y, m, n, n, n)
+    if plan is None:
+        cfg = softmax_config(n, x.dtype, x.device)
+        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps)
+        plan = _EAGER_PLANS[key] = (flyc.bind(_softmax_fwd_kernel, *args, **meta), cfg.block_m)
+    bound, block_m = plan
+    bound(-(-m // block_m), *args)
+    return y
+
+
 def _fwd_rows(x: torch.Tensor, autotune: bool | None) -> torch.Tensor:
     """Forward over the last dim of a checked ``x`` (last dim contiguous); returns a contiguous y."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -455,8 +482,9 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
            bucket (``FLYDSL_AUTOTUNE`` when None); ``False`` never searches.
 
     Returns:
-        A tensor of ``x``'s shape and dtype. Any row width works (rows wider
-        than 16K elements take the two-pass chunked path); zero rows give an
+        A tensor of ``x``'s shape and dtype. Any row width works (on a GPU,
+        rows of 16K-256K elements are split over several programs, wider ones
+        take the two-pass chunked path); zero rows give an
         empty result; a row of only ``-inf`` gives NaN, like ``torch.softmax``.
         Differentiable (``fly_norm::softmax_fwd`` / ``fly_norm::softmax_bwd``
         custom ops) and usable under ``torch.compile(fullgraph=True)``.
@@ -465,6 +493,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
 
         y = fly_norm.softmax(torch.randn(8, 32768, device="cuda", dtype=torch.bfloat16))
     """
+    if not autotune and type(x) is torch.Tensor and (dim == -1 or dim == x.dim() - 1):  # small eager calls
+        y = _eager_fwd(x)  # through a cached launch plan (None: not such a call)
+        if y is not None:
+            return y
     check_tensor("x", x, dtypes=SOFTMAX_DTYPES)
     _check_device("x", x)
     if x.dim() == 0:

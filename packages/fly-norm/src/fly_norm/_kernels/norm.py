@@ -40,7 +40,6 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl import env
 from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
@@ -49,6 +48,7 @@ from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_weight
+from .eager import plain_rows, searching
 from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
@@ -691,11 +691,7 @@ def norm_forward(
 
 # ---------------------------------------------------------------- eager small calls
 
-# Plans of the eager fast path: a cheap key of the call -> (bound launch, rows a program). The key holds
-# everything the forward kernel's compiled specialization depends on for such a call: the operands'
-# dtypes and 16-byte alignment (fresh outputs are always aligned), the row width (also the row stride),
-# the device, and whether M needs 64 bits (its value is never specialized).
-_EAGER_PLANS: dict = {}
+_EAGER_PLANS: dict = {}  # cheap key of a plain call -> (bound launch, rows a program): see .eager
 
 
 def _vector_ok(v, n, dtype, device_index) -> bool:
@@ -706,23 +702,18 @@ def _vector_ok(v, n, dtype, device_index) -> bool:
 
 
 def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, config_for: ConfigFor):
-    """y (or (y, residual_out)) of a plain eager norm call through a cached launch plan; None when the call
-    is not one, and the caller takes the general path (which also validates and names bad arguments).
+    """y (or (y, residual_out)) of a plain eager norm call through a cached launch plan (:mod:`.eager`); None
+    when the call is not one, and the caller takes the general path (which also validates and names bad
+    arguments).
 
-    Plain: compiled GPU run, dense x with rows of at most SPLIT_MIN_N - 1 columns on the current device,
-    vector operands as :func:`_plain_call` accepts, an optional residual of x's shape, dense, on the same
-    device; no gradient needed, not tracing. This is what small decode-time calls are, and there the
-    general path's keying and checks cost more than the kernel. ``FLYDSL_AUTOTUNE`` is honoured when a
-    plan is made (the config is chosen then, searched if asked).
+    Plain: :func:`.eager.plain_rows` with rows narrower than the split paths', vector operands as
+    :func:`_plain_call` accepts, an optional dense residual of x's shape on the same device. The config is
+    chosen when the plan is made (``FLYDSL_AUTOTUNE`` on: no plans, the general path searches).
     """
-    if type(x) is not torch.Tensor or not x.is_cuda or flyc.interpreting() or not x.is_contiguous():
+    rows = plain_rows(x, SPLIT_MIN_N - 1, weight, bias, residual)
+    if rows is None:
         return None
-    if x.dtype not in FLOAT_DTYPES or not x.dim():
-        return None
-    n = x.shape[-1]
-    dev = x.get_device()
-    if not 0 < n < SPLIT_MIN_N or dev != torch._C._cuda_getDevice():
-        return None
+    m, n, dev = rows
     dtype = x.dtype
     if not (_vector_ok(weight, n, dtype, dev) and _vector_ok(bias, n, dtype, dev)):
         return None
@@ -731,44 +722,25 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         or residual.dtype not in FLOAT_DTYPES or not residual.is_cuda or residual.get_device() != dev
     ):  # fmt: skip
         return None
-    if torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
-        or (residual is not None and residual.requires_grad)
-    ):  # fmt: skip
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    m = x.numel() // n
-    if m == 0:
-        return None
     key = (
-        is_rms, dtype, n, dev, m >> 31, x.data_ptr() & 15,  # M is not specialized, but its width (i32/i64) is
+        is_rms, dtype, n, dev, m >> 31, x.data_ptr() & 15,
         None if weight is None else (weight.dtype, weight.data_ptr() & 15),
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
         None if residual is None else (residual.dtype, residual.data_ptr() & 15),
     )  # fmt: skip
     plan = _EAGER_PLANS.get(key)
-    if plan is None and env.get("FLYDSL_AUTOTUNE"):
-        return None  # a search may be due: the general path runs it (and then serves its winner)
+    if plan is None and searching():
+        return None
     y = torch.empty_like(x)
     h = None if residual is None else torch.empty_like(residual)
-    if plan is None:
-        x2, y2 = x.view(m, n), y.view(m, n)
-        r2 = None if residual is None else residual.view(m, n)
-        h2 = None if h is None else h.view(m, n)
-        cfg = config_for(n, dtype, x.device, autotune=None, task=None)
-        # fmt: off
-        bound = flyc.bind(
-            _norm_fwd_kernel, x2, r2, weight, bias, None, y2, h2, None, None, None,
-            m, n, n, 0 if r2 is None else n, n, 0 if h2 is None else n, eps, weight_offset,
-            **_fwd_meta(is_rms, r2, weight, bias, None, False, None, cfg),
-        )
-        # fmt: on
-        plan = _EAGER_PLANS[key] = (bound, cfg.block_m)
-    bound, block_m = plan
     rn = 0 if residual is None else n
-    bound(-(-m // block_m), x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps,
-          weight_offset)  # fmt: skip
+    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, weight_offset)
+    if plan is None:
+        cfg = config_for(n, dtype, x.device, autotune=None, task=None)
+        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg)
+        plan = _EAGER_PLANS[key] = (flyc.bind(_norm_fwd_kernel, *args, **meta), cfg.block_m)
+    bound, block_m = plan
+    bound(-(-m // block_m), *args)
     return y if residual is None else (y, h)
 
 

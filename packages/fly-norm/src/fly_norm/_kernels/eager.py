@@ -1,0 +1,50 @@
+"""The eager fast path's shared half: is this a small plain inference call, and its launch plan cache.
+
+Small eager calls (decode-time batches) cost more on the host than on the
+GPU: the general paths check every operand, look the config up, key the
+launch on every argument. A plain call (a compiled GPU run, dense rows on the
+current device, nothing for autograd to record, no tracing) instead looks up
+a plan under a cheap key of its own, a :class:`flydsl.compiler.Bound` launch
+and the rows a program takes, and launches it. The callers
+(:func:`fly_norm._kernels.norm.eager_forward`, :func:`fly_norm.softmax.softmax`)
+build the key from everything the kernel's compiled specialization depends
+on for such a call: the operands' dtypes and 16-byte alignment (fresh outputs
+are always aligned), the row width (also the row stride), the device and
+whether M needs 64 bits (its value is never specialized).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.compiler as flyc
+from flydsl import env
+
+__all__ = ["plain_rows", "searching"]
+
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def plain_rows(x, max_n: int, *others) -> tuple[int, int, int] | None:
+    """(m, n, device index) when ``x`` is dense rows of at most ``max_n`` columns on the current CUDA device
+    in a compiled run, and neither ``x`` nor ``others`` (tensors or None) needs autograd, outside tracing;
+    None otherwise (the caller takes its general path)."""
+    if type(x) is not torch.Tensor or not x.is_cuda or flyc.interpreting() or x.dtype not in _FLOAT:
+        return None
+    if not x.dim() or not x.is_contiguous():
+        return None
+    n = x.shape[-1]
+    dev = x.get_device()
+    if not 0 < n <= max_n or dev != torch._C._cuda_getDevice():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    m = x.numel() // n
+    return (m, n, dev) if m else None
+
+
+def searching() -> bool:
+    """Whether a config search may be due (``FLYDSL_AUTOTUNE``): plans are then not made."""
+    return bool(env.get("FLYDSL_AUTOTUNE"))
