@@ -7,8 +7,8 @@ Parts:
 - ``size``: forward rms_norm and a device copy of the same bytes at M * N =
   2**25 and 2**27: how much of a gap to the copy ceiling is the size itself;
 - ``split``: the split paths' (slice, warps, register cap) candidates on
-  wide rows, bf16, M * N = 2**27, each op as a fraction of copy, with the
-  programs an SM holds at once;
+  wide rows, bf16, M * N = 2**27, each op as a fraction of copy; then the
+  defaults with and without cache hints (``split.SPLIT_EVICT``);
 - ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
   Python path, the pieces, Triton's launch and the lean launch) against torch.
 """
@@ -201,14 +201,16 @@ def part_split() -> dict:
                     shared.launch_sum_partials(dbp, dw)
             return run
 
+        norm_ln = fwd.pop("ln")
         bwd = {"rms_bwd": norm_bwd(True), "ln_bwd": norm_bwd(False)}
         smb = {"softmax_bwd": lambda: split.launch_softmax_bwd_split(dy, x, y)}
         for table, cfgs, ops, nbytes in ((fwd, SPLIT_FWD, "FWD_SLICE", 2 * 2 * m * n),
-                                         ({"ln": fwd.pop("ln")}, SPLIT_LN_FWD, "LN_FWD_SLICE", 2 * 2 * m * n),
+                                         ({"ln": norm_ln}, SPLIT_LN_FWD, "LN_FWD_SLICE", 2 * 2 * m * n),
                                          (bwd, SPLIT_BWD, "BWD_SLICE", 3 * 2 * m * n),
                                          (smb, SPLIT_SOFTMAX_BWD, "SOFTMAX_BWD_SLICE", 3 * 2 * m * n)):
             if "BWD" not in ops and n < 32768:
                 continue
+            default = getattr(split, ops)
             for cfg in cfgs:
                 setattr(split, ops, cfg)
                 for name, run in table.items():
@@ -220,6 +222,19 @@ def part_split() -> dict:
                         row = {"N": n, "op": name, "cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     rows.append(row)
                     print(row, flush=True)
+            setattr(split, ops, default)
+        # cache hints at the defaults' slices: rows evict_first, per-column operands evict_last
+        for table, nbytes, forward in ((fwd | {"ln": norm_ln}, 4 * m * n, True), (bwd | smb, 6 * m * n, False)):
+            if not (forward and n < 32768):
+                for hints in (("", ""), ("evict_first", "evict_last")):
+                    split.SPLIT_EVICT = hints
+                    for name, run in table.items():
+                        t = bench(run).median_us
+                        row = {"N": n, "op": name, "hints": hints, "us": t,
+                               "frac_copy": nbytes / (t * 1e-6) / 1e9 / out["copy_GBps"]}
+                        rows.append(row)
+                        print(row, flush=True)
+                split.SPLIT_EVICT = ("", "")
     out["rows"] = rows
     return out
 

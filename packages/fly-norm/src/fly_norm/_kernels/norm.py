@@ -291,7 +291,7 @@ def _norm_bwd_kernel(
             )
             # The weight is re-read per row block (an L1/L2 hit) instead of being held
             # across the loop: registers go to h, dy, the prefetch and the dweight accumulator.
-            w = load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT)[None, :]
+            w = load_weight(w_ptr, cols, cmask, weight_offset, HAS_WEIGHT, "")[None, :]
             xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
             g = dy * w
             if IS_RMS:
@@ -342,7 +342,7 @@ def _norm_bwd_kernel(
                 cmask = (c < N)[None, :]
                 h = fx.load(h_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
                 dy = fx.load(dy_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
-                g = dy * load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+                g = dy * load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT, "")[None, :]
                 xhat = fx.where(cmask, (h - mean[:, None]) * rstd[:, None], 0.0)
                 s1 += g * xhat
                 s2 += g
@@ -353,7 +353,7 @@ def _norm_bwd_kernel(
         for start in range(0, N, BLOCK_N):
             c = start + cols
             cmask = (c < N)[None, :]
-            w = load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT)[None, :]
+            w = load_weight(w_ptr, c, c < N, weight_offset, HAS_WEIGHT, "")[None, :]
             dw = fx.zeros([BLOCK_N], dtype=fx.float32)
             db = fx.zeros([BLOCK_N], dtype=fx.float32)
             for row in range(row0, row1):

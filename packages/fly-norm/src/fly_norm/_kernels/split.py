@@ -72,6 +72,10 @@ FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an 
 LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
+# Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
+# "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
+# "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
+SPLIT_EVICT = ("", "")
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 _LOG2E = fx.constexpr(1.4426950408889634)
 _NEG_INF = fx.constexpr(float("-inf"))
@@ -89,6 +93,12 @@ def _unpair(v):
     """Columns 0 and 1 of a [PARTS_POW2, 2] block."""
     k = fx.arange(0, 2)[None, :]
     return fx.sum(fx.where(k == 0, v, 0.0), axis=1), fx.sum(fx.where(k == 1, v, 0.0), axis=1)
+
+
+@flyc.func
+def _load_row(ptr, row, stride, c, mask, other, EVICT: fx.constexpr):
+    """Columns ``c`` of row ``row`` (int64 offsets), with the cache hint ``EVICT``."""
+    return fx.load(ptr + row_offset(row, stride) + c, mask=mask, other=other, eviction_policy=EVICT)
 
 
 @flyc.func
@@ -112,15 +122,16 @@ def _norm_fwd_split_kernel(
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    ROW_EVICT: fx.constexpr = "", COL_EVICT: fx.constexpr = "",  # cache hints (SPLIT_EVICT)
 ):
     # fmt: on
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     n_here = fx.minimum(N - part * SLICE, SLICE) * 1.0  # elements of this slice
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
 
-    x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=0.0)
+    x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), 0.0, ROW_EVICT)
     if HAS_RESIDUAL:
-        r_nx = fx.load(r_ptr + row_offset(group, stride_r) + c, mask=cmask & (group < M), other=0.0)
+        r_nx = _load_row(r_ptr, group, stride_r, c, cmask & (group < M), 0.0, ROW_EVICT)
     # The per-column operands (weight, bias, smooth scale) are loaded again for every row, after the wait
     # (L1 hits): held in registers for the whole loop instead, they cost a resident program per SM, and
     # measured slower (PERF.md).
@@ -144,9 +155,9 @@ def _norm_fwd_split_kernel(
             publish(mine + 1, s2)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
-        x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=0.0)
+        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         if HAS_RESIDUAL:
-            r_nx = fx.load(r_ptr + row_offset(nxt, stride_r) + c, mask=cmask & (nxt < M), other=0.0)
+            r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         # 3. the row's statistics from every slice, then y
         if IS_RMS:
             a, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
@@ -161,15 +172,15 @@ def _norm_fwd_split_kernel(
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
         y = (h - mean) * rstd
         if HAS_WEIGHT:
-            y = y * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)
+            y = y * load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, COL_EVICT)
         if HAS_BIAS:
-            y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+            y = y + fx.load(b_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
         if QUANT == 0:
             fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
         else:
             # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
-                y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)
+                y = y * fx.load(s_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
             publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
             amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
             amax = fx.max(amax_p, axis=0)
@@ -190,10 +201,10 @@ def _norm_fwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_fwd_split_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
-    x_nx = fx.load(x_ptr + row_offset(group, stride_x) + c, mask=cmask & (group < M), other=_NEG_INF)
+    x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), _NEG_INF, ROW_EVICT)
     for row in range(group, M, groups):
         x = x_nx.to(fx.float32)
         # 1. the slice's max and its sum of exp(x - max) (an all -inf slice: max -inf, sum 0)
@@ -206,7 +217,7 @@ def _softmax_fwd_split_kernel(
         publish(mine + 1, s_b)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
-        x_nx = fx.load(x_ptr + row_offset(nxt, stride_x) + c, mask=cmask & (nxt < M), other=_NEG_INF)
+        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), _NEG_INF, ROW_EVICT)
         # 3. the row's max and sum from every slice, then y
         ms_ss, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
         ms, ss = _unpair(ms_ss)  # masked-off slots read 0: their max is made -inf, their sum stays 0
@@ -223,19 +234,19 @@ def _softmax_fwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
-    dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
-    y_nx = fx.load(y_ptr + row_offset(group, stride_y) + c, mask=cmask & (group < M), other=0.0)
+    dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
+    y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
         dy = dy_nx.to(fx.float32)
         y = y_nx.to(fx.float32)
         base = slot_ptr + row_offset(row, PARTS_POW2)
         publish(base + part, fx.sum(dy * y, axis=0))
         nxt = row + groups
-        dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
-        y_nx = fx.load(y_ptr + row_offset(nxt, stride_y) + c, mask=cmask & (nxt < M), other=0.0)
+        dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
         dot = fx.where(ok, fx.sum(dots, axis=0), float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
@@ -249,6 +260,7 @@ def _norm_bwd_split_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    ROW_EVICT: fx.constexpr = "",
 ):
     # fmt: on
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (w + offset): the two row means are
@@ -256,12 +268,12 @@ def _norm_bwd_split_kernel(
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
-    h_nx = fx.load(h_ptr + row_offset(group, stride_h) + c, mask=cmask & (group < M), other=0.0)
-    dy_nx = fx.load(dy_ptr + row_offset(group, stride_dy) + c, mask=cmask & (group < M), other=0.0)
+    h_nx = _load_row(h_ptr, group, stride_h, c, cmask & (group < M), 0.0, ROW_EVICT)
+    dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
     if not IS_RMS:
         mean_nx = fx.load(mean_ptr + group, mask=group < M, other=0.0)
-    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT)  # the slice's, once: no load after the waits
+    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "")  # the slice's, once: no load after the waits
     for row in range(group, M, groups):
         h = h_nx.to(fx.float32)
         dy = dy_nx.to(fx.float32)
@@ -281,8 +293,8 @@ def _norm_bwd_split_kernel(
             publish(mine, s_gx)
             publish(mine + 1, s_g)
         nxt = row + groups
-        h_nx = fx.load(h_ptr + row_offset(nxt, stride_h) + c, mask=cmask & (nxt < M), other=0.0)
-        dy_nx = fx.load(dy_ptr + row_offset(nxt, stride_dy) + c, mask=cmask & (nxt < M), other=0.0)
+        h_nx = _load_row(h_ptr, nxt, stride_h, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
         if not IS_RMS:
             mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
@@ -303,7 +315,8 @@ def _norm_bwd_split_kernel(
             c2 = fx.sum(c2s, axis=0) / N
             dx = (g - c2 - xhat * c1) * rstd
         if HAS_DRES:
-            dx += fx.load(dres_ptr + row_offset(row, stride_dres) + c, mask=cmask, other=0.0).to(fx.float32)
+            dres = _load_row(dres_ptr, row, stride_dres, c, cmask, 0.0, ROW_EVICT)
+            dx += dres.to(fx.float32)
         dx = fx.where(ok, dx, float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
     if COMPUTE_DW:
@@ -315,9 +328,14 @@ def _norm_bwd_split_kernel(
 # ---------------------------------------------------------------- host
 
 
-def _launch_opts(cfg) -> dict:
-    """Triton launch options of a (slice, warps, register cap) config."""
-    return {"num_warps": cfg[1]} if cfg[2] is None else {"num_warps": cfg[1], "maxnreg": cfg[2]}
+def _launch_opts(cfg, cols: bool = False) -> dict:
+    """Triton launch options of a (slice, warps, register cap) config, and the cache hints if any."""
+    opts = {"num_warps": cfg[1]} if cfg[2] is None else {"num_warps": cfg[1], "maxnreg": cfg[2]}
+    if SPLIT_EVICT[0]:
+        opts["ROW_EVICT"] = SPLIT_EVICT[0]
+    if cols and SPLIT_EVICT[1]:
+        opts["COL_EVICT"] = SPLIT_EVICT[1]
+    return opts
 
 
 def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
@@ -370,7 +388,7 @@ def launch_fwd_split(
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
             HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg, cols=True),
         )
         # fmt: on
         return args, meta
