@@ -109,7 +109,8 @@ def _bwd_split(is_rms=True, parts=4):
            "parts": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
            "weight_offset": "fp32"}
     consts = dict(dres_ptr=None, IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True,
-                  COMPUTE_DB=not is_rms, SLICE=split.BWD_SLICE[0], PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+                  COMPUTE_DB=not is_rms, SLICE=split.BWD_SLICE[0], PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT,
+                  ROWS=split.BWD_ROWS)
     if is_rms:
         consts.update(dbp_ptr=None)
     else:

@@ -166,7 +166,11 @@ def part_host() -> dict:
 # (4096, 4) needs ~230 registers, 2 programs an SM; capped at 168, 3 programs, 216-448 bytes spilled).
 SPLIT_FWD = [(4096, 4, None), (4096, 4, 72)]
 SPLIT_LN_FWD = [(4096, 4, 96), (4096, 4, 80), (4096, 4, None)]
-SPLIT_BWD = [(4096, 4, None), (4096, 4, 168), (2048, 4, None), (2048, 4, 96), (2048, 4, 104)]
+# backward: (slice, warps, register cap, rows a tile): tiles of several rows share the per-column weight
+# slice and gradient sums (sm90_compile: (1024, 4) x 4 rows capped at 168 spills 48-80 bytes where a
+# 4096-column slice spills 216-448)
+SPLIT_BWD = [(4096, 4, None, 1), (4096, 4, 168, 1), (1024, 4, 168, 4), (1024, 4, None, 4), (2048, 4, 168, 2),
+             (2048, 4, None, 1)]
 SPLIT_SOFTMAX_BWD = [(4096, 4, None), (4096, 4, 96)]
 
 
@@ -210,9 +214,10 @@ def part_split() -> dict:
                                          (smb, SPLIT_SOFTMAX_BWD, "SOFTMAX_BWD_SLICE", 3 * 2 * m * n)):
             if "BWD" not in ops and n < 32768:
                 continue
-            default = getattr(split, ops)
+            default, default_rows = getattr(split, ops), split.BWD_ROWS
             for cfg in cfgs:
-                setattr(split, ops, cfg)
+                setattr(split, ops, cfg[:3])
+                split.BWD_ROWS = cfg[3] if len(cfg) > 3 else 1
                 for name, run in table.items():
                     try:
                         t = bench(run).median_us
@@ -223,6 +228,7 @@ def part_split() -> dict:
                     rows.append(row)
                     print(row, flush=True)
             setattr(split, ops, default)
+            split.BWD_ROWS = default_rows
         # cache hints at the defaults' slices: rows evict_first, per-column operands evict_last
         for table, nbytes, forward in ((fwd | {"ln": norm_ln}, 4 * m * n, True), (bwd | smb, 6 * m * n, False)):
             if not (forward and n < 32768):

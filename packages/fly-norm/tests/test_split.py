@@ -225,9 +225,12 @@ def test_one_slice_quantized_forward(device, qdtype):
 
 
 @pytest.mark.parametrize("is_rms", [True, False])
-def test_one_slice_backward(device, is_rms):
+@pytest.mark.parametrize("tile_rows", [1, 4])
+def test_one_slice_backward(device, is_rms, tile_rows, monkeypatch):
+    from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_bwd_split
 
+    monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
     m, n = 6, 257
     h = randn(m, n, device=device, scale=2.0) + 1.0
     w = randn(n, device=device, seed=1)
@@ -266,7 +269,7 @@ def test_one_slice_softmax(device):
     assert_rel_close(dx[: len(keep)], softmax_bwd_ref(dy[: len(keep)], y[keep]), tol=2 * tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("kernel", ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd"])
+@pytest.mark.parametrize("kernel", ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles"])
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
     after SPIN_LIMIT polls and writes NaN; the row's last program sees every partial result, so its slice
@@ -279,6 +282,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)

@@ -127,15 +127,16 @@ _PUBLISHED = fx.constexpr(1 << 32)  # the tag in a slot's upper half: the lower 
 
 
 @flyc.func
-def publish(slot_ptr, value):
-    """Store fp32 ``value`` at the int64 ``slot_ptr`` (zeroed beforehand) as one tagged word.
+def publish(slot_ptr, value, mask):
+    """Store fp32 ``value`` at the int64 ``slot_ptr`` (zeroed beforehand) as one tagged word, where ``mask``
+    (scalars, or blocks of one slot an element).
 
     A relaxed atomic and no fence: the word carries its own "written" tag, so
     a reader needs no ordering against this program's other stores (a release
     fence would wait for every store the program still has in flight).
     """
     bits = value.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
-    fx.atomic_xchg(slot_ptr, bits | _PUBLISHED, sem="relaxed", scope="gpu")
+    fx.atomic_xchg(slot_ptr, bits | _PUBLISHED, mask=mask, sem="relaxed", scope="gpu")
 
 
 @flyc.func

@@ -71,6 +71,7 @@ SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 w
 FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
 LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
+BWD_ROWS = 1  # rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
@@ -150,9 +151,9 @@ def _norm_fwd_split_kernel(
             s2 = fx.sum(d * d, axis=0)
         base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
-        publish(mine, s1)
+        publish(mine, s1, row < M)
         if not IS_RMS:
-            publish(mine + 1, s2)
+            publish(mine + 1, s2, row < M)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
@@ -181,7 +182,7 @@ def _norm_fwd_split_kernel(
             # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
                 y = y * fx.load(s_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
-            publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0))
+            publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0), row < M)
             amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
             amax = fx.max(amax_p, axis=0)
             inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)  # an all-zero row: q = 0
@@ -213,8 +214,8 @@ def _softmax_fwd_split_kernel(
         s_b = fx.sum(fx.exp2((x - base_b) * _LOG2E), axis=0)
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
-        publish(mine, m_b)
-        publish(mine + 1, s_b)
+        publish(mine, m_b, row < M)
+        publish(mine + 1, s_b, row < M)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
         x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), _NEG_INF, ROW_EVICT)
@@ -243,7 +244,7 @@ def _softmax_bwd_split_kernel(
         dy = dy_nx.to(fx.float32)
         y = y_nx.to(fx.float32)
         base = slot_ptr + row_offset(row, PARTS_POW2)
-        publish(base + part, fx.sum(dy * y, axis=0))
+        publish(base + part, fx.sum(dy * y, axis=0), row < M)
         nxt = row + groups
         dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
@@ -260,69 +261,87 @@ def _norm_bwd_split_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    ROW_EVICT: fx.constexpr = "",
+    ROWS: fx.constexpr = 1, ROW_EVICT: fx.constexpr = "",
 ):
     # fmt: on
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (w + offset): the two row means are
-    # the partial results; dweight / dbias accumulate per element over the program's rows, for its slice.
+    # the partial results; dweight / dbias accumulate per column over the program's rows, for its slice.
+    # A program takes ROWS rows at a time ([ROWS, SLICE] tiles, row blocks group, group + groups, ...):
+    # the weight slice and the weight-gradient sums are per column, so more rows a tile and a
+    # narrower slice hold the same row bytes in fewer registers.
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    r = fx.arange(0, ROWS)
+    k = fx.arange(0, 2)
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
-    h_nx = _load_row(h_ptr, group, stride_h, c, cmask & (group < M), 0.0, ROW_EVICT)
-    dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
-    rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
-    if not IS_RMS:
-        mean_nx = fx.load(mean_ptr + group, mask=group < M, other=0.0)
-    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "")  # the slice's, once: no load after the waits
-    for row in range(group, M, groups):
+    rows = group * ROWS + r
+    h_nx, dy_nx, rstd_nx, mean_nx = _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask,
+                                                    stride_h, stride_dy, IS_RMS, ROW_EVICT)  # fmt: skip
+    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "")[None, :]  # once: no load after the waits
+    for blk in range(group, fx.cdiv(M, ROWS), groups):
+        rows = blk * ROWS + r
+        row_ok = rows < M
+        mask = row_ok[:, None] & cmask[None, :]
         h = h_nx.to(fx.float32)
         dy = dy_nx.to(fx.float32)
-        rstd = rstd_nx
-        if IS_RMS:
-            mean = 0.0
-        else:
-            mean = mean_nx
-        xhat = fx.where(cmask, (h - mean) * rstd, 0.0)
+        rstd = rstd_nx[:, None]
+        xhat = fx.where(mask, (h - mean_nx[:, None]) * rstd, 0.0)
         g = dy * wv
-        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        # slots of a row: [PARTS_POW2, 2] (g * xhat, g) pairs; this tile's rows, this slice
+        base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
+        mine = base + 2 * part
         if IS_RMS:
-            publish(mine, fx.sum(g * xhat, axis=0))
+            publish(mine, fx.sum(g * xhat, axis=1), row_ok)
         else:
-            s_gx, s_g = sum2_f32(g * xhat, g, 0)  # one exchange between warps for both
-            publish(mine, s_gx)
-            publish(mine + 1, s_g)
-        nxt = row + groups
-        h_nx = _load_row(h_ptr, nxt, stride_h, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
-        if not IS_RMS:
-            mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
+            s_gx, s_g = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both
+            publish(mine, s_gx, row_ok)
+            publish(mine + 1, s_g, row_ok)
+        nxt = (blk + groups) * ROWS + r
+        h_nx, dy_nx, rstd_nx, mean_nx = _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, nxt, M, c, cmask,
+                                                        stride_h, stride_dy, IS_RMS, ROW_EVICT)  # fmt: skip
         if COMPUTE_DW:
-            dw += dy * xhat
+            dw += fx.sum(dy * xhat, axis=0)
         if COMPUTE_DB:
-            db += dy
-        if IS_RMS:
-            c1s, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)
-        else:
-            c12, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
-            c1s, c2s = _unpair(c12)
+            db += fx.sum(dy, axis=0)
+        slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
+        slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
+        sums, ok = collect(slots, slots_ok, SPIN_LIMIT)  # masked-off slots read 0
+        sums = fx.sum(sums, axis=1) / N  # [ROWS, 2]: mean(g * xhat), mean(g)
+        c1 = fx.sum(fx.where(k[None, :] == 0, sums, 0.0), axis=1)[:, None]
         g = dy * wv
-        c1 = fx.sum(c1s, axis=0) / N
         if IS_RMS:
             dx = (g - xhat * c1) * rstd
         else:
-            c2 = fx.sum(c2s, axis=0) / N
+            c2 = fx.sum(fx.where(k[None, :] == 1, sums, 0.0), axis=1)[:, None]
             dx = (g - c2 - xhat * c1) * rstd
         if HAS_DRES:
-            dres = _load_row(dres_ptr, row, stride_dres, c, cmask, 0.0, ROW_EVICT)
+            dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + c[None, :], mask=mask, other=0.0,
+                           eviction_policy=ROW_EVICT)  # fmt: skip
             dx += dres.to(fx.float32)
         dx = fx.where(ok, dx, float("nan"))
-        fx.store(dx_ptr + row_offset(row, stride_dx) + c, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+        fx.store(dx_ptr + row_offset(rows, stride_dx)[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     if COMPUTE_DW:
         fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
     if COMPUTE_DB:
         fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
+
+
+@flyc.func
+def _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h, stride_dy,
+                    IS_RMS: fx.constexpr, EVICT: fx.constexpr):  # fmt: skip
+    """h and dy of a [ROWS, SLICE] tile (storage dtype) and its rows' rstd and mean (0 for RMSNorm)."""
+    ok = rows < M
+    mask = ok[:, None] & cmask[None, :]
+    h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + c[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+    dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + c[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICT)  # fmt: skip
+    rstd = fx.load(rstd_ptr + rows, mask=ok, other=0.0)
+    if IS_RMS:
+        mean = rstd * 0.0
+    else:
+        mean = fx.load(mean_ptr + rows, mask=ok, other=0.0)
+    return h, dy, rstd, mean
 
 
 # ---------------------------------------------------------------- host
@@ -343,10 +362,10 @@ def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
     return n >= min_n and not flyc.interpreting()
 
 
-def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
+def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1) -> int:
     """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
     launched, or 0 (nothing launched) when a row has more than SPLIT_MAX_PARTS slices or one wave cannot
-    hold them all (    columns): the caller then takes its chunked path.
+    hold them all: the caller then takes its chunked path. A program takes ``tile_rows`` rows at a time.
 
     ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
@@ -362,7 +381,7 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device) -> int:
     wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
     if wave < parts:
         return 0
-    groups = min(m, wave // parts)
+    groups = min(flyc.cdiv(m, tile_rows), wave // parts)
     args, meta = build(slots, parts, pp, groups)
     flyc.launch(kernel, (groups * parts,), *args, **meta)
     return groups
@@ -446,10 +465,11 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE),
+            **({"ROWS": BWD_ROWS} if BWD_ROWS > 1 else {}),
         )
         # fmt: on
         return args, meta
 
-    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device):
+    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device, BWD_ROWS):
         return None
     return partials.get("dw"), partials.get("db")
