@@ -1,9 +1,13 @@
-"""Device helpers shared by both norm kernel files (:mod:`.norm`, :mod:`.split`)."""
+"""Device helpers shared by both norm kernel files (:mod:`.norm`, :mod:`.split`).
+
+The weight (with its offset) and the backward's row loads.
+"""
 
 from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+from flydsl_common.device import row_offset
 
 
 @flyc.func
@@ -14,3 +18,21 @@ def load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr, EVICT:
         return fx.load(w_ptr + c, mask=cmask, other=0.0, eviction_policy=EVICT).to(fx.float32) + weight_offset
     else:
         return fx.where(cmask, 1.0, 0.0)
+
+
+@flyc.func
+def load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h, stride_dy,
+                  IS_RMS: fx.constexpr, EVICT: fx.constexpr):  # fmt: skip
+    """The backward's inputs for ``rows`` x columns ``c``: h and dy (storage dtype, zeros past the last row),
+    each row's rstd and mean (0 for RMSNorm); ``EVICT`` is the h/dy loads' cache hint."""
+    ok = rows < M
+    mask = ok[:, None] & cmask[None, :]
+    h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + c[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+    dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + c[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICT)  # fmt: skip
+    rstd = fx.load(rstd_ptr + rows, mask=ok, other=0.0)
+    if IS_RMS:
+        mean = fx.zeros_like(rstd)
+    else:
+        mean = fx.load(mean_ptr + rows, mask=ok, other=0.0)
+    return h, dy, rstd, mean

@@ -47,7 +47,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum2_f32
 from flydsl_common.rows import RowConfig, as_rows
 
-from .affine import load_weight
+from .affine import load_bwd_rows, load_weight
 from .eager import plain_rows, searching
 from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
@@ -236,21 +236,6 @@ def _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
         return (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
 
 
-@flyc.func
-def _bwd_block_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, M, cols, cmask, stride_h, stride_dy,
-                     IS_RMS: fx.constexpr, BLOCK_M: fx.constexpr):  # fmt: skip
-    """h and dy (storage dtype) and the row statistics of row block ``blk``; zeros past the last row."""
-    rows = blk * BLOCK_M + fx.arange(0, BLOCK_M)
-    row_ok = rows < M
-    mask = row_ok[:, None] & cmask[None, :]
-    h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
-    dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + cols[None, :], mask=mask, other=0.0)
-    rstd = fx.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-    if IS_RMS:
-        mean = fx.zeros([BLOCK_M], dtype=fx.float32)
-    else:
-        mean = fx.load(mean_ptr + rows, mask=row_ok, other=0.0)
-    return h, dy, rstd, mean
 
 
 # fmt: off
@@ -278,16 +263,18 @@ def _norm_bwd_kernel(
         cmask = cols < N
         dw = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         db = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-        h_nx, dy_nx, rstd_nx, mean_nx = _bwd_block_loads(
-            h_ptr, dy_ptr, mean_ptr, rstd_ptr, pid, M, cols, cmask, stride_h, stride_dy, IS_RMS, BLOCK_M
+        blk_rows = fx.arange(0, BLOCK_M)
+        h_nx, dy_nx, rstd_nx, mean_nx = load_bwd_rows(
+            h_ptr, dy_ptr, mean_ptr, rstd_ptr, pid * BLOCK_M + blk_rows, M, cols, cmask, stride_h, stride_dy, IS_RMS, ""
         )
         for blk in range(pid, fx.cdiv(M, BLOCK_M), programs):
-            rows = blk * BLOCK_M + fx.arange(0, BLOCK_M)
+            rows = blk * BLOCK_M + blk_rows
             row_ok = rows < M
             mask = row_ok[:, None] & cmask[None, :]
             h, dy, rstd, mean = h_nx.to(fx.float32), dy_nx.to(fx.float32), rstd_nx, mean_nx
-            h_nx, dy_nx, rstd_nx, mean_nx = _bwd_block_loads(
-                h_ptr, dy_ptr, mean_ptr, rstd_ptr, blk + programs, M, cols, cmask, stride_h, stride_dy, IS_RMS, BLOCK_M
+            h_nx, dy_nx, rstd_nx, mean_nx = load_bwd_rows(
+                h_ptr, dy_ptr, mean_ptr, rstd_ptr, (blk + programs) * BLOCK_M + blk_rows, M, cols, cmask,
+                stride_h, stride_dy, IS_RMS, "",
             )
             # The weight is re-read per row block (an L1/L2 hit) instead of being held
             # across the loop: registers go to h, dy, the prefetch and the dweight accumulator.

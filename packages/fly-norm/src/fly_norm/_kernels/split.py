@@ -50,7 +50,7 @@ import flydsl.expr as fx
 from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publish, row_offset, sum2_f32
 from flydsl_common.rows import MAX_SINGLE_PASS
 
-from .affine import load_weight
+from .affine import load_bwd_rows, load_weight
 
 __all__ = [
     "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
@@ -275,7 +275,7 @@ def _norm_bwd_split_kernel(
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
     rows = group * ROWS + r
-    h_nx, dy_nx, rstd_nx, mean_nx = _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask,
+    h_nx, dy_nx, rstd_nx, mean_nx = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask,
                                                     stride_h, stride_dy, IS_RMS, ROW_EVICT)  # fmt: skip
     wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "")[None, :]  # once: no load after the waits
     for blk in range(group, fx.cdiv(M, ROWS), groups):
@@ -297,7 +297,7 @@ def _norm_bwd_split_kernel(
             publish(mine, s_gx, row_ok)
             publish(mine + 1, s_g, row_ok)
         nxt = (blk + groups) * ROWS + r
-        h_nx, dy_nx, rstd_nx, mean_nx = _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, nxt, M, c, cmask,
+        h_nx, dy_nx, rstd_nx, mean_nx = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, nxt, M, c, cmask,
                                                         stride_h, stride_dy, IS_RMS, ROW_EVICT)  # fmt: skip
         if COMPUTE_DW:
             dw += fx.sum(dy * xhat, axis=0)
@@ -325,23 +325,6 @@ def _norm_bwd_split_kernel(
         fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
     if COMPUTE_DB:
         fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
-
-
-@flyc.func
-def _bwd_tile_loads(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h, stride_dy,
-                    IS_RMS: fx.constexpr, EVICT: fx.constexpr):  # fmt: skip
-    """h and dy of a [ROWS, SLICE] tile (storage dtype) and its rows' rstd and mean (0 for RMSNorm)."""
-    ok = rows < M
-    mask = ok[:, None] & cmask[None, :]
-    h = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + c[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-    dy = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + c[None, :], mask=mask, other=0.0,
-                 eviction_policy=EVICT)  # fmt: skip
-    rstd = fx.load(rstd_ptr + rows, mask=ok, other=0.0)
-    if IS_RMS:
-        mean = rstd * 0.0
-    else:
-        mean = fx.load(mean_ptr + rows, mask=ok, other=0.0)
-    return h, dy, rstd, mean
 
 
 # ---------------------------------------------------------------- host
