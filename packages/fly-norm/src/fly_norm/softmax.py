@@ -48,7 +48,8 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
-from ._kernels.eager import plain_rows, searching
+from ._kernels.eager import launch as eager_launch
+from ._kernels.eager import may_launch, plain_rows
 from ._kernels.split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
@@ -373,17 +374,16 @@ def _eager_fwd(x: torch.Tensor):
         return None
     m, n, dev = rows
     key = (x.dtype, n, dev, m >> 31, x.data_ptr() & 15)
-    plan = _EAGER_PLANS.get(key)
-    if plan is None and searching():
+    if not may_launch(_EAGER_PLANS, key):
         return None
     y = torch.empty_like(x)
-    args = (x, y, m, n, n, n)
-    if plan is None:
+
+    def make():
         cfg = softmax_config(n, x.dtype, x.device)
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps)
-        plan = _EAGER_PLANS[key] = (flyc.bind(_softmax_fwd_kernel, *args, **meta), cfg.block_m)
-    bound, block_m = plan
-    bound(-(-m // block_m), *args)
+        return _softmax_fwd_kernel, meta, cfg.block_m
+
+    eager_launch(_EAGER_PLANS, key, m, (x, y, m, n, n, n), make)
     return y
 
 

@@ -20,7 +20,7 @@ import torch
 import flydsl.compiler as flyc
 from flydsl import env
 
-__all__ = ["plain_rows", "searching"]
+__all__ = ["plain_rows", "may_launch", "launch"]
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,6 +45,18 @@ def plain_rows(x, max_n: int, *others) -> tuple[int, int, int] | None:
     return (m, n, dev) if m else None
 
 
-def searching() -> bool:
-    """Whether a config search may be due (``FLYDSL_AUTOTUNE``): plans are then not made."""
-    return bool(env.get("FLYDSL_AUTOTUNE"))
+def may_launch(plans: dict, key) -> bool:
+    """Whether :func:`launch` can serve ``key``: a plan is cached, or one may be made (no config search
+    may be due: with ``FLYDSL_AUTOTUNE`` set, the general path runs the search, then serves its winner)."""
+    return key in plans or not env.get("FLYDSL_AUTOTUNE")
+
+
+def launch(plans: dict, key, m: int, args: tuple, make) -> None:
+    """Launch the plan cached under ``key`` over ``m`` rows; ``make()`` gives (kernel, meta, rows a program)
+    when there is none yet, and the plan binds ``kernel`` to ``args``' specialization."""
+    plan = plans.get(key)
+    if plan is None:
+        kernel, meta, block_m = make()
+        plan = plans[key] = (flyc.bind(kernel, *args, **meta), block_m)
+    bound, block_m = plan
+    bound(-(-m // block_m), *args)

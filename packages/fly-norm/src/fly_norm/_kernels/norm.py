@@ -48,7 +48,8 @@ from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_bwd_rows, load_weight
-from .eager import plain_rows, searching
+from .eager import launch as eager_launch
+from .eager import may_launch, plain_rows
 from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
@@ -715,19 +716,18 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
         None if residual is None else (residual.dtype, residual.data_ptr() & 15),
     )  # fmt: skip
-    plan = _EAGER_PLANS.get(key)
-    if plan is None and searching():
+    if not may_launch(_EAGER_PLANS, key):
         return None
     y = torch.empty_like(x)
     h = None if residual is None else torch.empty_like(residual)
     rn = 0 if residual is None else n
-    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, weight_offset)
-    if plan is None:
+
+    def make():
         cfg = config_for(n, dtype, x.device, autotune=None, task=None)
-        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg)
-        plan = _EAGER_PLANS[key] = (flyc.bind(_norm_fwd_kernel, *args, **meta), cfg.block_m)
-    bound, block_m = plan
-    bound(-(-m // block_m), *args)
+        return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg), cfg.block_m
+
+    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, weight_offset)
+    eager_launch(_EAGER_PLANS, key, m, args, make)
     return y if residual is None else (y, h)
 
 
