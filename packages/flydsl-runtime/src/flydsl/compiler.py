@@ -355,6 +355,15 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, packed, None, None, None, *args, *tail)
 
 
+def _compile(kernel, args: tuple, meta: dict):
+    """The compiled kernel of this specialization (compiled or loaded now, not launched), handles loaded."""
+    compiled = kernel.warmup(*args, grid=(1,), **meta)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    compiled._init_handles()
+    return compiled
+
+
 class Bound:
     """One compiled specialization of a kernel, launched with no per-call keying (see :func:`bind`)."""
 
@@ -396,10 +405,7 @@ def bind(kernel, *args, **meta) -> Bound:
         missing = [n for n in names if n not in meta]
         if missing:
             raise TypeError(f"flyc.bind: give {missing} by keyword (constexprs after the runtime arguments)")
-        compiled = kernel.warmup(*args, grid=(1,), **meta)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        compiled._init_handles()
+        compiled = _compile(kernel, args, meta)
         entry = (compiled.run, compiled.function, compiled.packed_metadata, tuple(meta[n] for n in names))
         lean.table[key] = entry
     return Bound(kernel, device, entry, meta)
@@ -432,10 +438,7 @@ def programs_per_sm(kernel, *args, **meta) -> int:
     key = _key(device, args, meta)
     count = lean.occupancy.get(key)
     if count is None:
-        compiled = kernel.warmup(*args, grid=(1,), **meta)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        compiled._init_handles()
+        compiled = _compile(kernel, args, meta)
         warps = compiled.metadata.num_warps
         regs, threads, smem = _sm_limits(device)
         regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
