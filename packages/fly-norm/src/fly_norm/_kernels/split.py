@@ -91,7 +91,7 @@ def _pair_slots(base, part, p_idx, p_ok):
 
 @flyc.func
 def _unpair(v):
-    """Columns 0 and 1 of a [PARTS_POW2, 2] block."""
+    """Columns 0 and 1 of a [*, 2] block."""
     k = fx.arange(0, 2)[None, :]
     return fx.sum(fx.where(k == 0, v, 0.0), axis=1), fx.sum(fx.where(k == 1, v, 0.0), axis=1)
 
@@ -306,14 +306,12 @@ def _norm_bwd_split_kernel(
         slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
         slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
         sums, ok = collect(slots, slots_ok, SPIN_LIMIT)  # masked-off slots read 0
-        sums = fx.sum(sums, axis=1) / N  # [ROWS, 2]: mean(g * xhat), mean(g)
-        c1 = fx.sum(fx.where(k[None, :] == 0, sums, 0.0), axis=1)[:, None]
+        c1, c2 = _unpair(fx.sum(sums, axis=1) / N)  # [ROWS, 2] -> mean(g * xhat), mean(g)
         g = dy * wv
         if IS_RMS:
-            dx = (g - xhat * c1) * rstd
+            dx = (g - xhat * c1[:, None]) * rstd
         else:
-            c2 = fx.sum(fx.where(k[None, :] == 1, sums, 0.0), axis=1)[:, None]
-            dx = (g - c2 - xhat * c1) * rstd
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd
         if HAS_DRES:
             dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + c[None, :], mask=mask, other=0.0,
                            eviction_policy=ROW_EVICT)  # fmt: skip
