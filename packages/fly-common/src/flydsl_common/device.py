@@ -155,7 +155,14 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     while (fx.min(w >> 32, axis=None) == 0) & (spins < SPIN_LIMIT):
         w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
         spins += 1
-    return w.to(fx.int32).to(fx.float32, bitcast=True), fx.min(w >> 32, axis=None) > 0
+    ok = fx.min(w >> 32, axis=None) > 0
+    # Read once more after the loop: a small block is replicated over the program's threads, each
+    # copy loaded on its own, and the reduction above may have judged the slots by other threads'
+    # copies than those this thread holds (measured: a stale, unpublished copy read as 0 now and
+    # then, a slice left out of a row). Every slot was published before this read (the reduction's
+    # barrier orders it after the poll that saw them all), so every copy now holds its word.
+    w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
+    return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 
 
 # ----------------------------------------------------------------- rounding
