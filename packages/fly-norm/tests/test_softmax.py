@@ -227,14 +227,26 @@ def test_gradients_dim0_expanded_grad_and_chunked(device, monkeypatch):
 
 
 def test_inference_skips_the_dispatcher_and_training_uses_the_op(device, monkeypatch):
+    """Per call: whether it went through the custom op (the dispatcher). Inference never does: on a GPU
+    it takes the eager plan (_eager_fwd), elsewhere _fwd_rows directly; training goes through the op."""
     via_op = []
-    rows = sm._fwd_rows
+    rows, eager = sm._fwd_rows, sm._eager_fwd
 
-    def spy(x, autotune):
-        via_op.append(any("torch/_library" in f.filename.replace("\\", "/") for f in inspect.stack()))
+    def through_op():
+        return any("torch/_library" in f.filename.replace("\\", "/") for f in inspect.stack())
+
+    def spy_rows(x, autotune):
+        via_op.append(through_op())
         return rows(x, autotune)
 
-    monkeypatch.setattr(sm, "_fwd_rows", spy)
+    def spy_eager(x):
+        y = eager(x)
+        if y is not None:
+            via_op.append(through_op())
+        return y
+
+    monkeypatch.setattr(sm, "_fwd_rows", spy_rows)
+    monkeypatch.setattr(sm, "_eager_fwd", spy_eager)
     x = torch.randn(2, 8, device=device)
     assert softmax(x).grad_fn is None
     assert softmax(x.requires_grad_(True)).grad_fn is not None

@@ -22,6 +22,7 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
+from ._kernels.eager import general_path_only
 from ._kernels.split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
@@ -207,7 +208,8 @@ def _make_task(name: str):
         captured: list = []
         _CAPTURE.append((name, captured))
         try:
-            _run_op(name, max(1, _TUNE_ELEMENTS // n), n, dtype, device)
+            with general_path_only():  # the path that builds the search task
+                _run_op(name, max(1, _TUNE_ELEMENTS // n), n, dtype, device)
         finally:
             _CAPTURE.pop()
         if not captured or captured[0] is None:

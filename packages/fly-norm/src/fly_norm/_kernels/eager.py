@@ -15,20 +15,36 @@ whether M needs 64 bits (its value is never specialized).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 import flydsl.compiler as flyc
 from flydsl import env
 
-__all__ = ["plain_rows", "may_launch", "launch"]
+__all__ = ["plain_rows", "may_launch", "launch", "general_path_only"]
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+_OFF: list = []  # non-empty while every call must take the general path (general_path_only)
+
+
+@contextmanager
+def general_path_only():
+    """Calls made inside take the general path, never a plan: the tuning harness runs an op to capture
+    the search task that only the general path builds."""
+    _OFF.append(True)
+    try:
+        yield
+    finally:
+        _OFF.pop()
 
 
 def plain_rows(x, max_n: int, *others) -> tuple[int, int, int] | None:
     """(m, n, device index) when ``x`` is dense rows of at most ``max_n`` columns on the current CUDA device
-    in a compiled run, and neither ``x`` nor ``others`` (tensors or None) needs autograd, outside tracing;
-    None otherwise (the caller takes its general path)."""
+    in a compiled run, and neither ``x`` nor ``others`` (tensors or None) needs autograd, outside tracing
+    and :func:`general_path_only`; None otherwise (the caller takes its general path)."""
+    if torch.compiler.is_compiling() or _OFF:  # first: tracing cannot evaluate what follows
+        return None
     if type(x) is not torch.Tensor or not x.is_cuda or flyc.interpreting() or x.dtype not in _FLOAT:
         return None
     if not x.dim() or not x.is_contiguous():
@@ -38,8 +54,6 @@ def plain_rows(x, max_n: int, *others) -> tuple[int, int, int] | None:
     if not 0 < n <= max_n or dev != torch._C._cuda_getDevice():
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
-        return None
-    if torch.compiler.is_compiling():
         return None
     m = x.numel() // n
     return (m, n, dev) if m else None
