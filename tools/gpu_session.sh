@@ -21,7 +21,7 @@ status=0
 for t in "${@:-packages/flydsl-runtime/tests packages/fly-common/tests}"; do
   for d in $t; do
     name=$(basename "$(dirname "$d")")
-    python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -n 8 > "$OUT/pytest-$name.txt" 2>&1 || status=1
+    python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -n "${PYTEST_WORKERS:-8}" > "$OUT/pytest-$name.txt" 2>&1 || status=1
     tail -8 "$OUT/pytest-$name.txt"
   done
 done
