@@ -1,0 +1,285 @@
+"""Probe: do software-pipelined (cp.async) loads lift the wide-row forwards? python probe_pipeline.py [--out DIR]
+
+Design probe for PERF.md v5, not the benchmark. bf16, M * N = 2**27, RMSNorm
+and LayerNorm forward as a fraction of a device copy of the same bytes:
+
+- ``rows``: rows that fit one program (4K-16K), a persistent program walks
+  its rows in a loop whose whole-row loads are pipelined STAGES deep through
+  shared memory (``fx.range(..., num_stages=)``), so the next rows' bytes are
+  in flight while the current row reduces, without holding them in registers;
+- ``two_pass``: wider rows (16K-256K), one program a row at a time, pass 1
+  streams the row in pipelined chunks for the statistics, pass 2 re-reads it
+  (from L2 when the rows in flight fit there) and writes y.
+- ``lanes``: the two-pass row as round 1 measured torch.compile's rms_norm do
+  at 96% of copy up to 32K: per-lane accumulators (no reduction across warps
+  inside the loop: LayerNorm keeps a Welford (mean, M2, count) per lane,
+  merged once with Chan's formula), pass 1 loads marked evict_last so pass
+  2's re-read finds them in L2, one program a row (grid M);
+- ``split2``: rows of 32K-256K over PARTS programs (slices of SLICE columns,
+  one wave), each slice a ``lanes`` two-pass whose statistics are exchanged
+  between the slices of a row between the passes (tagged words, as the split
+  paths): the L2 holds only the slices in flight, and one exchange a row is
+  amortized over a whole slice's two passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import flydsl  # noqa: F401
+import flydsl.arch
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.autotune.timer import bench
+from flydsl_common.device import collect, publish, row_offset
+
+_DT = torch.bfloat16
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _rows_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
+                 IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
+    cols = fx.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = fx.load(w_ptr + cols, mask=cmask, other=0.0).to(fx.float32)
+    for row in fx.range(fx.program_id(0), M, fx.num_programs(0), num_stages=STAGES):
+        h = fx.load(x_ptr + row_offset(row, stride) + cols, mask=cmask, other=0.0).to(fx.float32)
+        if IS_RMS:
+            mean = 0.0
+            var = fx.sum(h * h, axis=0) / N
+        else:
+            mean = fx.sum(h, axis=0) / N
+            d = fx.where(cmask, h - mean, 0.0)
+            var = fx.sum(d * d, axis=0) / N
+        y = (h - mean) * fx.rsqrt(var + eps) * w
+        fx.store(y_ptr + row_offset(row, stride) + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _two_pass_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
+                     IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
+    cols = fx.arange(0, BLOCK_N)
+    for row in range(fx.program_id(0), M, fx.num_programs(0)):
+        xr = x_ptr + row_offset(row, stride)
+        mean = 0.0
+        acc = 0.0
+        for start in fx.range(0, N, BLOCK_N, num_stages=STAGES):
+            c = start + cols
+            h = fx.load(xr + c, mask=c < N, other=0.0).to(fx.float32)
+            if IS_RMS:
+                acc += fx.sum(h * h, axis=0)
+            else:  # Chan's merge of (count, mean, M2)
+                n_a = start * 1.0
+                n_b = fx.minimum(N * 1.0 - n_a, BLOCK_N * 1.0)
+                mean_b = fx.sum(h, axis=0) / n_b
+                d = fx.where(c < N, h - mean_b, 0.0)
+                delta = mean_b - mean
+                mean += delta * (n_b / (n_a + n_b))
+                acc += fx.sum(d * d, axis=0) + delta * delta * (n_a * n_b / (n_a + n_b))
+        rstd = fx.rsqrt(acc / N + eps)
+        yr = y_ptr + row_offset(row, stride)
+        for start in fx.range(0, N, BLOCK_N, num_stages=STAGES):
+            c = start + cols
+            h = fx.load(xr + c, mask=c < N, other=0.0).to(fx.float32)
+            w = fx.load(w_ptr + c, mask=c < N, other=0.0).to(fx.float32)
+            fx.store(yr + c, ((h - mean) * rstd * w).to(y_ptr.dtype.element_ty), mask=c < N)
+
+
+@flyc.func
+def _chan(m_a, q_a, n_a, m_b, q_b, n_b):
+    """Merge two (mean, M2, count) summaries (Chan et al.); empty ones (count 0) merge to the other."""
+    n = n_a + n_b
+    f = fx.where(n > 0, n_b / fx.maximum(n, 1.0), 0.0)
+    d = m_b - m_a
+    return m_a + d * f, q_a + q_b + d * d * n_a * f, n
+
+
+@flyc.func
+def _lane_stats(xr, N, lo, hi, cols, IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
+    """(mean, M2, count) of columns [lo, hi) of a row: per-lane accumulators, one merge at the end."""
+    mean = fx.zeros([BLOCK_N], dtype=fx.float32)
+    q = fx.zeros([BLOCK_N], dtype=fx.float32)
+    cnt = fx.zeros([BLOCK_N], dtype=fx.float32)
+    for start in fx.range(lo, hi, BLOCK_N, num_stages=STAGES):
+        c = start + cols
+        ok = c < hi
+        h = fx.load(xr + c, mask=ok, other=0.0, eviction_policy="evict_last").to(fx.float32)
+        if IS_RMS:
+            q += h * h
+        else:  # Welford per lane
+            cnt += fx.where(ok, 1.0, 0.0)
+            d = h - mean
+            mean += fx.where(ok, d / fx.maximum(cnt, 1.0), 0.0)
+            q += fx.where(ok, d * (h - mean), 0.0)
+    if IS_RMS:
+        sq = fx.sum(q, axis=0)
+        return sq * 0.0, sq, (hi - lo) * 1.0
+    return fx.reduce((mean, q, cnt), 0, _chan)
+
+
+@flyc.func
+def _lane_write(xr, yr, w_ptr, lo, hi, cols, mean, rstd, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
+    for start in fx.range(lo, hi, BLOCK_N, num_stages=STAGES):
+        c = start + cols
+        ok = c < hi
+        h = fx.load(xr + c, mask=ok, other=0.0, eviction_policy="evict_first").to(fx.float32)
+        w = fx.load(w_ptr + c, mask=ok, other=0.0, eviction_policy="evict_last").to(fx.float32)
+        fx.store(yr + c, ((h - mean) * rstd * w).to(yr.dtype.element_ty), mask=ok)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _lanes_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
+                  IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
+    cols = fx.arange(0, BLOCK_N)
+    for row in range(fx.program_id(0), M, fx.num_programs(0)):
+        xr = x_ptr + row_offset(row, stride)
+        mean, q, _ = _lane_stats(xr, N, 0, N, cols, IS_RMS, BLOCK_N, STAGES)
+        _lane_write(xr, y_ptr + row_offset(row, stride), w_ptr, 0, N, cols, mean, fx.rsqrt(q / N + eps),
+                    BLOCK_N, STAGES)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _split2_kernel(x_ptr, w_ptr, y_ptr, slot_ptr, M, N, stride, eps, parts,
+                   IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr, SLICE: fx.constexpr,
+                   PARTS_POW2: fx.constexpr):
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    lo = part * SLICE
+    hi = fx.minimum(lo + SLICE, N)
+    cols = fx.arange(0, BLOCK_N)
+    p_idx = fx.arange(0, PARTS_POW2)
+    k = fx.arange(0, 2)
+    p_ok = p_idx < parts
+    for row in range(pid // parts, M, groups):
+        xr = x_ptr + row_offset(row, stride)
+        mean_s, q_s, _ = _lane_stats(xr, N, lo, hi, cols, IS_RMS, BLOCK_N, STAGES)
+        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+        publish(base + 2 * part, mean_s, row < M)
+        publish(base + 2 * part + 1, q_s, row < M)
+        pairs, ok = collect(base + 2 * p_idx[:, None] + k[None, :], p_ok[:, None] & (k[None, :] < 2), 1 << 20)
+        means = fx.sum(fx.where(k[None, :] == 0, pairs, 0.0), axis=1)
+        qs = fx.sum(fx.where(k[None, :] == 1, pairs, 0.0), axis=1)
+        n_s = fx.where(p_ok, fx.minimum(SLICE * 1.0, N * 1.0 - p_idx * SLICE), 0.0)
+        mean, q, _ = fx.reduce((means, qs, n_s), 0, _chan)
+        rstd = fx.where(ok, fx.rsqrt(q / N + eps), float("nan"))
+        _lane_write(xr, y_ptr + row_offset(row, stride), w_ptr, lo, hi, cols, mean, rstd, BLOCK_N, STAGES)
+# fmt: on
+
+
+def _copy_gbps(numel: int) -> float:
+    src = torch.empty(numel, dtype=_DT, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 4 * numel / (bench(lambda: dst.copy_(src)).median_us * 1e-6) / 1e9
+
+
+def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy, slice_cols=None):
+    """One kernel at one width, checked against an fp32 reference, timed; per_sm: programs an SM (None:
+    as many as fit; "rows": one a row, grid M). slice_cols: the split2 kernel's slice."""
+    m = (1 << 27) // n
+    x = torch.randn(m, n, dtype=_DT, device="cuda") + 2.0  # a mean away from 0: LayerNorm's merge matters
+    w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+    y = torch.full_like(x, float("nan"))
+    meta = dict(IS_RMS=is_rms, BLOCK_N=block_n, STAGES=stages, num_warps=warps)
+    args = (x, w, y, m, n, n, 1e-6)
+    parts = 1
+    if slice_cols is not None:
+        parts = -(-n // slice_cols)
+        pp = 1 << (parts - 1).bit_length()
+        meta.update(SLICE=slice_cols, PARTS_POW2=pp)
+        slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device="cuda")
+        args = (x, w, y, slots, m, n, n, 1e-6, parts)
+    resident = flyc.programs_per_sm(kernel, *args, **meta)
+    wave = flydsl.arch.current().sm_count * (resident if per_sm in (None, "rows") else min(per_sm, resident))
+    grid = m if per_sm == "rows" else min(m * parts, wave // parts * parts)
+
+    def run():
+        if slice_cols is not None:
+            slots.zero_()
+        flyc.launch(kernel, (grid,), *args, **meta)
+
+    run()
+    h = x.float()
+    mean = 0.0 if is_rms else h.mean(1, keepdim=True)
+    ref = (h - mean) * torch.rsqrt(((h - mean) ** 2).mean(1, keepdim=True) + 1e-6) * w.float()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    us = bench(run).median_us
+    return dict(
+        N=n,
+        op="rms" if is_rms else "ln",
+        kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
+        block_n=block_n,
+        warps=warps,
+        stages=stages,
+        per_sm=per_sm,
+        slice=slice_cols,
+        resident=resident,
+        grid=grid,
+        us=us,
+        frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy,
+        rel_err=err,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--part", nargs="*", default=["lanes", "split2"])
+    args = ap.parse_args()
+    copy = _copy_gbps(1 << 27)
+    rows = [dict(copy_GBps=copy)]
+    print(rows[0])
+    cases = []
+    if "rows" in args.part:
+        for n in (4096, 8192, 16384):
+            for warps, stages in ((4, 2), (8, 2), (8, 3), (16, 2), (16, 3)):
+                if n // (32 * warps) <= 64:
+                    cases += [(_rows_kernel, n, is_rms, n, warps, stages, None) for is_rms in (True, False)]
+    if "two_pass" in args.part:
+        for n in (16384, 32768, 65536, 131072, 262144):
+            for block_n, warps, stages, per_sm in (
+                (4096, 4, 3, None),
+                (4096, 8, 4, None),
+                (8192, 8, 3, None),
+                (8192, 8, 4, 1),
+                (8192, 16, 4, 1),
+                (4096, 8, 4, 2),
+            ):
+                cases += [(_two_pass_kernel, n, is_rms, block_n, warps, stages, per_sm) for is_rms in (True, False)]
+    if "lanes" in args.part:
+        for n in (16384, 32768, 65536, 131072):
+            for block_n, warps, stages in ((2048, 8, 1), (4096, 8, 1), (4096, 16, 1), (2048, 4, 1), (4096, 8, 3)):
+                cases += [(_lanes_kernel, n, is_rms, block_n, warps, stages, "rows") for is_rms in (True, False)]
+    if "split2" in args.part:
+        for n in (32768, 65536, 131072, 262144):
+            for slice_cols, block_n, warps, stages in (
+                (16384, 2048, 8, 1),
+                (32768, 4096, 8, 1),
+                (16384, 4096, 8, 1),
+                (8192, 2048, 4, 1),
+            ):
+                if slice_cols < n:
+                    cases += [
+                        (_split2_kernel, n, is_rms, block_n, warps, stages, None, slice_cols)
+                        for is_rms in (True, False)
+                    ]
+    for case in cases:
+        try:
+            r = _case(*case[:7], copy, *case[7:])
+        except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+            r = dict(case=str(case[1:]), error=repr(e)[:300])
+        print(r, flush=True)
+        rows.append(r)
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe-pipeline.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
