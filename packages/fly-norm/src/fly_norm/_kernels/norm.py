@@ -10,10 +10,12 @@ Forward, per row ``h = x (+ residual)``::
 
 - single pass (the row fits in one ``BLOCK_N`` step): the row stays in
   registers between the reduction and the write; ``BLOCK_M`` rows per program;
-- chunked (wider rows, ``BLOCK_M == 1``): pass 1 reduces the statistics chunk
-  by chunk (LayerNorm merges per-chunk mean and M2 with Chan's parallel
+- chunked (wider rows, ``BLOCK_M == 1``): pass 1 accumulates the statistics
+  per lane over the row's chunks and merges the lanes once after the loop
+  (LayerNorm: a Welford mean and M2 per lane merged with Chan's parallel
   formula, never E[h^2] - E[h]^2, which cancels catastrophically when
-  |mean| >> std); pass 2 re-reads the row (mostly from L2) and writes y.
+  |mean| >> std); its loads are marked evict_last so that pass 2's re-read of
+  the row hits L2, and pass 2 writes y.
   The quantized forward needs the row's absolute max of y before writing, so
   it adds a third pass;
 - split (rows wider than 16K columns on a GPU): each row over several
@@ -71,12 +73,21 @@ _QUANT_FP8 = 2
 
 
 @flyc.func
-def _load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr):
-    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used)."""
-    h = fx.load(x_rows + c, mask=mask, other=0.0).to(fx.float32)
+def _load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr = ""):
+    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint."""
+    h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
     if HAS_RESIDUAL:
-        h += fx.load(r_rows + c, mask=mask, other=0.0).to(fx.float32)
+        h += fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
     return h
+
+
+@flyc.func
+def _chan(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Merge two (mean, M2, count) summaries (Chan et al.); an empty one (count 0) merges to the other."""
+    n = n_a + n_b
+    f = fx.where(n > 0, n_b / fx.maximum(n, 1.0), 0.0)
+    d = mean_b - mean_a
+    return mean_a + d * f, m2_a + m2_b + d * d * n_a * f, n
 
 
 @flyc.func
@@ -110,11 +121,12 @@ def _normalize(
 def _chunk_y(
     x_rows, r_rows, row_ok, c, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+    EVICT: fx.constexpr,
 ):  # fmt: skip
-    """Chunked rows: y of columns ``c`` re-read from the inputs, and the chunk's mask."""
+    """Chunked rows: y of columns ``c`` re-read from the inputs (cache hint ``EVICT``), and the chunk's mask."""
     cmask = c < N
     mask = row_ok[:, None] & cmask[None, :]
-    h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL)
+    h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
     y = _normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
     return y, mask
 
@@ -179,42 +191,49 @@ def _norm_fwd_kernel(
             fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
             fx.store(y_rows + cols[None, :], _quantize(y, _inverse_scale(amax, QMAX), QUANT), mask=mask)
     else:
-        # Pass 1: statistics, chunk by chunk (and the residual sum, written once).
-        mean = fx.zeros([BLOCK_M], dtype=fx.float32)
-        acc = fx.zeros([BLOCK_M], dtype=fx.float32)  # sum of squares (RMS) or M2 (LayerNorm)
+        # Pass 1: statistics, chunk by chunk, in per-lane accumulators ([BLOCK_M, BLOCK_N]) merged once
+        # after the loop: no reduction across warps (a barrier) inside it. RMSNorm sums squares; LayerNorm
+        # keeps a Welford (mean, M2) per lane, merged with Chan's formula, never E[h^2] - E[h]^2 (which
+        # cancels when |mean| >> std). A lane valid in chunk i was valid in every earlier chunk, so its
+        # count there is i + 1: one reciprocal a chunk, none an element. evict_last keeps the row in L2
+        # for pass 2's re-read. The residual sum h is written here, once.
+        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or M2 (LayerNorm)
+        lane_mean = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL)
+            h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, "evict_last")
             if HAS_RESIDUAL:
                 fx.store(h_rows + c[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
             if IS_RMS:
-                acc += fx.sum(h * h, axis=1)
+                acc += h * h  # masked elements are 0
             else:
-                # Chan et al.: merge (count_a, mean_a, M2_a) with this chunk's (count_b, mean_b, M2_b).
-                n_a = start * 1.0
-                n_b = fx.minimum(N * 1.0 - n_a, BLOCK_N * 1.0)
-                mean_b = fx.sum(h, axis=1) / n_b
-                d = fx.where(mask, h - mean_b[:, None], 0.0)
-                delta = mean_b - mean
-                n_ab = n_a + n_b
-                mean += delta * (n_b / n_ab)
-                acc += fx.sum(d * d, axis=1) + delta * delta * (n_a * n_b / n_ab)
-        rstd = fx.rsqrt(acc / N + eps)
-        # Pass 2 (+3 when quantizing): y from a second read of the inputs. The
+                d = h - lane_mean
+                lane_mean += fx.where(mask, d * (1.0 / (start // BLOCK_N + 1)), 0.0)
+                acc += fx.where(mask, d * (h - lane_mean), 0.0)
+        if IS_RMS:
+            mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+            m2 = fx.sum(acc, axis=1)
+        else:
+            lane_n = fx.where(cols < N, (N - cols + BLOCK_N - 1) // BLOCK_N, 0).to(fx.float32)
+            lane_n = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32) + lane_n[None, :]
+            mean, m2, _ = fx.reduce((lane_mean, acc, lane_n), 1, _chan)
+        rstd = fx.rsqrt(m2 / N + eps)
+        # Pass 2 (+3 when quantizing): y from a second read of the inputs (from L2). The
         # fp32 h is recomputed from x and residual rather than read back from
         # residual_out, so the result is identical to the single-pass path.
         if QUANT != 0:
-            amax = fx.zeros([BLOCK_M], dtype=fx.float32)
+            amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # per lane, reduced after the loop
             for start in range(0, N, BLOCK_N):
                 y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                                   weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)  # fmt: skip
-                amax = fx.maximum(amax, fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1))
-            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
-            inv = _inverse_scale(amax, QMAX)
+                                   weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last")  # fmt: skip
+                amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
+            amax_row = fx.max(amax, axis=1)
+            fx.store(qs_ptr + rows, amax_row / QMAX, mask=row_ok)
+            inv = _inverse_scale(amax_row, QMAX)
         for start in range(0, N, BLOCK_N):
             y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)  # fmt: skip
+                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first")  # fmt: skip
             if QUANT == 0:
                 fx.store(y_rows + (start + cols)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
             else:
