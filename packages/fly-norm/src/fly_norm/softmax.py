@@ -121,21 +121,23 @@ def _softmax_fwd_kernel(
         inv = 1.0 / fx.where(row_ok, fx.sum(e, axis=1), 1.0)  # padding rows: no 1/0
         fx.store(y_rows + cols[None, :], (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Online pass: one read of the row carries (running max, running sum);
-        # the sum is rescaled by exp(old max - new max) whenever the max grows.
-        # One reduction pair per chunk keeps it at one exp per element.
-        m = fx.full([BLOCK_M], float("-inf"), dtype=fx.float32)
-        s = fx.zeros([BLOCK_M], dtype=fx.float32)
+        # Online pass, per lane: each lane carries its own (running max, running sum) over the row's
+        # chunks, merged once after the loop (no reduction across warps inside it). One exp an
+        # element: with d = x - max, e = exp(-|d|) is exp(x - max) when x does not raise the max
+        # (s += e) and exp(old max - x) when it does (s = s * e + 1, the new max is x).
+        m_l = fx.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=fx.float32)
+        s_l = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_ok[:, None] & (c[None, :] < N)
             # evict_last: keep the row in L2 for the second pass.
             xc = fx.load(x_rows + c[None, :], mask=mask, other=_NEG_INF, eviction_policy="evict_last")
             xc = xc.to(fx.float32)
-            m_new = fx.maximum(m, fx.max(xc, axis=1))
-            base = _finite_or_zero(m_new)
-            s = s * fx.exp2((m - base) * _LOG2E) + fx.sum(fx.exp2((xc - base[:, None]) * _LOG2E), axis=1)
-            m = m_new
+            e = fx.exp2(-fx.abs(xc - m_l) * _LOG2E)  # NaN where both are -inf: not used there
+            s_l = fx.where(xc > m_l, s_l * e + 1.0, fx.where(xc > _NEG_INF, s_l + e, s_l))
+            m_l = fx.maximum(m_l, xc)
+        m = fx.max(m_l, axis=1)
+        s = fx.sum(s_l * fx.exp2((m_l - _finite_or_zero(m)[:, None]) * _LOG2E), axis=1)  # empty lanes: 0 * 0
         base = _finite_or_zero(m)
         inv = 1.0 / fx.where(row_ok, s, 1.0)  # padding rows: no 1/0
         # Second pass back to front: the chunks read last are the likeliest
