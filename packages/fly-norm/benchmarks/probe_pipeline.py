@@ -15,12 +15,18 @@ and LayerNorm forward as a fraction of a device copy of the same bytes:
   inside the loop: LayerNorm keeps a Welford (mean, M2, count) per lane,
   merged once with Chan's formula), pass 1 loads marked evict_last so pass
   2's re-read finds them in L2, one program a row (grid M);
+- ``chunked``: the production chunked forwards (``norm._norm_fwd_kernel``,
+  ``softmax._softmax_fwd_kernel``, per-lane since the fourth session) with
+  the split routing switched off, over (BLOCK_N, warps) candidates at
+  16K-256K: which widths they should serve, and their default configs;
 - ``split2``: rows of 32K-256K over PARTS programs (slices of SLICE columns,
   one wave), each slice a ``lanes`` two-pass whose statistics are exchanged
   between the slices of a row between the passes (tagged words, as the split
   paths): the L2 holds only the slices in flight, and one exchange a row is
   amortized over a whole slice's two passes.
 """
+
+# ruff: noqa: B023 - each closure runs within its own loop iteration
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.autotune.timer import bench
 from flydsl_common.device import collect, publish, row_offset
+from flydsl_common.rows import RowConfig
 
 _DT = torch.bfloat16
 
@@ -226,10 +233,68 @@ def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy, slice_cols=No
     )
 
 
+def _production_chunked(copy: float) -> list[dict]:
+    """The library's chunked forwards at wide rows, split routing off, as a fraction of copy."""
+    import importlib
+
+    from fly_norm import reference as ref
+    from fly_norm._kernels import norm
+
+    sm = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
+
+    norm.split_applies = sm.split_applies = lambda *a, **k: False  # this process only
+    out = []
+    for n in (16384, 32768, 65536, 131072, 262144):
+        m = (1 << 27) // n
+        x = torch.randn(m, n, dtype=_DT, device="cuda") + 1.0
+        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+        b = torch.randn(n, dtype=_DT, device="cuda")
+        y = torch.empty_like(x)
+        for block_n, warps in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 16)):
+            cfg = RowConfig(1, block_n, warps, False)
+            runs = {
+                "rms": (
+                    lambda: norm.launch_fwd(
+                        x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, None, cfg
+                    ),
+                    lambda: ref.rms_norm_ref(x, w, 1e-6),
+                ),
+                "ln": (
+                    lambda: norm.launch_fwd(
+                        x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False, None, cfg
+                    ),
+                    lambda: ref.layer_norm_ref(x, w, b, 1e-5),
+                ),
+                "softmax": (lambda: sm.softmax_fwd(x, y, cfg), lambda: ref.softmax_ref(x)),
+            }
+            for op, (run, reference) in runs.items():
+                try:
+                    y.fill_(float("nan"))
+                    run()
+                    r = reference().float()
+                    err = ((y.float() - r).norm() / r.norm()).item()
+                    us = bench(run).median_us
+                    row = dict(
+                        N=n,
+                        op=op,
+                        kernel="chunked",
+                        block_n=block_n,
+                        warps=warps,
+                        us=us,
+                        frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy,
+                        rel_err=err,
+                    )
+                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                    row = dict(N=n, op=op, block_n=block_n, warps=warps, error=repr(e)[:300])
+                print(row, flush=True)
+                out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--part", nargs="*", default=["lanes", "split2"])
+    ap.add_argument("--part", nargs="*", default=["chunked", "lanes", "split2"])
     args = ap.parse_args()
     copy = _copy_gbps(1 << 27)
     rows = [dict(copy_GBps=copy)]
@@ -268,6 +333,8 @@ def main() -> None:
                         (_split2_kernel, n, is_rms, block_n, warps, stages, None, slice_cols)
                         for is_rms in (True, False)
                     ]
+    if "chunked" in args.part:
+        rows += _production_chunked(copy)
     for case in cases:
         try:
             r = _case(*case[:7], copy, *case[7:])
