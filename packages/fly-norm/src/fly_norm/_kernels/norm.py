@@ -11,11 +11,8 @@ Forward, per row ``h = x (+ residual)``::
 - single pass (the row fits in one ``BLOCK_N`` step): the row stays in
   registers between the reduction and the write; ``BLOCK_M`` rows per program;
 - chunked (wider rows, ``BLOCK_M == 1``): pass 1 accumulates the statistics
-  per lane over the row's chunks and merges the lanes once after the loop
-  (LayerNorm: a Welford mean and M2 per lane merged with Chan's parallel
-  formula, never E[h^2] - E[h]^2, which cancels catastrophically when
-  |mean| >> std); its loads are marked evict_last so that pass 2's re-read of
-  the row hits L2, and pass 2 writes y.
+  per lane over the row's chunks and merges the lanes once after the loop,
+  pass 2 re-reads the row (from L2) and writes y (:mod:`.passes`).
   The quantized forward needs the row's absolute max of y before writing, so
   it adds a third pass;
 - split (rows wider than 16K columns on a GPU): each row over several
@@ -46,12 +43,13 @@ from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
 from flydsl.testing import tolerance
-from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum2_f32
+from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
+from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, write_y
 from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
@@ -70,79 +68,6 @@ _QUANT_FP8 = 2
 
 
 # ---------------------------------------------------------------- device code
-
-
-@flyc.func
-def _load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr = ""):
-    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint."""
-    h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
-    if HAS_RESIDUAL:
-        h += fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
-    return h
-
-
-@flyc.func
-def _chan(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Merge two (mean, M2, count) summaries (Chan et al.); an empty one (count 0) merges to the other."""
-    n = n_a + n_b
-    f = fx.where(n > 0, n_b / fx.maximum(n, 1.0), 0.0)
-    d = mean_b - mean_a
-    return mean_a + d * f, m2_a + m2_b + d * d * n_a * f, n
-
-
-@flyc.func
-def _normalize(
-    h,
-    mean,
-    rstd,
-    w_ptr,
-    b_ptr,
-    s_ptr,
-    c,
-    cmask,
-    weight_offset,
-    HAS_WEIGHT: fx.constexpr,
-    HAS_BIAS: fx.constexpr,
-    HAS_SMOOTH: fx.constexpr,
-):
-    """(h - mean) * rstd * (w + offset) + b (* smooth) for a [BLOCK_M, BLOCK_N] chunk of columns ``c``."""
-    y = (h - mean[:, None]) * rstd[:, None]
-    if HAS_WEIGHT:
-        w = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
-        y = y * w[None, :]
-    if HAS_BIAS:
-        y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
-    if HAS_SMOOTH:
-        y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
-    return y
-
-
-@flyc.func
-def _chunk_y(
-    x_rows, r_rows, row_ok, c, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
-    HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
-    EVICT: fx.constexpr,
-):  # fmt: skip
-    """Chunked rows: y of columns ``c`` re-read from the inputs (cache hint ``EVICT``), and the chunk's mask."""
-    cmask = c < N
-    mask = row_ok[:, None] & cmask[None, :]
-    h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
-    y = _normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
-    return y, mask
-
-
-@flyc.func
-def _quantize(y, inv, QUANT: fx.constexpr):
-    if QUANT == 1:
-        return cast_sat_int8(y * inv[:, None])
-    else:
-        return cast_sat_fp8e4m3(y * inv[:, None])
-
-
-@flyc.func
-def _inverse_scale(amax, QMAX: fx.constexpr):
-    """QMAX / amax, 0 for an all-zero row (whose q and scale are then 0)."""
-    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
 
 
 # fmt: off
@@ -172,7 +97,7 @@ def _norm_fwd_kernel(
     if SINGLE_PASS:
         cmask = cols < N
         mask = row_ok[:, None] & cmask[None, :]
-        h = _load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL)
+        h = load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL)
         if HAS_RESIDUAL:
             fx.store(h_rows + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
         if IS_RMS:
@@ -183,61 +108,26 @@ def _norm_fwd_kernel(
             d = fx.where(mask, h - mean[:, None], 0.0)
             var = fx.sum(d * d, axis=1) / N
         rstd = fx.rsqrt(var + eps)
-        y = _normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
+        y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
         if QUANT == 0:
             fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
             fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
-            fx.store(y_rows + cols[None, :], _quantize(y, _inverse_scale(amax, QMAX), QUANT), mask=mask)
+            fx.store(y_rows + cols[None, :], quantize(y, inverse_scale(amax, QMAX), QUANT), mask=mask)
     else:
-        # Pass 1: statistics, chunk by chunk, in per-lane accumulators ([BLOCK_M, BLOCK_N]) merged once
-        # after the loop: no reduction across warps (a barrier) inside it. RMSNorm sums squares; LayerNorm
-        # keeps a Welford (mean, M2) per lane, merged with Chan's formula, never E[h^2] - E[h]^2 (which
-        # cancels when |mean| >> std). A lane valid in chunk i was valid in every earlier chunk, so its
-        # count there is i + 1: one reciprocal a chunk, none an element. evict_last keeps the row in L2
-        # for pass 2's re-read. The residual sum h is written here, once.
-        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or M2 (LayerNorm)
-        lane_mean = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_ok[:, None] & (c < N)[None, :]
-            h = _load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, "evict_last")
-            if HAS_RESIDUAL:
-                fx.store(h_rows + c[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
-            if IS_RMS:
-                acc += h * h  # masked elements are 0
-            else:
-                d = h - lane_mean
-                lane_mean += fx.where(mask, d * (1.0 / (start // BLOCK_N + 1)), 0.0)
-                acc += fx.where(mask, d * (h - lane_mean), 0.0)
-        if IS_RMS:
-            mean = fx.zeros([BLOCK_M], dtype=fx.float32)
-            m2 = fx.sum(acc, axis=1)
-        else:
-            lane_n = fx.where(cols < N, (N - cols + BLOCK_N - 1) // BLOCK_N, 0).to(fx.float32)
-            lane_n = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32) + lane_n[None, :]
-            mean, m2, _ = fx.reduce((lane_mean, acc, lane_n), 1, _chan)
+        # Pass 1 (passes.lane_stats): the statistics in per-lane accumulators, merged once; the residual
+        # sum written. Pass 2 (+ the amax pass when quantizing): y from a re-read of the inputs (from L2).
+        mean, m2 = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, 0, N, IS_RMS, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
         rstd = fx.rsqrt(m2 / N + eps)
-        # Pass 2 (+3 when quantizing): y from a second read of the inputs (from L2). The
-        # fp32 h is recomputed from x and residual rather than read back from
-        # residual_out, so the result is identical to the single-pass path.
+        inv = rstd  # unused unless quantizing
         if QUANT != 0:
-            amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # per lane, reduced after the loop
-            for start in range(0, N, BLOCK_N):
-                y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                                   weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last")  # fmt: skip
-                amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
-            amax_row = fx.max(amax, axis=1)
-            fx.store(qs_ptr + rows, amax_row / QMAX, mask=row_ok)
-            inv = _inverse_scale(amax_row, QMAX)
-        for start in range(0, N, BLOCK_N):
-            y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first")  # fmt: skip
-            if QUANT == 0:
-                fx.store(y_rows + (start + cols)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-            else:
-                fx.store(y_rows + (start + cols)[None, :], _quantize(y, inv, QUANT), mask=mask)
+            amax = lane_amax(x_rows, r_rows, row_ok, cols, 0, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+                             HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
+            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+            inv = inverse_scale(amax, QMAX)
+        write_y(x_rows, r_rows, y_rows, row_ok, cols, 0, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, BLOCK_N)  # fmt: skip
 
     if STORE_STATS:
         if not IS_RMS:

@@ -1,0 +1,157 @@
+"""Device helpers of the norm forward's passes over a row's columns, shared by :mod:`.norm` and :mod:`.split`.
+
+A row too wide to keep in registers is read twice (three times when
+quantizing), a chunk of ``BLOCK_N`` columns at a time, over a column range
+``[lo, hi)``: the whole row (the chunked path, :mod:`.norm`) or one slice of
+it (the sliced path, :mod:`.split`, whose slices exchange their statistics
+between the passes).
+
+- :func:`lane_stats` (pass 1): each lane of the ``[BLOCK_M, BLOCK_N]`` block
+  accumulates its own statistics over the chunks and the lanes are merged
+  once after the loop: no reduction across warps (a barrier) inside it.
+  RMSNorm sums squares; LayerNorm keeps a Welford (mean, M2) per lane merged
+  with Chan's parallel formula, never E[h^2] - E[h]^2 (which cancels when
+  |mean| >> std). Its loads are marked evict_last so that the next pass's
+  re-read of the row finds it in L2.
+- :func:`lane_amax` (quantized forwards): the absolute max of y, per lane.
+- :func:`write_y` (last pass): y (or its quantized codes) from the re-read.
+
+``rows`` are ``[BLOCK_M, 1]``-shaped pointer blocks (``x_rows`` ...) and
+``row_ok`` masks the rows past M.
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8
+
+__all__ = ["load_h", "normalize", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y"]
+
+
+@flyc.func
+def load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr = ""):
+    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint."""
+    h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
+    if HAS_RESIDUAL:
+        h += fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
+    return h
+
+
+@flyc.func
+def normalize(
+    h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset,
+    HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+):  # fmt: skip
+    """(h - mean) * rstd * (w + offset) + b (* smooth) for a [BLOCK_M, BLOCK_N] chunk of columns ``c``."""
+    y = (h - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        w = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
+    if HAS_SMOOTH:
+        y = y * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
+    return y
+
+
+@flyc.func
+def quantize(y, inv, QUANT: fx.constexpr):
+    """Codes of y scaled by the per-row ``inv``: int8 (QUANT 1) or fp8 e4m3 (QUANT 2), saturating."""
+    if QUANT == 1:
+        return cast_sat_int8(y * inv[:, None])
+    else:
+        return cast_sat_fp8e4m3(y * inv[:, None])
+
+
+@flyc.func
+def inverse_scale(amax, QMAX: fx.constexpr):
+    """QMAX / amax, 0 for an all-zero row (whose q and scale are then 0)."""
+    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
+
+
+@flyc.func
+def _chan(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Merge two (mean, M2, count) summaries (Chan et al.); an empty one (count 0) merges to the other."""
+    n = n_a + n_b
+    f = fx.where(n > 0, n_b / fx.maximum(n, 1.0), 0.0)
+    d = mean_b - mean_a
+    return mean_a + d * f, m2_a + m2_b + d * d * n_a * f, n
+
+
+@flyc.func
+def _chunk_y(
+    x_rows, r_rows, row_ok, c, hi, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+    HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+    EVICT: fx.constexpr,
+):  # fmt: skip
+    """y of columns ``c`` (those below ``hi``) re-read from the inputs with cache hint ``EVICT``, and its mask."""
+    cmask = c < hi
+    mask = row_ok[:, None] & cmask[None, :]
+    h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
+    y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
+    return y, mask
+
+
+@flyc.func
+def lane_stats(
+    x_rows, r_rows, h_rows, row_ok, cols, lo, hi,
+    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+):  # fmt: skip
+    """Pass 1 over columns [lo, hi): (mean, M2) of each row (RMSNorm: (0, sum of squares)); writes the
+    residual sum h through ``h_rows`` when HAS_RESIDUAL. ``cols``: ``arange(0, BLOCK_N)``."""
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or M2 (LayerNorm)
+    lane_mean = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for start in range(lo, hi, BLOCK_N):
+        c = start + cols
+        mask = row_ok[:, None] & (c < hi)[None, :]
+        h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, "evict_last")
+        if HAS_RESIDUAL:
+            fx.store(h_rows + c[None, :], h.to(h_rows.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            acc += h * h  # masked elements are 0
+        else:
+            # A lane valid in chunk i was valid in every earlier one: its count there is i + 1.
+            d = h - lane_mean
+            lane_mean += fx.where(mask, d * (1.0 / ((start - lo) // BLOCK_N + 1)), 0.0)
+            acc += fx.where(mask, d * (h - lane_mean), 0.0)
+    if IS_RMS:
+        return fx.zeros([BLOCK_M], dtype=fx.float32), fx.sum(acc, axis=1)
+    width = hi - lo
+    lane_n = fx.where(cols < width, (width - cols + BLOCK_N - 1) // BLOCK_N, 0).to(fx.float32)
+    lane_n = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32) + lane_n[None, :]
+    mean, m2, _ = fx.reduce((lane_mean, acc, lane_n), 1, _chan)
+    return mean, m2
+
+
+@flyc.func
+def lane_amax(
+    x_rows, r_rows, row_ok, cols, lo, hi, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+    HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+):  # fmt: skip
+    """The quantized forwards' middle pass: max |y| of each row over columns [lo, hi), per lane then merged."""
+    amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for start in range(lo, hi, BLOCK_N):
+        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, hi, mean, rstd, w_ptr, b_ptr, s_ptr,
+                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last")  # fmt: skip
+        amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
+    return fx.max(amax, axis=1)
+
+
+@flyc.func
+def write_y(
+    x_rows, r_rows, y_rows, row_ok, cols, lo, hi, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
+    HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+    QUANT: fx.constexpr, BLOCK_N: fx.constexpr,
+):  # fmt: skip
+    """The last pass over columns [lo, hi): y, or its codes scaled by ``inv`` when QUANT != 0. h is
+    recomputed from x and residual rather than read back from residual_out, so the result is identical to
+    the single-pass path's."""
+    for start in range(lo, hi, BLOCK_N):
+        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, hi, mean, rstd, w_ptr, b_ptr, s_ptr,
+                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first")  # fmt: skip
+        if QUANT == 0:
+            fx.store(y_rows + (start + cols)[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
+        else:
+            fx.store(y_rows + (start + cols)[None, :], quantize(y, inv, QUANT), mask=mask)
