@@ -97,7 +97,7 @@ def _norm_fwd_kernel(
     if SINGLE_PASS:
         cmask = cols < N
         mask = row_ok[:, None] & cmask[None, :]
-        h = load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL)
+        h = load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL, "")
         if HAS_RESIDUAL:
             fx.store(h_rows + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
         if IS_RMS:

@@ -30,7 +30,7 @@ __all__ = ["load_h", "normalize", "quantize", "inverse_scale", "lane_stats", "la
 
 
 @flyc.func
-def load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr = ""):
+def load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr):
     """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint."""
     h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
     if HAS_RESIDUAL:
