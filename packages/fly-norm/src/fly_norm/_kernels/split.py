@@ -97,6 +97,31 @@ def _unpair(v):
 
 
 @flyc.func
+def _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+    """A norm row's (mean, var, ok) from every slice's published statistics at ``base``: RMSNorm's sums of
+    squares (slots 0, 2, ...), or LayerNorm's (mean, M2) pairs merged with Chan's formula (``p_count``:
+    each slice's columns). ``ok``: see :func:`flydsl_common.device.collect`."""
+    if IS_RMS:
+        a, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
+        return 0.0, fx.sum(a, axis=0) / N, ok
+    _, pairs, pairs_ok = _pair_slots(base, 0, p_idx, p_ok)
+    ab, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
+    a, b = _unpair(ab)
+    mean = fx.sum(a * p_count, axis=0) / N
+    dm = fx.where(p_ok, a - mean, 0.0)
+    return mean, (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N, ok
+
+
+@flyc.func
+def _exchange_amax(base, part, p_idx, p_ok, amax, live, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+    """The quantized forwards' second exchange: this slice's max |y| published (``live``: the row exists),
+    the row's returned with its ``ok``. Slots after the (s1, s2) pairs: ``base + 2 * PARTS_POW2 + part``."""
+    publish(base + 2 * PARTS_POW2 + part, amax, live)
+    amax_p, ok = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
+    return fx.max(amax_p, axis=0), ok
+
+
+@flyc.func
 def _load_row(ptr, row, stride, c, mask, other, EVICT: fx.constexpr):
     """Columns ``c`` of row ``row`` (int64 offsets), with the cache hint ``EVICT``."""
     return fx.load(ptr + row_offset(row, stride) + c, mask=mask, other=other, eviction_policy=EVICT)
@@ -150,7 +175,7 @@ def _norm_fwd_split_kernel(
             d = fx.where(cmask, h - s1, 0.0)
             s2 = fx.sum(d * d, axis=0)
         base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
-        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        mine = base + 2 * part
         publish(mine, s1, row < M)
         if not IS_RMS:
             publish(mine + 1, s2, row < M)
@@ -160,16 +185,7 @@ def _norm_fwd_split_kernel(
         if HAS_RESIDUAL:
             r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         # 3. the row's statistics from every slice, then y
-        if IS_RMS:
-            a, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
-            mean = 0.0
-            var = fx.sum(a, axis=0) / N
-        else:
-            ab, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
-            a, b = _unpair(ab)
-            mean = fx.sum(a * p_count, axis=0) / N
-            dm = fx.where(p_ok, a - mean, 0.0)
-            var = (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N
+        mean, var, ok = _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS, SPIN_LIMIT)
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
         y = (h - mean) * rstd
         if HAS_WEIGHT:
@@ -182,9 +198,8 @@ def _norm_fwd_split_kernel(
             # 4. quantized output: a second exchange, of the slices' |y| maxima.
             if HAS_SMOOTH:
                 y = y * fx.load(s_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
-            publish(base + 2 * PARTS_POW2 + part, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0), row < M)
-            amax_p, ok2 = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
-            amax = fx.max(amax_p, axis=0)
+            amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0),
+                                       row < M, PARTS_POW2, SPIN_LIMIT)  # fmt: skip
             inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)  # an all-zero row: q = 0
             if QUANT == 1:
                 q = cast_sat_int8(y * inv)
