@@ -1,7 +1,8 @@
-"""Probe: do software-pipelined (cp.async) loads lift the wide-row forwards? python probe_pipeline.py [--out DIR]
+"""Probes of the wide-row paths: python probe_pipeline.py [--out DIR] [--part NAME ...]
 
-Design probe for PERF.md v5, not the benchmark. bf16, M * N = 2**27, RMSNorm
-and LayerNorm forward as a fraction of a device copy of the same bytes:
+Design probes for PERF.md v4/v5, not the benchmark. bf16, M * N = 2**27, as a
+fraction of a device copy of the same bytes measured in the same run. Parts
+``rows`` and ``two_pass`` (round 1, software-pipelined cp.async loads):
 
 - ``rows``: rows that fit one program (4K-16K), a persistent program walks
   its rows in a loop whose whole-row loads are pipelined STAGES deep through
@@ -10,20 +11,13 @@ and LayerNorm forward as a fraction of a device copy of the same bytes:
 - ``two_pass``: wider rows (16K-256K), one program a row at a time, pass 1
   streams the row in pipelined chunks for the statistics, pass 2 re-reads it
   (from L2 when the rows in flight fit there) and writes y.
-- ``lanes``: the two-pass row as round 1 measured torch.compile's rms_norm do
-  at 96% of copy up to 32K: per-lane accumulators (no reduction across warps
-  inside the loop: LayerNorm keeps a Welford (mean, M2, count) per lane,
-  merged once with Chan's formula), pass 1 loads marked evict_last so pass
-  2's re-read finds them in L2, one program a row (grid M);
 - ``chunked``: the production chunked forwards (``norm._norm_fwd_kernel``,
   ``softmax._softmax_fwd_kernel``, per-lane since the fourth session) with
   the split routing switched off, over (BLOCK_N, warps) candidates at
   16K-256K: which widths they should serve, and their default configs;
-- ``split2``: rows of 32K-256K over PARTS programs (slices of SLICE columns,
-  one wave), each slice a ``lanes`` two-pass whose statistics are exchanged
-  between the slices of a row between the passes (tagged words, as the split
-  paths): the L2 holds only the slices in flight, and one exchange a row is
-  amortized over a whole slice's two passes.
+- ``sliced``: the production sliced split forward (``split.launch_fwd_sliced``:
+  slices of SLICE columns streamed in BLOCK_N chunks by the chunked path's
+  passes, one exchange a row) over (SLICE, BLOCK_N, warps), 32K-256K.
 - ``bwd_tile``: the norm backward split re-shaped the same way: a program
   owns a column slice and walks tiles of ROWS rows; pass 1 loads the tile
   (evict_last) and publishes its per-row partial sums, one exchange a tile,
@@ -104,87 +98,6 @@ def _two_pass_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
             fx.store(yr + c, ((h - mean) * rstd * w).to(y_ptr.dtype.element_ty), mask=c < N)
 
 
-@flyc.func
-def _chan(m_a, q_a, n_a, m_b, q_b, n_b):
-    """Merge two (mean, M2, count) summaries (Chan et al.); empty ones (count 0) merge to the other."""
-    n = n_a + n_b
-    f = fx.where(n > 0, n_b / fx.maximum(n, 1.0), 0.0)
-    d = m_b - m_a
-    return m_a + d * f, q_a + q_b + d * d * n_a * f, n
-
-
-@flyc.func
-def _lane_stats(xr, N, lo, hi, cols, IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
-    """(mean, M2, count) of columns [lo, hi) of a row: per-lane accumulators, one merge at the end."""
-    mean = fx.zeros([BLOCK_N], dtype=fx.float32)
-    q = fx.zeros([BLOCK_N], dtype=fx.float32)
-    cnt = fx.zeros([BLOCK_N], dtype=fx.float32)
-    for start in fx.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        c = start + cols
-        ok = c < hi
-        h = fx.load(xr + c, mask=ok, other=0.0, eviction_policy="evict_last").to(fx.float32)
-        if IS_RMS:
-            q += h * h
-        else:  # Welford per lane
-            cnt += fx.where(ok, 1.0, 0.0)
-            d = h - mean
-            mean += fx.where(ok, d / fx.maximum(cnt, 1.0), 0.0)
-            q += fx.where(ok, d * (h - mean), 0.0)
-    if IS_RMS:
-        sq = fx.sum(q, axis=0)
-        return sq * 0.0, sq, (hi - lo) * 1.0
-    return fx.reduce((mean, q, cnt), 0, _chan)
-
-
-@flyc.func
-def _lane_write(xr, yr, w_ptr, lo, hi, cols, mean, rstd, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
-    for start in fx.range(lo, hi, BLOCK_N, num_stages=STAGES):
-        c = start + cols
-        ok = c < hi
-        h = fx.load(xr + c, mask=ok, other=0.0, eviction_policy="evict_first").to(fx.float32)
-        w = fx.load(w_ptr + c, mask=ok, other=0.0, eviction_policy="evict_last").to(fx.float32)
-        fx.store(yr + c, ((h - mean) * rstd * w).to(yr.dtype.element_ty), mask=ok)
-
-
-@flyc.kernel(do_not_specialize=["M"])
-def _lanes_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
-                  IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr):
-    cols = fx.arange(0, BLOCK_N)
-    for row in range(fx.program_id(0), M, fx.num_programs(0)):
-        xr = x_ptr + row_offset(row, stride)
-        mean, q, _ = _lane_stats(xr, N, 0, N, cols, IS_RMS, BLOCK_N, STAGES)
-        _lane_write(xr, y_ptr + row_offset(row, stride), w_ptr, 0, N, cols, mean, fx.rsqrt(q / N + eps),
-                    BLOCK_N, STAGES)
-
-
-@flyc.kernel(do_not_specialize=["M"])
-def _split2_kernel(x_ptr, w_ptr, y_ptr, slot_ptr, M, N, stride, eps, parts,
-                   IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr, SLICE: fx.constexpr,
-                   PARTS_POW2: fx.constexpr):
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    lo = part * SLICE
-    hi = fx.minimum(lo + SLICE, N)
-    cols = fx.arange(0, BLOCK_N)
-    p_idx = fx.arange(0, PARTS_POW2)
-    k = fx.arange(0, 2)
-    p_ok = p_idx < parts
-    for row in range(pid // parts, M, groups):
-        xr = x_ptr + row_offset(row, stride)
-        mean_s, q_s, _ = _lane_stats(xr, N, lo, hi, cols, IS_RMS, BLOCK_N, STAGES)
-        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        publish(base + 2 * part, mean_s, row < M)
-        publish(base + 2 * part + 1, q_s, row < M)
-        pairs, ok = collect(base + 2 * p_idx[:, None] + k[None, :], p_ok[:, None] & (k[None, :] < 2), 1 << 20)
-        means = fx.sum(fx.where(k[None, :] == 0, pairs, 0.0), axis=1)
-        qs = fx.sum(fx.where(k[None, :] == 1, pairs, 0.0), axis=1)
-        n_s = fx.where(p_ok, fx.minimum(SLICE * 1.0, N * 1.0 - p_idx * SLICE), 0.0)
-        mean, q, _ = fx.reduce((means, qs, n_s), 0, _chan)
-        rstd = fx.where(ok, fx.rsqrt(q / N + eps), float("nan"))
-        _lane_write(xr, y_ptr + row_offset(row, stride), w_ptr, lo, hi, cols, mean, rstd, BLOCK_N, STAGES)
-
-
 @flyc.kernel(do_not_specialize=["M"])
 def _bwd_tile_kernel(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr, M, N, parts,
                      stride, IS_RMS: fx.constexpr, SLICE: fx.constexpr, ROWS: fx.constexpr,
@@ -246,29 +159,19 @@ def _copy_gbps(numel: int) -> float:
     return 4 * numel / (bench(lambda: dst.copy_(src)).median_us * 1e-6) / 1e9
 
 
-def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy, slice_cols=None):
-    """One kernel at one width, checked against an fp32 reference, timed; per_sm: programs an SM (None:
-    as many as fit; "rows": one a row, grid M). slice_cols: the split2 kernel's slice."""
+def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy):
+    """One round-1 kernel at one width, checked against an fp32 reference, timed; per_sm: programs an SM
+    (None: as many as fit)."""
     m = (1 << 27) // n
     x = torch.randn(m, n, dtype=_DT, device="cuda") + 2.0  # a mean away from 0: LayerNorm's merge matters
     w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
     y = torch.full_like(x, float("nan"))
     meta = dict(IS_RMS=is_rms, BLOCK_N=block_n, STAGES=stages, num_warps=warps)
     args = (x, w, y, m, n, n, 1e-6)
-    parts = 1
-    if slice_cols is not None:
-        parts = -(-n // slice_cols)
-        pp = 1 << (parts - 1).bit_length()
-        meta.update(SLICE=slice_cols, PARTS_POW2=pp)
-        slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device="cuda")
-        args = (x, w, y, slots, m, n, n, 1e-6, parts)
     resident = flyc.programs_per_sm(kernel, *args, **meta)
-    wave = flydsl.arch.current().sm_count * (resident if per_sm in (None, "rows") else min(per_sm, resident))
-    grid = m if per_sm == "rows" else min(m * parts, wave // parts * parts)
+    grid = min(m, flydsl.arch.current().sm_count * (resident if per_sm is None else min(per_sm, resident)))
 
     def run():
-        if slice_cols is not None:
-            slots.zero_()
         flyc.launch(kernel, (grid,), *args, **meta)
 
     run()
@@ -285,7 +188,6 @@ def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy, slice_cols=No
         warps=warps,
         stages=stages,
         per_sm=per_sm,
-        slice=slice_cols,
         resident=resident,
         grid=grid,
         us=us,
@@ -402,10 +304,57 @@ def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy):
     )
 
 
+def _production_sliced(copy: float) -> list[dict]:
+    """The library's sliced split forward over (slice, chunk, warps) candidates, as a fraction of copy."""
+    from fly_norm import reference as ref
+    from fly_norm._kernels import split
+
+    out = []
+    for n in (32768, 65536, 131072, 262144):
+        m = (1 << 27) // n
+        x = torch.randn(m, n, dtype=_DT, device="cuda") + 1.0
+        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+        b = torch.randn(n, dtype=_DT, device="cuda")
+        y = torch.empty_like(x)
+        for slice_cols, block_n, warps in ((16384, 2048, 8), (16384, 4096, 16), (32768, 4096, 8), (32768, 4096, 16),
+                                           (8192, 2048, 4), (65536, 4096, 16)):  # fmt: skip
+            if slice_cols >= n:
+                continue
+            split.SLICED_FWD, split.SLICED_BLOCK_N = (slice_cols, warps, None), block_n
+            for is_rms in (True, False):
+                bias, eps = (None, 1e-6) if is_rms else (b, 1e-5)
+
+                def run():
+                    split.launch_fwd_sliced(x, None, w, bias, None, y, None, None, None, None, eps, 0.0, is_rms, 0, 0.0)
+
+                try:
+                    y.fill_(float("nan"))
+                    run()
+                    r = (ref.rms_norm_ref(x, w, eps) if is_rms else ref.layer_norm_ref(x, w, b, eps)).float()
+                    err = ((y.float() - r).norm() / r.norm()).item()
+                    us = bench(run).median_us
+                    row = dict(
+                        N=n,
+                        op="rms" if is_rms else "ln",
+                        kernel="sliced",
+                        slice=slice_cols,
+                        block_n=block_n,
+                        warps=warps,
+                        us=us,
+                        frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy,
+                        rel_err=err,
+                    )
+                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                    row = dict(N=n, kernel="sliced", case=(slice_cols, block_n, warps, is_rms), error=repr(e)[:300])
+                print(row, flush=True)
+                out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--part", nargs="*", default=["chunked", "lanes", "split2", "bwd_tile"])
+    ap.add_argument("--part", nargs="*", default=["chunked", "sliced", "bwd_tile"])
     args = ap.parse_args()
     copy = _copy_gbps(1 << 27)
     rows = [dict(copy_GBps=copy)]
@@ -427,35 +376,14 @@ def main() -> None:
                 (4096, 8, 4, 2),
             ):
                 cases += [(_two_pass_kernel, n, is_rms, block_n, warps, stages, per_sm) for is_rms in (True, False)]
-    if "lanes" in args.part:
-        for n in (16384, 32768, 65536, 131072):
-            for block_n, warps, stages in ((2048, 8, 1), (4096, 8, 1), (4096, 16, 1), (2048, 4, 1), (4096, 8, 3)):
-                cases += [(_lanes_kernel, n, is_rms, block_n, warps, stages, "rows") for is_rms in (True, False)]
-    if "split2" in args.part:
-        for n in (32768, 65536, 131072, 262144):
-            for slice_cols, block_n, warps, stages in (
-                (16384, 2048, 8, 1),
-                (32768, 4096, 8, 1),
-                (16384, 4096, 8, 1),
-                (8192, 2048, 4, 1),
-            ):
-                if slice_cols < n:
-                    cases += [
-                        (_split2_kernel, n, is_rms, block_n, warps, stages, None, slice_cols)
-                        for is_rms in (True, False)
-                    ]
     if "chunked" in args.part:
         rows += _production_chunked(copy)
+    if "sliced" in args.part:
+        rows += _production_sliced(copy)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
-            for slice_cols, tile_rows, warps in (
-                (4096, 1, 4),
-                (2048, 2, 4),
-                (2048, 4, 4),
-                (1024, 4, 4),
-                (1024, 8, 4),
-                (4096, 2, 8),
-            ):
+            for slice_cols, tile_rows, warps in ((4096, 1, 4), (2048, 2, 4), (2048, 4, 4), (1024, 4, 4), (1024, 8, 4),
+                                                 (4096, 2, 8)):  # fmt: skip
                 for is_rms in (True, False):
                     try:
                         r = _bwd_tile_case(n, is_rms, slice_cols, tile_rows, warps, copy)
@@ -465,7 +393,7 @@ def main() -> None:
                     rows.append(r)
     for case in cases:
         try:
-            r = _case(*case[:7], copy, *case[7:])
+            r = _case(*case, copy)
         except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
             r = dict(case=str(case[1:]), error=repr(e)[:300])
         print(r, flush=True)

@@ -45,6 +45,33 @@ def test_split_forward_matches_reference(dtype, m, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
+@pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
+def test_sliced_forward_matches_reference(is_rms, m, n):
+    """The sliced forward (not routed to by default yet) on real wide rows, twice (the exchange), with a
+    residual, stats and the quantized output."""
+    from fly_norm._kernels.split import launch_fwd_sliced
+
+    x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0) + 0.5
+    r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
+    w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
+    b = None if is_rms else randn(n, dtype=torch.bfloat16, device="cuda", seed=2)
+    for _ in range(2):
+        y, h = (empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        rstd = empty_poisoned(m, dtype=torch.float32, device="cuda")
+        mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device="cuda")
+        assert launch_fwd_sliced(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.0, is_rms, 0, 127.0)
+        ref = rms_norm_ref(x, w, 1e-5, r) if is_rms else layer_norm_ref(x, w, b, 1e-5, r)
+        assert_rel_close(y, ref[0])
+        assert_rel_close(h, ref[1])
+    if is_rms:
+        q = torch.empty(m, n, dtype=torch.int8, device="cuda")
+        scale = empty_poisoned(m, dtype=torch.float32, device="cuda")
+        assert launch_fwd_sliced(x, None, w, None, None, q, None, None, None, scale, 1e-6, 0.0, True, 1, 127.0)
+        assert_quant_matches(q, scale, *rms_norm_quant_ref(x, w, 1e-6, dtype=torch.int8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms", [True, False])
 def test_split_low_level_writes_every_element_and_the_stats(is_rms):
     """Strided rows, fused residual, fp32 weight with bf16 rows, (1 + w), a large mean; poisoned outputs."""
     m, n = 67, 50000
@@ -193,8 +220,20 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
 # too: every exchange, merge and prefetch path except the cross-program wait itself.
 
 
+@pytest.fixture(params=["split", "sliced"])
+def fwd_launcher(request, monkeypatch):
+    """The register-resident split forward, or the sliced one (its slices streamed in chunks of 64
+    columns here: several chunks a slice, the last one partial)."""
+    from fly_norm._kernels import split
+
+    if request.param == "split":
+        return launch_fwd_split
+    monkeypatch.setattr(split, "SLICED_BLOCK_N", 64)
+    return split.launch_fwd_sliced
+
+
 @pytest.mark.parametrize("is_rms", [True, False])
-def test_one_slice_forward_with_residual_and_stats(device, is_rms):
+def test_one_slice_forward_with_residual_and_stats(device, is_rms, fwd_launcher):
     m, n = 7, 300  # more rows than the wave's row groups on a 2-core interpreter: the row loop runs
     x, r = randn(m, n, device=device, scale=2.0) + 3.0, randn(m, n, device=device, seed=1)
     w, b = randn(n, device=device, seed=2), None if is_rms else randn(n, device=device, seed=3)
@@ -202,7 +241,7 @@ def test_one_slice_forward_with_residual_and_stats(device, is_rms):
     h = empty_poisoned(m, n, dtype=torch.float32, device=device)
     rstd = empty_poisoned(m, dtype=torch.float32, device=device)
     mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device=device)
-    assert launch_fwd_split(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.5, is_rms, 0, 127.0)
+    assert fwd_launcher(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.5, is_rms, 0, 127.0)
     hh = x.double() + r.double()
     if is_rms:
         ref = rms_norm_ref(x, w, 1e-5, r, 0.5)[0]
@@ -216,14 +255,14 @@ def test_one_slice_forward_with_residual_and_stats(device, is_rms):
 
 
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
-def test_one_slice_quantized_forward(device, qdtype):
+def test_one_slice_quantized_forward(device, qdtype, fwd_launcher):
     m, n = 5, 200
     x, w = randn(m, n, device=device), randn(n, device=device, seed=1)
     smooth = torch.rand(n, device=device) + 0.5
     q = torch.empty(m, n, dtype=qdtype, device=device)
     scale = empty_poisoned(m, dtype=torch.float32, device=device)
     code, qmax = (1, 127.0) if qdtype == torch.int8 else (2, 448.0)
-    assert launch_fwd_split(x, None, w, None, smooth, q, None, None, None, scale, 1e-6, 0.0, True, code, qmax)
+    assert fwd_launcher(x, None, w, None, smooth, q, None, None, None, scale, 1e-6, 0.0, True, code, qmax)
     assert_quant_matches(q, scale, *rms_norm_quant_ref(x, w, 1e-6, dtype=qdtype, smooth_scale=smooth))
 
 
@@ -272,7 +311,9 @@ def test_one_slice_softmax(device):
     assert_rel_close(dx[: len(keep)], softmax_bwd_ref(dy[: len(keep)], y[keep]), tol=2 * tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("kernel", ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles"])
+@pytest.mark.parametrize(
+    "kernel", ["rms", "layer", "sliced_rms", "sliced_layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles"]
+)
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
     after SPIN_LIMIT polls and writes NaN; the row's last program sees every partial result, so its slice
@@ -286,6 +327,8 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
+    monkeypatch.setattr(split, "SLICED_FWD", (64, 4, None))
+    monkeypatch.setattr(split, "SLICED_BLOCK_N", 16)  # 4 chunks a slice; the last slice's 3rd chunk is partial
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
@@ -295,6 +338,12 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         ref = rms_norm_ref(x, w, 1e-6)
     elif kernel == "layer":
         assert split.launch_fwd_split(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
+        ref = layer_norm_ref(x, w, b, 1e-5)
+    elif kernel == "sliced_rms":
+        assert split.launch_fwd_sliced(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
+        ref = rms_norm_ref(x, w, 1e-6)
+    elif kernel == "sliced_layer":
+        assert split.launch_fwd_sliced(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
         ref = layer_norm_ref(x, w, b, 1e-5)
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)

@@ -46,11 +46,20 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32
 from flydsl_common.rows import RowConfig, as_rows
 
+from . import split
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
 from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, write_y
-from .split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_bwd_split, launch_fwd_split, split_applies
+from .split import (
+    LN_SPLIT_MIN_N,
+    SPLIT_MIN_N,
+    SPLIT_MIN_N_BWD,
+    launch_bwd_split,
+    launch_fwd_sliced,
+    launch_fwd_split,
+    split_applies,
+)
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
     "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
@@ -327,10 +336,12 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n, SPLIT_MIN_N if is_rms else LN_SPLIT_MIN_N) and launch_fwd_split.__wrapped__(
-        x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, _quant_code(qdtype), _qmax(qdtype)
-    ):
-        return  # wide rows on a GPU: split over the programs of one wave (split.py)
+    if split_applies(n, SPLIT_MIN_N if is_rms else LN_SPLIT_MIN_N):  # wide rows on a GPU: split.py
+        code, qmax = _quant_code(qdtype), _qmax(qdtype)
+        ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, code, qmax)
+        sliced = split.SLICED_MIN_N is not None and n >= split.SLICED_MIN_N
+        if (launch_fwd_sliced if sliced else launch_fwd_split).__wrapped__(*ops):
+            return  # split over the programs of one wave
     store_stats = rstd is not None and (mean is not None or is_rms)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off

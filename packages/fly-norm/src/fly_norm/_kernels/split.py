@@ -51,9 +51,11 @@ from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publi
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
+from .passes import inverse_scale, lane_amax, lane_stats, write_y
 
 __all__ = [
-    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
+    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_fwd_sliced",
+    "launch_bwd_split",
     "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
@@ -73,6 +75,12 @@ LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 BWD_ROWS = 1  # rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
+# The sliced norm forward (launch_fwd_sliced: slices streamed in chunks, re-read from L2, one exchange a
+# row): (columns a program owns, warps, register cap) and the chunk width. Not routed to until measured
+# (PERF.md v5: benchmarks/probe_pipeline.py --part sliced); SLICED_MIN_N None = off.
+SLICED_FWD = (32768, 8, None)
+SLICED_BLOCK_N = 4096
+SLICED_MIN_N = None
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -208,6 +216,67 @@ def _norm_fwd_split_kernel(
             fx.store(y_ptr + row_offset(row, stride_y) + c, q, mask=cmask)
             # a row given up on (see collect) gets a NaN scale: every value dequantizes to NaN
             fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
+        if STORE_STATS:
+            if not IS_RMS:
+                fx.store(mean_ptr + row, mean, mask=part == 0)
+            fx.store(rstd_ptr + row, rstd, mask=part == 0)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_fwd_sliced_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, qs_ptr, slot_ptr,  # as the split kernel
+    M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
+    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
+    HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
+    SLICE: fx.constexpr, BLOCK_N: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):
+    # fmt: on
+    # The sliced form of the split forward: slices of SLICE columns (tens of thousands) streamed in
+    # BLOCK_N chunks by the chunked path's passes (passes.py) instead of held in registers. Per row:
+    # pass 1 over the slice (per-lane statistics, evict_last), one exchange of (mean, M2) or the sum of
+    # squares, [the quantized |y| max pass and its exchange,] the last pass re-reading the slice from L2.
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    lo = part * SLICE
+    hi = fx.minimum(lo + SLICE, N)
+    cols = fx.arange(0, BLOCK_N)
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
+    for row in range(pid // parts, M, groups):
+        rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
+        row_ok = rows < M
+        x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
+        y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
+        if HAS_RESIDUAL:
+            r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
+            h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
+        else:  # absent operands arrive as None (a constexpr): never dereferenced
+            r_rows = r_ptr
+            h_rows = h_ptr
+        mean_s, m2_s = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, lo, hi, IS_RMS, HAS_RESIDUAL, 1, BLOCK_N)
+        base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
+        if IS_RMS:
+            publish(base + 2 * part, fx.sum(m2_s, axis=0), row < M)
+        else:
+            publish(base + 2 * part, fx.sum(mean_s, axis=0), row < M)
+            publish(base + 2 * part + 1, fx.sum(m2_s, axis=0), row < M)
+        mean, var, ok = _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS, SPIN_LIMIT)
+        rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))  # a row given up on: NaN
+        mean_r = fx.zeros([1], dtype=fx.float32) + mean
+        rstd_r = fx.zeros([1], dtype=fx.float32) + rstd
+        inv = rstd_r  # unused unless quantizing
+        if QUANT != 0:
+            amax_s = lane_amax(x_rows, r_rows, row_ok, cols, lo, hi, mean_r, rstd_r, w_ptr, b_ptr, s_ptr,
+                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, 1, BLOCK_N)  # fmt: skip
+            amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, fx.sum(amax_s, axis=0), row < M, PARTS_POW2,
+                                       SPIN_LIMIT)  # fmt: skip
+            inv = fx.zeros([1], dtype=fx.float32) + inverse_scale(amax, QMAX)
+            fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
+        write_y(x_rows, r_rows, y_rows, row_ok, cols, lo, hi, mean_r, rstd_r, inv, w_ptr, b_ptr, s_ptr,
+                weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, BLOCK_N)  # fmt: skip
         if STORE_STATS:
             if not IS_RMS:
                 fx.store(mean_ptr + row, mean, mask=part == 0)
@@ -410,6 +479,33 @@ def launch_fwd_split(
 
     cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
     return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
+
+
+@flyc.jit(skip_empty=False)
+def launch_fwd_sliced(
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
+) -> bool:
+    """Forward of either norm through the sliced split path (slices of SLICED_FWD[0] columns streamed in
+    SLICED_BLOCK_N chunks); arguments and result as :func:`launch_fwd_split`."""
+
+    def build(slots, parts, pp, groups):
+        m, n = x2.shape
+        # fmt: off
+        args = (
+            x2, r2, w, b, s, y2, h2, mean, rstd, qscale, slots,
+            m, n, parts, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0),
+            0 if h2 is None else h2.stride(0), float(eps), float(weight_offset),
+        )
+        meta = dict(
+            IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=SLICED_FWD[0],
+            BLOCK_N=SLICED_BLOCK_N, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(SLICED_FWD),
+        )
+        # fmt: on
+        return args, meta
+
+    slice_cols = SLICED_FWD[0]
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_sliced_kernel, x2, 3, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
