@@ -321,21 +321,28 @@ def _production_sliced(copy: float) -> list[dict]:
             if slice_cols >= n:
                 continue
             split.SLICED_FWD, split.SLICED_BLOCK_N = (slice_cols, warps, None), block_n
-            for is_rms in (True, False):
+            for op in ("rms", "ln", "softmax"):
+                is_rms = op == "rms"
                 bias, eps = (None, 1e-6) if is_rms else (b, 1e-5)
 
                 def run():
-                    split.launch_fwd_sliced(x, None, w, bias, None, y, None, None, None, None, eps, 0.0, is_rms, 0, 0.0)
+                    if op == "softmax":
+                        split.launch_softmax_fwd_sliced(x, y)
+                    else:
+                        ops = (x, None, w, bias, None, y, None, None, None, None, eps, 0.0, is_rms, 0, 0.0)
+                        split.launch_fwd_sliced(*ops)
 
                 try:
                     y.fill_(float("nan"))
                     run()
-                    r = (ref.rms_norm_ref(x, w, eps) if is_rms else ref.layer_norm_ref(x, w, b, eps)).float()
+                    refs = {"rms": lambda: ref.rms_norm_ref(x, w, eps), "ln": lambda: ref.layer_norm_ref(x, w, b, eps),
+                            "softmax": lambda: ref.softmax_ref(x)}  # fmt: skip
+                    r = refs[op]().float()
                     err = ((y.float() - r).norm() / r.norm()).item()
                     us = bench(run).median_us
                     row = dict(
                         N=n,
-                        op="rms" if is_rms else "ln",
+                        op=op,
                         kernel="sliced",
                         slice=slice_cols,
                         block_n=block_n,
@@ -345,7 +352,7 @@ def _production_sliced(copy: float) -> list[dict]:
                         rel_err=err,
                     )
                 except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    row = dict(N=n, kernel="sliced", case=(slice_cols, block_n, warps, is_rms), error=repr(e)[:300])
+                    row = dict(N=n, kernel="sliced", case=(slice_cols, block_n, warps, op), error=repr(e)[:300])
                 print(row, flush=True)
                 out.append(row)
     return out

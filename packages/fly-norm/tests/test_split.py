@@ -47,9 +47,9 @@ def test_split_forward_matches_reference(dtype, m, n):
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
 def test_sliced_forward_matches_reference(is_rms, m, n):
-    """The sliced forward (not routed to by default yet) on real wide rows, twice (the exchange), with a
-    residual, stats and the quantized output."""
-    from fly_norm._kernels.split import launch_fwd_sliced
+    """The sliced forwards (not routed to by default yet) on real wide rows, twice (the exchange), with a
+    residual, stats and the quantized output; softmax."""
+    from fly_norm._kernels.split import launch_fwd_sliced, launch_softmax_fwd_sliced
 
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0) + 0.5
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -63,6 +63,9 @@ def test_sliced_forward_matches_reference(is_rms, m, n):
         ref = rms_norm_ref(x, w, 1e-5, r) if is_rms else layer_norm_ref(x, w, b, 1e-5, r)
         assert_rel_close(y, ref[0])
         assert_rel_close(h, ref[1])
+    y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    assert launch_softmax_fwd_sliced(x, y)
+    assert_rel_close(y, softmax_ref(x))
     if is_rms:
         q = torch.empty(m, n, dtype=torch.int8, device="cuda")
         scale = empty_poisoned(m, dtype=torch.float32, device="cuda")
@@ -293,18 +296,22 @@ def test_one_slice_backward(device, is_rms, tile_rows, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
-def test_one_slice_softmax(device):
+def test_one_slice_softmax(device, monkeypatch):
+    from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
+
+    monkeypatch.setattr(split, "SLICED_BLOCK_N", 64)  # several chunks in the sliced slice, the last partial
 
     m, n = 6, 333
     x = randn(m, n, device=device, scale=5.0)
     x[1] = float("-inf")  # a row of -inf: NaN, as torch.softmax
-    y = empty_poisoned(m, n, dtype=torch.float32, device=device)
-    assert launch_softmax_fwd_split(x, y)
     ref = torch.softmax(x.double(), -1)
-    assert torch.isnan(y[1]).all() and torch.isnan(ref[1]).all()
     keep = torch.tensor([0, 2, 3, 4, 5], device=device)
-    assert_rel_close(y[keep], ref[keep])
+    for launch in (split.launch_softmax_fwd_sliced, launch_softmax_fwd_split):
+        y = empty_poisoned(m, n, dtype=torch.float32, device=device)
+        assert launch(x, y)
+        assert torch.isnan(y[1]).all() and torch.isnan(ref[1]).all()
+        assert_rel_close(y[keep], ref[keep])
     dy = randn(m, n, device=device, seed=1)
     dx = empty_poisoned(m, n, dtype=torch.float32, device=device)
     assert launch_softmax_bwd_split(dy, y[keep].contiguous(), dx[: len(keep)])
@@ -312,8 +319,10 @@ def test_one_slice_softmax(device):
 
 
 @pytest.mark.parametrize(
-    "kernel", ["rms", "layer", "sliced_rms", "sliced_layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles"]
-)
+    "kernel",
+    ["rms", "layer", "sliced_rms", "sliced_layer", "softmax", "sliced_softmax", "softmax_bwd", "norm_bwd",
+     "norm_bwd_tiles"],
+)  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
     after SPIN_LIMIT polls and writes NaN; the row's last program sees every partial result, so its slice
@@ -347,6 +356,9 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         ref = layer_norm_ref(x, w, b, 1e-5)
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)
+        ref = softmax_ref(x)
+    elif kernel == "sliced_softmax":
+        assert split.launch_softmax_fwd_sliced(x, out)
         ref = softmax_ref(x)
     elif kernel == "softmax_bwd":
         y = torch.softmax(x, -1)

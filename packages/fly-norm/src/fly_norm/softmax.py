@@ -48,12 +48,15 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
+from ._kernels import split
 from ._kernels.eager import launch as eager_launch
 from ._kernels.eager import may_launch, plain_rows
+from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, softmax_lane_stats, softmax_write
 from ._kernels.split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
+    launch_softmax_fwd_sliced,
     launch_softmax_fwd_split,
     split_applies,
 )
@@ -73,25 +76,7 @@ __all__ = [
 
 SOFTMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# exp(x) = exp2(x * log2(e)): exp2 is the hardware instruction (and the
-# interpreter has no libdevice). The difference x - max is formed first, so
-# large magnitudes (|x| ~ 1e4) lose no precision to the scaling.
-_LOG2E = fx.constexpr(1.4426950408889634)
-_NEG_INF = fx.constexpr(float("-inf"))
-
-
 # ------------------------------------------------------------------ kernels
-
-
-@flyc.func
-def _finite_or_zero(m):
-    """The running max with -inf replaced by 0.
-
-    A row (or a padding row) whose elements so far are all -inf has max -inf;
-    subtracting it would give exp(-inf - -inf) = NaN. Against 0, those
-    elements give exp(-inf) = 0 and the row's sum stays 0.
-    """
-    return fx.where(m > _NEG_INF, m, 0.0)
 
 
 @flyc.kernel(do_not_specialize=["M"])
@@ -115,40 +100,17 @@ def _softmax_fwd_kernel(
 
     if SINGLE_PASS:
         mask = row_ok[:, None] & (cols[None, :] < N)
-        x = fx.load(x_rows + cols[None, :], mask=mask, other=_NEG_INF).to(fx.float32)
-        m = _finite_or_zero(fx.max(x, axis=1))
-        e = fx.exp2((x - m[:, None]) * _LOG2E)
+        x = fx.load(x_rows + cols[None, :], mask=mask, other=NEG_INF).to(fx.float32)
+        m = finite_or_zero(fx.max(x, axis=1))
+        e = fx.exp2((x - m[:, None]) * LOG2E)
         inv = 1.0 / fx.where(row_ok, fx.sum(e, axis=1), 1.0)  # padding rows: no 1/0
         fx.store(y_rows + cols[None, :], (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Online pass, per lane: each lane carries its own (running max, running sum) over the row's
-        # chunks, merged once after the loop (no reduction across warps inside it). One exp an
-        # element: with d = x - max, e = exp(-|d|) is exp(x - max) when x does not raise the max
-        # (s += e) and exp(old max - x) when it does (s = s * e + 1, the new max is x).
-        m_l = fx.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=fx.float32)
-        s_l = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_ok[:, None] & (c[None, :] < N)
-            # evict_last: keep the row in L2 for the second pass.
-            xc = fx.load(x_rows + c[None, :], mask=mask, other=_NEG_INF, eviction_policy="evict_last")
-            xc = xc.to(fx.float32)
-            e = fx.exp2(-fx.abs(xc - m_l) * _LOG2E)  # NaN where both are -inf: not used there
-            s_l = fx.where(xc > m_l, s_l * e + 1.0, fx.where(xc > _NEG_INF, s_l + e, s_l))
-            m_l = fx.maximum(m_l, xc)
-        m = fx.max(m_l, axis=1)
-        s = fx.sum(s_l * fx.exp2((m_l - _finite_or_zero(m)[:, None]) * _LOG2E), axis=1)  # empty lanes: 0 * 0
-        base = _finite_or_zero(m)
+        # Chunked rows (passes.py): pass 1 keeps an online (max, sum) per lane, merged once; pass 2
+        # re-reads the row (from L2) back to front and writes y.
+        m, s = softmax_lane_stats(x_rows, row_ok, cols, 0, N, BLOCK_M, BLOCK_N)
         inv = 1.0 / fx.where(row_ok, s, 1.0)  # padding rows: no 1/0
-        # Second pass back to front: the chunks read last are the likeliest
-        # still to be in L2.
-        num_chunks = fx.cdiv(N, BLOCK_N)
-        for i in range(0, num_chunks):
-            c = (num_chunks - 1 - i) * BLOCK_N + cols
-            mask = row_ok[:, None] & (c[None, :] < N)
-            xc = fx.load(x_rows + c[None, :], mask=mask, other=_NEG_INF, eviction_policy="evict_first")
-            e = fx.exp2((xc.to(fx.float32) - base[:, None]) * _LOG2E)
-            fx.store(y_rows + c[None, :], (e * inv[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+        softmax_write(x_rows, y_rows, row_ok, cols, 0, N, finite_or_zero(m), inv, BLOCK_N)
 
 
 @flyc.kernel(do_not_specialize=["M"])
@@ -257,8 +219,10 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape
-    if split_applies(n) and launch_softmax_fwd_split(x2, y2):
-        return
+    if split_applies(n):
+        sliced = split.SOFTMAX_SLICED_MIN_N is not None and n >= split.SOFTMAX_SLICED_MIN_N
+        if (launch_softmax_fwd_sliced if sliced else launch_softmax_fwd_split)(x2, y2):
+            return
     flyc.launch(
         _softmax_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2,

@@ -1,10 +1,11 @@
-"""Device helpers of the norm forward's passes over a row's columns, shared by :mod:`.norm` and :mod:`.split`.
+"""Device helpers of the forwards' passes over a row's columns, shared by :mod:`.norm`,
+:mod:`fly_norm.softmax` and :mod:`.split`.
 
 A row too wide to keep in registers is read twice (three times when
 quantizing), a chunk of ``BLOCK_N`` columns at a time, over a column range
-``[lo, hi)``: the whole row (the chunked path, :mod:`.norm`) or one slice of
-it (the sliced path, :mod:`.split`, whose slices exchange their statistics
-between the passes).
+``[lo, hi)``: the whole row (the chunked paths) or one slice of it (the
+sliced paths, :mod:`.split`, whose slices exchange their statistics between
+the passes).
 
 - :func:`lane_stats` (pass 1): each lane of the ``[BLOCK_M, BLOCK_N]`` block
   accumulates its own statistics over the chunks and the lanes are merged
@@ -15,6 +16,8 @@ between the passes).
   re-read of the row finds it in L2.
 - :func:`lane_amax` (quantized forwards): the absolute max of y, per lane.
 - :func:`write_y` (last pass): y (or its quantized codes) from the re-read.
+- softmax: :func:`softmax_lane_stats` (pass 1: each lane's online max and sum
+  of exponentials, one exp an element, merged once) and :func:`softmax_write`.
 
 ``rows`` are ``[BLOCK_M, 1]``-shaped pointer blocks (``x_rows`` ...) and
 ``row_ok`` masks the rows past M.
@@ -26,7 +29,26 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8
 
-__all__ = ["load_h", "normalize", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y"]
+__all__ = [
+    "LOG2E", "NEG_INF", "finite_or_zero", "load_h", "normalize", "quantize", "inverse_scale", "lane_stats",
+    "lane_amax", "write_y", "softmax_lane_stats", "softmax_write",
+]  # fmt: skip
+
+# exp(x) = exp2(x * log2(e)): exp2 is the hardware instruction (and the interpreter has no libdevice).
+# The difference x - max is formed first, so large magnitudes (|x| ~ 1e4) lose no precision to the scaling.
+LOG2E = fx.constexpr(1.4426950408889634)
+NEG_INF = fx.constexpr(float("-inf"))
+
+
+@flyc.func
+def finite_or_zero(m):
+    """A running max with -inf replaced by 0.
+
+    A row (or a padding row) whose elements so far are all -inf has max -inf;
+    subtracting it would give exp(-inf - -inf) = NaN. Against 0, those
+    elements give exp(-inf) = 0 and the row's sum stays 0.
+    """
+    return fx.where(m > NEG_INF, m, 0.0)
 
 
 @flyc.func
@@ -155,3 +177,38 @@ def write_y(
             fx.store(y_rows + (start + cols)[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
         else:
             fx.store(y_rows + (start + cols)[None, :], quantize(y, inv, QUANT), mask=mask)
+
+
+@flyc.func
+def softmax_lane_stats(x_rows, row_ok, cols, lo, hi, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr):
+    """Softmax pass 1 over columns [lo, hi): each row's max and sum of exp(x - finite_or_zero(max)).
+
+    Each lane carries its own online (max, sum), merged once after the loop. One exp an element: with
+    d = x - max, e = exp(-|d|) is exp(x - max) when x does not raise the max (s += e) and exp(old max - x)
+    when it does (s = s * e + 1, the new max being x). Loads are marked evict_last for the re-read.
+    """
+    m_l = fx.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=fx.float32)
+    s_l = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for start in range(lo, hi, BLOCK_N):
+        c = start + cols
+        mask = row_ok[:, None] & (c[None, :] < hi)
+        xc = fx.load(x_rows + c[None, :], mask=mask, other=NEG_INF, eviction_policy="evict_last").to(fx.float32)
+        e = fx.exp2(-fx.abs(xc - m_l) * LOG2E)  # NaN where both are -inf: not used there
+        s_l = fx.where(xc > m_l, s_l * e + 1.0, fx.where(xc > NEG_INF, s_l + e, s_l))
+        m_l = fx.maximum(m_l, xc)
+    m = fx.max(m_l, axis=1)
+    s = fx.sum(s_l * fx.exp2((m_l - finite_or_zero(m)[:, None]) * LOG2E), axis=1)  # empty lanes: 0 * 0
+    return m, s
+
+
+@flyc.func
+def softmax_write(x_rows, y_rows, row_ok, cols, lo, hi, base, inv, BLOCK_N: fx.constexpr):
+    """Softmax's last pass over columns [lo, hi): y = exp(x - base) * inv, back to front (the chunks read
+    last in pass 1 are the likeliest still to be in L2)."""
+    num_chunks = fx.cdiv(hi - lo, BLOCK_N)
+    for i in range(0, num_chunks):
+        c = lo + (num_chunks - 1 - i) * BLOCK_N + cols
+        mask = row_ok[:, None] & (c[None, :] < hi)
+        xc = fx.load(x_rows + c[None, :], mask=mask, other=NEG_INF, eviction_policy="evict_first")
+        e = fx.exp2((xc.to(fx.float32) - base[:, None]) * LOG2E)
+        fx.store(y_rows + c[None, :], (e * inv[:, None]).to(y_rows.dtype.element_ty), mask=mask)

@@ -51,12 +51,12 @@ from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publi
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import inverse_scale, lane_amax, lane_stats, write_y
+from .passes import LOG2E, NEG_INF, inverse_scale, lane_amax, lane_stats, softmax_lane_stats, softmax_write, write_y
 
 __all__ = [
     "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_fwd_sliced",
     "launch_bwd_split",
-    "launch_softmax_fwd_split", "launch_softmax_bwd_split",
+    "launch_softmax_fwd_split", "launch_softmax_fwd_sliced", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
@@ -75,19 +75,18 @@ LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 BWD_ROWS = 1  # rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# The sliced norm forward (launch_fwd_sliced: slices streamed in chunks, re-read from L2, one exchange a
-# row): (columns a program owns, warps, register cap) and the chunk width. Not routed to until measured
-# (PERF.md v5: benchmarks/probe_pipeline.py --part sliced); SLICED_MIN_N None = off.
+# The sliced forwards (launch_fwd_sliced, launch_softmax_fwd_sliced: slices streamed in chunks, re-read
+# from L2, one exchange a row): (columns a program owns, warps, register cap) and the chunk width. Not
+# routed to until measured (PERF.md v5: benchmarks/probe_pipeline.py --part sliced); None = off.
 SLICED_FWD = (32768, 8, None)
 SLICED_BLOCK_N = 4096
-SLICED_MIN_N = None
+SLICED_MIN_N = None  # norms
+SOFTMAX_SLICED_MIN_N = None
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
 SPLIT_EVICT = ("", "")
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
-_LOG2E = fx.constexpr(1.4426950408889634)
-_NEG_INF = fx.constexpr(float("-inf"))
 
 
 @flyc.func
@@ -127,6 +126,21 @@ def _exchange_amax(base, part, p_idx, p_ok, amax, live, PARTS_POW2: fx.constexpr
     publish(base + 2 * PARTS_POW2 + part, amax, live)
     amax_p, ok = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
     return fx.max(amax_p, axis=0), ok
+
+
+@flyc.func
+def _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT: fx.constexpr):
+    """A softmax row's (base, 1 / sum) from every slice's published (max, sum of exp(x - max)) pair: each
+    slice's sum rescaled to the row's max. 1 / sum is NaN for a row given up on, and for an all -inf row
+    (0 * inf, as torch.softmax)."""
+    ms_ss, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
+    ms, ss = _unpair(ms_ss)  # masked-off slots read 0: their max is made -inf, their sum stays 0
+    ms = fx.where(p_ok, ms, NEG_INF)
+    m = fx.max(ms, axis=0)
+    row_base = fx.where(m > NEG_INF, m, 0.0)
+    slice_base = fx.where(ms > NEG_INF, ms, 0.0)
+    s = fx.sum(fx.where(ss > 0, ss * fx.exp2((slice_base - row_base) * LOG2E), 0.0), axis=0)
+    return row_base, fx.where(ok, 1.0 / s, float("nan"))
 
 
 @flyc.func
@@ -289,31 +303,54 @@ def _softmax_fwd_split_kernel(
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
-    x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), _NEG_INF, ROW_EVICT)
+    x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), NEG_INF, ROW_EVICT)
     for row in range(group, M, groups):
         x = x_nx.to(fx.float32)
         # 1. the slice's max and its sum of exp(x - max) (an all -inf slice: max -inf, sum 0)
         m_b = fx.max(x, axis=0)
-        base_b = fx.where(m_b > _NEG_INF, m_b, 0.0)
-        s_b = fx.sum(fx.exp2((x - base_b) * _LOG2E), axis=0)
+        base_b = fx.where(m_b > NEG_INF, m_b, 0.0)
+        s_b = fx.sum(fx.exp2((x - base_b) * LOG2E), axis=0)
         base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
         publish(mine, m_b, row < M)
         publish(mine + 1, s_b, row < M)
         # 2. the next row's slice, in flight during the wait
         nxt = row + groups
-        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), _NEG_INF, ROW_EVICT)
+        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
         # 3. the row's max and sum from every slice, then y
-        ms_ss, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
-        ms, ss = _unpair(ms_ss)  # masked-off slots read 0: their max is made -inf, their sum stays 0
-        ms = fx.where(p_ok, ms, _NEG_INF)
-        m = fx.max(ms, axis=0)
-        row_base = fx.where(m > _NEG_INF, m, 0.0)
-        slice_base = fx.where(ms > _NEG_INF, ms, 0.0)
-        s = fx.sum(fx.where(ss > 0, ss * fx.exp2((slice_base - row_base) * _LOG2E), 0.0), axis=0)
-        inv = fx.where(ok, 1.0 / s, float("nan"))  # an all -inf row: 0 * inf = NaN, as torch.softmax
-        y = fx.exp2((x - row_base) * _LOG2E) * inv
+        row_base, inv = _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT)
+        y = fx.exp2((x - row_base) * LOG2E) * inv
         fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_fwd_sliced_kernel(
+    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
+    SLICE: fx.constexpr, BLOCK_N: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):  # fmt: skip
+    # The sliced form of the split softmax forward (see _norm_fwd_sliced_kernel): per row, pass 1 over
+    # this program's slice (per-lane online max and sum), one exchange of (max, sum), the write pass.
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    part = pid % parts
+    lo = part * SLICE
+    hi = fx.minimum(lo + SLICE, N)
+    cols = fx.arange(0, BLOCK_N)
+    p_idx = fx.arange(0, PARTS_POW2)
+    p_ok = p_idx < parts
+    for row in range(pid // parts, M, groups):
+        rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
+        row_ok = rows < M
+        x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
+        m_s, s_s = softmax_lane_stats(x_rows, row_ok, cols, lo, hi, 1, BLOCK_N)
+        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
+        publish(mine, fx.sum(m_s, axis=0), row < M)
+        publish(mine + 1, fx.sum(s_s, axis=0), row < M)
+        row_base, inv = _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT)
+        softmax_write(x_rows, y_ptr + row_offset(rows, stride_y)[:, None], row_ok, cols, lo, hi,
+                      fx.zeros([1], dtype=fx.float32) + row_base, fx.zeros([1], dtype=fx.float32) + inv,
+                      BLOCK_N)  # fmt: skip
 
 
 @flyc.kernel(do_not_specialize=["M"])
@@ -517,6 +554,19 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
         return args, dict(SLICE=FWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(FWD_SLICE))
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, FWD_SLICE[0], x2.device) > 0
+
+
+def launch_softmax_fwd_sliced(x2, y2) -> bool:
+    """Softmax forward through the sliced split path (SLICED_FWD, SLICED_BLOCK_N); as launch_softmax_fwd_split."""
+
+    def build(slots, parts, pp, groups):
+        m, n = x2.shape
+        args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
+        meta = dict(SLICE=SLICED_FWD[0], BLOCK_N=SLICED_BLOCK_N, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT)
+        return args, dict(meta, **_launch_opts(SLICED_FWD))
+
+    slice_cols = SLICED_FWD[0]
+    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_sliced_kernel, x2, 2, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
