@@ -73,7 +73,10 @@ SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 w
 FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
 LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
-BWD_ROWS = 1  # rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile)
+# Rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile). RMSNorm only: layer_norm with
+# tiles of 4 rows waited out the spin limit on the H200 (PERF.md v4, probe-split-r4), cause not found; its
+# tiles stay one row until that is understood.
+BWD_ROWS = 1
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # The sliced forwards (launch_fwd_sliced, launch_softmax_fwd_sliced: slices streamed in chunks, re-read
 # from L2, one exchange a row): (columns a program owns, warps, register cap) and the chunk width. Not
@@ -607,11 +610,12 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE),
-            **({"ROWS": BWD_ROWS} if BWD_ROWS > 1 else {}),
+            **({"ROWS": tile_rows} if tile_rows > 1 else {}),
         )
         # fmt: on
         return args, meta
 
-    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device, BWD_ROWS):
+    tile_rows = BWD_ROWS if is_rms else 1
+    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device, tile_rows):
         return None
     return partials.get("dw"), partials.get("db")
