@@ -24,7 +24,14 @@ program
    slice's sum to the row's max) and writes its slice of the output from
    registers.
 
-Every element is read once and written once: the copy's floor. What limits
+Every element is read once and written once: the copy's floor.
+
+The sliced forms (``launch_fwd_sliced``, ``launch_softmax_fwd_sliced``; not
+routed to until measured) give each program a slice of tens of thousands of
+columns streamed in chunks by the chunked paths' passes (:mod:`.passes`):
+pass 1's statistics are exchanged once a row as above, then the slice is
+re-read, from L2, to write the output. Nothing is held in registers across
+the wait; the L2 must hold only the slices in flight. What limits
 the speed is the exchange's latency (a publish reaching L2 and a poll seeing
 it, ~1 us a row), hidden by the loads of the other programs resident on the
 same SM: small slices (4096 columns, 4 warps) and few registers, so that
@@ -163,6 +170,17 @@ def _my_slice(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
     return pid // parts, groups, part, c, c < N, p_idx, p_idx < parts
 
 
+@flyc.func
+def _my_range(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
+    """The sliced kernels' place in the wave: (group, groups, part, its columns [lo, hi), part indices, their
+    mask)."""
+    pid = fx.program_id(0)
+    part = pid % parts
+    lo = part * SLICE
+    p_idx = fx.arange(0, PARTS_POW2)
+    return pid // parts, fx.num_programs(0) // parts, part, lo, fx.minimum(lo + SLICE, N), p_idx, p_idx < parts
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_split_kernel(
@@ -253,16 +271,10 @@ def _norm_fwd_sliced_kernel(
     # BLOCK_N chunks by the chunked path's passes (passes.py) instead of held in registers. Per row:
     # pass 1 over the slice (per-lane statistics, evict_last), one exchange of (mean, M2) or the sum of
     # squares, [the quantized |y| max pass and its exchange,] the last pass re-reading the slice from L2.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    lo = part * SLICE
-    hi = fx.minimum(lo + SLICE, N)
+    group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
     cols = fx.arange(0, BLOCK_N)
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
-    for row in range(pid // parts, M, groups):
+    for row in range(group, M, groups):
         rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
         row_ok = rows < M
         x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
@@ -333,15 +345,9 @@ def _softmax_fwd_sliced_kernel(
 ):  # fmt: skip
     # The sliced form of the split softmax forward (see _norm_fwd_sliced_kernel): per row, pass 1 over
     # this program's slice (per-lane online max and sum), one exchange of (max, sum), the write pass.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    part = pid % parts
-    lo = part * SLICE
-    hi = fx.minimum(lo + SLICE, N)
+    group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
     cols = fx.arange(0, BLOCK_N)
-    p_idx = fx.arange(0, PARTS_POW2)
-    p_ok = p_idx < parts
-    for row in range(pid // parts, M, groups):
+    for row in range(group, M, groups):
         rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
         row_ok = rows < M
         x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
