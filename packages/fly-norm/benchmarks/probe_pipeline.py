@@ -101,7 +101,7 @@ def _two_pass_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
 @flyc.kernel(do_not_specialize=["M"])
 def _bwd_tile_kernel(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr, M, N, parts,
                      stride, IS_RMS: fx.constexpr, SLICE: fx.constexpr, ROWS: fx.constexpr,
-                     PARTS_POW2: fx.constexpr):
+                     PARTS_POW2: fx.constexpr, ROWWISE: fx.constexpr):
     pid = fx.program_id(0)
     groups = fx.num_programs(0) // parts
     group = pid // parts
@@ -126,11 +126,21 @@ def _bwd_tile_kernel(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, 
         xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
         base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
         if IS_RMS:
-            publish(base + 2 * part, fx.sum(g * xhat, axis=1), row_ok)
+            s_gx = fx.sum(g * xhat, axis=1)
+            s_g = s_gx
         else:
             s_gx, s_g = sum2_f32(g * xhat, g, 1)
+        if ROWWISE:  # scalar atomics, row by row (PERF.md: the layer_norm tile hang hypothesis)
+            for i in fx.static_range(ROWS):
+                mine = slot_ptr + row_offset(blk * ROWS + i, 2 * PARTS_POW2) + 2 * part
+                live = blk * ROWS + i < M
+                publish(mine, fx.sum(fx.where(r == i, s_gx, 0.0), axis=0), live)
+                if not IS_RMS:
+                    publish(mine + 1, fx.sum(fx.where(r == i, s_g, 0.0), axis=0), live)
+        else:
             publish(base + 2 * part, s_gx, row_ok)
-            publish(base + 2 * part + 1, s_g, row_ok)
+            if not IS_RMS:
+                publish(base + 2 * part + 1, s_g, row_ok)
         slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
         slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
         sums, ok = collect(slots, slots_ok, 1 << 20)
@@ -254,7 +264,7 @@ def _production_chunked(copy: float) -> list[dict]:
     return out
 
 
-def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy):
+def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy, rowwise=False):
     """The tile-exchange backward at one width: dx and dweight checked against float64, timed."""
     from fly_norm._kernels.norm import backward_reference
 
@@ -270,7 +280,7 @@ def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy):
     parts = -(-n // slice_cols)
     pp = 1 << (parts - 1).bit_length()
     slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device="cuda")
-    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, ROWS=rows, PARTS_POW2=pp, num_warps=warps)
+    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, ROWS=rows, PARTS_POW2=pp, ROWWISE=rowwise, num_warps=warps)
     probe = torch.empty(1, n, dtype=torch.float32, device="cuda")
     args0 = (h, w, dy, mean, rstd, dx, probe, probe, slots, m, n, parts, n)
     resident = flyc.programs_per_sm(_bwd_tile_kernel, *args0, **meta)
@@ -294,6 +304,7 @@ def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy):
         kernel="bwd_tile",
         slice=slice_cols,
         rows=rows,
+        rowwise=rowwise,
         warps=warps,
         resident=resident,
         groups=groups,
@@ -391,11 +402,13 @@ def main() -> None:
         for n in (16384, 32768, 65536):
             for slice_cols, tile_rows, warps in ((4096, 1, 4), (2048, 2, 4), (2048, 4, 4), (1024, 4, 4), (1024, 8, 4),
                                                  (4096, 2, 8)):  # fmt: skip
-                for is_rms in (True, False):
+                for is_rms, rowwise in ((True, False), (False, False), (False, True)):
+                    if rowwise and tile_rows == 1:
+                        continue
                     try:
-                        r = _bwd_tile_case(n, is_rms, slice_cols, tile_rows, warps, copy)
+                        r = _bwd_tile_case(n, is_rms, slice_cols, tile_rows, warps, copy, rowwise)
                     except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                        r = dict(N=n, case=(slice_cols, tile_rows, warps, is_rms), error=repr(e)[:300])
+                        r = dict(N=n, case=(slice_cols, tile_rows, warps, is_rms, rowwise), error=repr(e)[:300])
                     print(r, flush=True)
                     rows.append(r)
     for case in cases:
