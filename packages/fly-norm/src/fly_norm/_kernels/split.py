@@ -274,7 +274,9 @@ def _norm_fwd_sliced_kernel(
     group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
     cols = fx.arange(0, BLOCK_N)
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
-    for row in range(group, M, groups):
+    # disable_licm: invariant blocks hoisted out of the row loop are held in registers through it
+    # (sm_90: LayerNorm 160 -> 98 registers at 8 warps x 4096-column chunks; PERF.md v5)
+    for row in fx.range(group, M, groups, disable_licm=True):
         rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
         row_ok = rows < M
         x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
@@ -347,7 +349,9 @@ def _softmax_fwd_sliced_kernel(
     # this program's slice (per-lane online max and sum), one exchange of (max, sum), the write pass.
     group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
     cols = fx.arange(0, BLOCK_N)
-    for row in range(group, M, groups):
+    # disable_licm: invariant blocks hoisted out of the row loop are held in registers through it
+    # (sm_90: LayerNorm 160 -> 98 registers at 8 warps x 4096-column chunks; PERF.md v5)
+    for row in fx.range(group, M, groups, disable_licm=True):
         rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
         row_ok = rows < M
         x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
