@@ -115,7 +115,7 @@ def _bwd_tile_kernel(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, 
     wv = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
-    for blk in range(group, fx.cdiv(M, ROWS), groups):
+    for blk in fx.range(group, fx.cdiv(M, ROWS), groups, disable_licm=True):
         rows = blk * ROWS + r
         row_ok = rows < M
         mask = row_ok[:, None] & cmask[None, :]
