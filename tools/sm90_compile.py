@@ -118,12 +118,26 @@ def _bwd_split(is_rms=True, parts=4):
     return split._norm_bwd_split_kernel, sig, consts, split.BWD_SLICE[1:]
 
 
+def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
+    """The tiled split backward (split.BWD_TILED) at a (slice, warps, cap, rows) config."""
+    _, sig, consts, _ = _bwd_split(is_rms)
+    return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3]), cfg[1:3]
+
+
+def _sliced(is_rms=True, slice_cols=32768, block_n=4096, warps=8):
+    """The sliced split forward of a norm (split.launch_fwd_sliced)."""
+    _, sig, consts, _ = _split(is_rms=is_rms)
+    return split._norm_fwd_sliced_kernel, sig, dict(consts, SLICE=slice_cols, BLOCK_N=block_n), (warps, None)
+
+
 CASES = {
     "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
                    ("rms", _split()), ("ln", _split(is_rms=False)),
                    ("ln res+stats", _split(is_rms=False, residual=True, stats=True)),
                    ("rms int8", _split(quant=1)),
-                   ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True))],
+                   ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True)),
+                   ("rms bwd tiled 1024x4 w4", _bwd_tiled()), ("ln bwd tiled 1024x4 w4", _bwd_tiled(is_rms=False)),
+                   ("rms sliced 32K/4096 w8", _sliced()), ("ln sliced 32K/4096 w8", _sliced(is_rms=False))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

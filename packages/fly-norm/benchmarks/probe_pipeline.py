@@ -18,12 +18,12 @@ fraction of a device copy of the same bytes measured in the same run. Parts
 - ``sliced``: the production sliced split forward (``split.launch_fwd_sliced``:
   slices of SLICE columns streamed in BLOCK_N chunks by the chunked path's
   passes, one exchange a row) over (SLICE, BLOCK_N, warps), 32K-256K.
-- ``bwd_tile``: the norm backward split re-shaped the same way: a program
-  owns a column slice and walks tiles of ROWS rows; pass 1 loads the tile
-  (evict_last) and publishes its per-row partial sums, one exchange a tile,
-  pass 2 re-reads the tile from L2 for dx and the dweight/dbias sums. Nothing
-  is held in registers across the wait (the v3 split holds h, dy and their
-  prefetch: ~230 registers, 2 programs an SM).
+- ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
+  against the tiled one (``split.BWD_TILED``: a program owns a column slice
+  and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
+  publishes its per-row partial sums, one exchange a tile, pass 2 re-reads
+  the tile from L2 for dx and the dweight/dbias sums; nothing held in
+  registers across the wait) over (slice, warps, cap, rows), 16K-64K.
 """
 
 # ruff: noqa: B023 - each closure runs within its own loop iteration
@@ -40,9 +40,8 @@ import flydsl  # noqa: F401
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from fly_norm._kernels.affine import load_bwd_rows
 from flydsl.autotune.timer import bench
-from flydsl_common.device import collect, publish, row_offset, sum2_f32
+from flydsl_common.device import row_offset
 from flydsl_common.rows import RowConfig
 
 _DT = torch.bfloat16
@@ -96,71 +95,6 @@ def _two_pass_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, eps,
             h = fx.load(xr + c, mask=c < N, other=0.0).to(fx.float32)
             w = fx.load(w_ptr + c, mask=c < N, other=0.0).to(fx.float32)
             fx.store(yr + c, ((h - mean) * rstd * w).to(y_ptr.dtype.element_ty), mask=c < N)
-
-
-@flyc.kernel(do_not_specialize=["M"])
-def _bwd_tile_kernel(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr, M, N, parts,
-                     stride, IS_RMS: fx.constexpr, SLICE: fx.constexpr, ROWS: fx.constexpr,
-                     PARTS_POW2: fx.constexpr, ROWWISE: fx.constexpr):
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    group = pid // parts
-    part = pid % parts
-    c = part * SLICE + fx.arange(0, SLICE)
-    cmask = c < N
-    r = fx.arange(0, ROWS)
-    p_idx = fx.arange(0, PARTS_POW2)
-    k = fx.arange(0, 2)
-    p_ok = p_idx < parts
-    wv = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
-    dw = fx.zeros([SLICE], dtype=fx.float32)
-    db = fx.zeros([SLICE], dtype=fx.float32)
-    for blk in fx.range(group, fx.cdiv(M, ROWS), groups, disable_licm=True):
-        rows = blk * ROWS + r
-        row_ok = rows < M
-        mask = row_ok[:, None] & cmask[None, :]
-        h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride, stride,
-                                          IS_RMS, "evict_last")
-        h = h.to(fx.float32)
-        g = dy.to(fx.float32) * wv
-        xhat = fx.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
-        base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
-        if IS_RMS:
-            s_gx = fx.sum(g * xhat, axis=1)
-            s_g = s_gx
-        else:
-            s_gx, s_g = sum2_f32(g * xhat, g, 1)
-        if ROWWISE:  # scalar atomics, row by row (PERF.md: the layer_norm tile hang hypothesis)
-            for i in fx.static_range(ROWS):
-                mine = slot_ptr + row_offset(blk * ROWS + i, 2 * PARTS_POW2) + 2 * part
-                live = blk * ROWS + i < M
-                publish(mine, fx.sum(fx.where(r == i, s_gx, 0.0), axis=0), live)
-                if not IS_RMS:
-                    publish(mine + 1, fx.sum(fx.where(r == i, s_g, 0.0), axis=0), live)
-        else:
-            publish(base + 2 * part, s_gx, row_ok)
-            if not IS_RMS:
-                publish(base + 2 * part + 1, s_g, row_ok)
-        slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
-        slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
-        sums, ok = collect(slots, slots_ok, 1 << 20)
-        both = fx.sum(sums, axis=1) / N  # [ROWS, 2]: mean(g * xhat), mean(g)
-        c1 = fx.sum(fx.where(k[None, :] == 0, both, 0.0), axis=1)
-        c2 = fx.sum(fx.where(k[None, :] == 1, both, 0.0), axis=1)
-        # pass 2: the tile again, from L2
-        h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride, stride,
-                                          IS_RMS, "evict_first")
-        dy = dy.to(fx.float32)
-        xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        dx = (dy * wv - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-        dx = fx.where(ok, dx, float("nan"))
-        fx.store(dx_ptr + row_offset(rows, stride)[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += fx.sum(dy * xhat, axis=0)
-        db += fx.sum(dy, axis=0)
-    fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
-    if not IS_RMS:
-        fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
-# fmt: on
 
 
 def _copy_gbps(numel: int) -> float:
@@ -264,8 +198,11 @@ def _production_chunked(copy: float) -> list[dict]:
     return out
 
 
-def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy, rowwise=False):
-    """The tile-exchange backward at one width: dx and dweight checked against float64, timed."""
+def _bwd_tile_case(n, is_rms, cfg, copy):
+    """The norm split backward at one width, through ``split.launch_bwd_split``: the tiled kernel with
+    ``cfg`` = (slice, warps, register cap, rows a tile), or the register-resident one (``cfg`` None);
+    dx and dweight checked against float64, timed (slot zeroing and partial buffers included)."""
+    from fly_norm._kernels import split
     from fly_norm._kernels.norm import backward_reference
 
     m = (1 << 27) // n
@@ -274,45 +211,20 @@ def _bwd_tile_case(n, is_rms, slice_cols, rows, warps, copy, rowwise=False):
     w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
     hf = h.float()
     mean = None if is_rms else hf.mean(1)
-    var = (hf * hf).mean(1) if is_rms else hf.var(1, unbiased=False)
-    rstd = torch.rsqrt(var + 1e-6)
+    rstd = torch.rsqrt(((hf * hf).mean(1) if is_rms else hf.var(1, unbiased=False)) + 1e-6)
     dx = torch.full_like(h, float("nan"))
-    parts = -(-n // slice_cols)
-    pp = 1 << (parts - 1).bit_length()
-    slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device="cuda")
-    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, ROWS=rows, PARTS_POW2=pp, ROWWISE=rowwise, num_warps=warps)
-    probe = torch.empty(1, n, dtype=torch.float32, device="cuda")
-    args0 = (h, w, dy, mean, rstd, dx, probe, probe, slots, m, n, parts, n)
-    resident = flyc.programs_per_sm(_bwd_tile_kernel, *args0, **meta)
-    groups = min(-(-m // rows), resident * flydsl.arch.current().sm_count // parts)
-    dwp = torch.empty(groups, n, dtype=torch.float32, device="cuda")
-    dbp = torch.empty(groups, n, dtype=torch.float32, device="cuda")
-    args = (h, w, dy, mean, rstd, dx, dwp, dbp, slots, m, n, parts, n)
+    split.BWD_TILED = cfg
 
     def run():
-        slots.zero_()
-        flyc.launch(_bwd_tile_kernel, (groups * parts,), *args, **meta)
+        return split.launch_bwd_split(h, w, dy, None, mean, rstd, dx, True, not is_rms, 0.0, is_rms)
 
-    run()
+    dwp, _ = run()
     rdx, rdw, _ = backward_reference(h, w, dy, None, mean, rstd, 0.0, True, False)
     err_dx = ((dx.double() - rdx).norm() / rdx.norm()).item()
     err_dw = ((dwp.double().sum(0) - rdw).norm() / rdw.norm()).item()
     us = bench(run).median_us
-    return dict(
-        N=n,
-        op="rms_bwd" if is_rms else "ln_bwd",
-        kernel="bwd_tile",
-        slice=slice_cols,
-        rows=rows,
-        rowwise=rowwise,
-        warps=warps,
-        resident=resident,
-        groups=groups,
-        us=us,
-        frac_copy=6 * m * n / (us * 1e-6) / 1e9 / copy,
-        err_dx=err_dx,
-        err_dw=err_dw,
-    )
+    return dict(N=n, op="rms_bwd" if is_rms else "ln_bwd", kernel="tiled" if cfg else "resident", cfg=cfg, us=us,
+                frac_copy=6 * m * n / (us * 1e-6) / 1e9 / copy, err_dx=err_dx, err_dw=err_dw)
 
 
 def _production_sliced(copy: float) -> list[dict]:
@@ -400,17 +312,16 @@ def main() -> None:
         rows += _production_sliced(copy)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
-            for slice_cols, tile_rows, warps in ((4096, 1, 4), (2048, 2, 4), (2048, 4, 4), (1024, 4, 4), (1024, 8, 4),
-                                                 (4096, 2, 8)):  # fmt: skip
-                for is_rms, rowwise in ((True, False), (False, False), (False, True)):
-                    if rowwise and tile_rows == 1:
-                        continue
+            for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),
+                        (4096, 4, None, 1), (1024, 8, None, 8)):  # fmt: skip
+                for is_rms in (True, False):
                     try:
-                        r = _bwd_tile_case(n, is_rms, slice_cols, tile_rows, warps, copy, rowwise)
+                        r = _bwd_tile_case(n, is_rms, cfg, copy)
                     except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                        r = dict(N=n, case=(slice_cols, tile_rows, warps, is_rms, rowwise), error=repr(e)[:300])
+                        r = dict(N=n, case=(cfg, is_rms), error=repr(e)[:300])
                     print(r, flush=True)
                     rows.append(r)
+                    torch.cuda.empty_cache()
     for case in cases:
         try:
             r = _case(*case, copy)

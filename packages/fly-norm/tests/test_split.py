@@ -104,10 +104,15 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiled", [None, (1024, 4, None, 4)], ids=["resident", "tiled"])
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
-def test_split_backward_with_fused_residual(is_rms, m, n):
-    """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward."""
+def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
+    """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
+    register-resident kernel and the tiled one, not routed to by default yet)."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "BWD_TILED", tiled)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
     w = randn(n, device="cuda", seed=2) * 0.1
@@ -271,11 +276,14 @@ def test_one_slice_quantized_forward(device, qdtype, fwd_launcher):
 
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("tile_rows", [1, 4])
-def test_one_slice_backward(device, is_rms, tile_rows, monkeypatch):
+@pytest.mark.parametrize("tiled", [False, True], ids=["resident", "tiled"])
+def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_bwd_split
 
     monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
+    if tiled:
+        monkeypatch.setattr(split, "BWD_TILED", (512, 4, None, tile_rows))
     m, n = 6, 257
     h = randn(m, n, device=device, scale=2.0) + 1.0
     w = randn(n, device=device, seed=1)
@@ -321,7 +329,7 @@ def test_one_slice_softmax(device, monkeypatch):
 @pytest.mark.parametrize(
     "kernel",
     ["rms", "layer", "sliced_rms", "sliced_layer", "softmax", "sliced_softmax", "softmax_bwd", "norm_bwd",
-     "norm_bwd_tiles"],
+     "norm_bwd_tiles", "norm_bwd_tiled"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -336,6 +344,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
+    monkeypatch.setattr(split, "BWD_TILED", (64, 4, None, 2) if kernel == "norm_bwd_tiled" else None)
     monkeypatch.setattr(split, "SLICED_FWD", (64, 4, None))
     monkeypatch.setattr(split, "SLICED_BLOCK_N", 16)  # 4 chunks a slice; the last slice's 3rd chunk is partial
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)

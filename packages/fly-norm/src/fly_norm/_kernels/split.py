@@ -84,6 +84,10 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 # tiles of 4 rows waited out the spin limit on the H200 (PERF.md v4, probe-split-r4), cause not found; its
 # tiles stay one row until that is understood.
 BWD_ROWS = 1
+# The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
+# across it): (columns a program owns, warps, register cap, rows a tile), or None for the register-resident
+# kernel above. Not routed to until measured (PERF.md v5, probe_pipeline.py --part bwd_tile).
+BWD_TILED = None
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # The sliced forwards (launch_fwd_sliced, launch_softmax_fwd_sliced: slices streamed in chunks, re-read
 # from L2, one exchange a row): (columns a program owns, warps, register cap) and the chunk width. Not
@@ -459,6 +463,79 @@ def _norm_bwd_split_kernel(
         fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
 
 
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_bwd_tiled_kernel(
+    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # inputs (None when absent)
+    dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,                   # dx, [groups, N] weight-gradient partials, row slots
+    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
+    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    ROWS: fx.constexpr,
+):
+    # fmt: on
+    # The tiled form of the split backward: a program owns a column slice and walks tiles of ROWS rows.
+    # Pass 1 loads the tile (evict_last) for the rows' partial sums g * xhat and g, published once a
+    # tile; after the wait pass 2 re-reads the tile (from L2) for dx and the dweight/dbias sums. Nothing
+    # is held in registers across the wait (the register-resident kernel holds h, dy and their prefetch).
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    r = fx.arange(0, ROWS)
+    k = fx.arange(0, 2)
+    dw = fx.zeros([SLICE], dtype=fx.float32)
+    db = fx.zeros([SLICE], dtype=fx.float32)
+    for blk in fx.range(group, fx.cdiv(M, ROWS), groups, disable_licm=True):
+        rows = blk * ROWS + r
+        row_ok = rows < M
+        mask = row_ok[:, None] & cmask[None, :]
+        h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h,
+                                          stride_dy, IS_RMS, "evict_last")  # fmt: skip
+        wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
+        xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy.to(fx.float32) * wv
+        if IS_RMS:
+            s_gx = fx.sum(g * xhat, axis=1)
+            s_g = s_gx
+        else:
+            s_gx, s_g = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both
+        # Published row by row with scalar atomics: layer_norm tiles published as one block atomic waited
+        # out the spin limit on the GPU (PERF.md v4).
+        for i in fx.static_range(ROWS):
+            mine = slot_ptr + row_offset(blk * ROWS + i, 2 * PARTS_POW2) + 2 * part
+            live = blk * ROWS + i < M
+            publish(mine, fx.sum(fx.where(r == i, s_gx, 0.0), axis=0), live)
+            if not IS_RMS:
+                publish(mine + 1, fx.sum(fx.where(r == i, s_g, 0.0), axis=0), live)
+        base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
+        slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
+        slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
+        sums, ok = collect(slots, slots_ok, SPIN_LIMIT)  # masked-off slots read 0
+        c1, c2 = _unpair(fx.sum(sums, axis=1) / N)  # [ROWS, 2] -> mean(g * xhat), mean(g)
+        # pass 2: the tile again, from L2
+        h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h,
+                                          stride_dy, IS_RMS, "evict_first")  # fmt: skip
+        wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
+        xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        dyf = dy.to(fx.float32)
+        if IS_RMS:
+            dx = (dyf * wv - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            dx = (dyf * wv - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + c[None, :], mask=mask, other=0.0)
+            dx += dres.to(fx.float32)
+        dx = fx.where(ok, dx, float("nan"))
+        fx.store(dx_ptr + row_offset(rows, stride_dx)[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+        if COMPUTE_DW:
+            dw += fx.sum(dyf * xhat, axis=0)
+        if COMPUTE_DB:
+            db += fx.sum(dyf, axis=0)
+    if COMPUTE_DW:
+        fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
+    if COMPUTE_DB:
+        fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -619,13 +696,16 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
-            COMPUTE_DB=need_db, SLICE=BWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(BWD_SLICE),
-            **({"ROWS": tile_rows} if tile_rows > 1 else {}),
+            COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
+            **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
         )
         # fmt: on
         return args, meta
 
-    tile_rows = BWD_ROWS if is_rms else 1
-    if not _launch_split(_norm_bwd_split_kernel, h2, 2, build, BWD_SLICE[0], h2.device, tile_rows):
+    tiled = BWD_TILED is not None
+    cfg = BWD_TILED if tiled else BWD_SLICE
+    tile_rows = BWD_TILED[3] if tiled else (BWD_ROWS if is_rms else 1)
+    kernel = _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
+    if not _launch_split(kernel, h2, 2, build, cfg[0], h2.device, tile_rows):
         return None
     return partials.get("dw"), partials.get("db")
