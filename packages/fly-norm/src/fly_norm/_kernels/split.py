@@ -31,7 +31,8 @@ routed to until measured) give each program a slice of tens of thousands of
 columns streamed in chunks by the chunked paths' passes (:mod:`.passes`):
 pass 1's statistics are exchanged once a row as above, then the slice is
 re-read, from L2, to write the output. Nothing is held in registers across
-the wait; the L2 must hold only the slices in flight. What limits
+the wait; the L2 must hold only the slices in flight. The tiled norm
+backward (``BWD_TILED``) does the same for tiles of a few rows of a slice. What limits
 the speed is the exchange's latency (a publish reaching L2 and a poll seeing
 it, ~1 us a row), hidden by the loads of the other programs resident on the
 same SM: small slices (4096 columns, 4 warps) and few registers, so that
