@@ -251,8 +251,11 @@ def test_torch_compile_fullgraph(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "m,n", [(1, 1024), (4096, 1024), (2048, 4096), (1000, 8192), (64, 65536), (16, 262144), (3, 65537), (5, 4095)]
-)
+    "m,n",
+    # 20001 and 32768: the chunked forward (layer_norm splits only past 32K columns), quant included
+    [(1, 1024), (4096, 1024), (2048, 4096), (1000, 8192), (8, 20001), (32, 32768), (64, 65536), (16, 262144),
+     (3, 65537), (5, 4095)],
+)  # fmt: skip
 def test_gpu_shapes(dtype, m, n):
     x = randn(m, n, dtype=dtype, device="cuda") + 3.0
     w, b = affine(n, dtype, "cuda")
