@@ -50,7 +50,7 @@ from . import split
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
-from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, write_y
+from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, row_ptrs, write_y
 from .split import (
     LN_SPLIT_MIN_N,
     SPLIT_MIN_N,
@@ -94,14 +94,8 @@ def _norm_fwd_kernel(
     rows = pid * BLOCK_M + fx.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = fx.arange(0, BLOCK_N)
-    x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
-    y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
-    if HAS_RESIDUAL:
-        r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
-        h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
-    else:  # absent operands arrive as None (a constexpr): never dereferenced
-        r_rows = r_ptr
-        h_rows = h_ptr
+    x_rows, r_rows, y_rows, h_rows = row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y,
+                                              stride_h, HAS_RESIDUAL)  # fmt: skip
 
     if SINGLE_PASS:
         cmask = cols < N

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset
 
 __all__ = [
-    "LOG2E", "NEG_INF", "finite_or_zero", "load_h", "normalize", "quantize", "inverse_scale", "lane_stats",
+    "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h", "normalize", "quantize", "inverse_scale", "lane_stats",
     "lane_amax", "write_y", "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
 
@@ -49,6 +49,21 @@ def finite_or_zero(m):
     elements give exp(-inf) = 0 and the row's sum stays 0.
     """
     return fx.where(m > NEG_INF, m, 0.0)
+
+
+@flyc.func
+def row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y, stride_h, HAS_RESIDUAL: fx.constexpr):
+    """[rows, 1] pointer blocks of x, residual, y and residual_out for ``rows`` (int64 offsets). Without a
+    residual (its operands arrive as None) x's and y's blocks stand in for its two: callers use them only
+    under HAS_RESIDUAL, and a device function returns one type from both branches."""
+    x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
+    y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
+    r_rows = x_rows
+    h_rows = y_rows
+    if HAS_RESIDUAL:
+        r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
+        h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
+    return x_rows, r_rows, y_rows, h_rows
 
 
 @flyc.func

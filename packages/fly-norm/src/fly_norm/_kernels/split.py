@@ -59,7 +59,17 @@ from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publi
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import LOG2E, NEG_INF, inverse_scale, lane_amax, lane_stats, softmax_lane_stats, softmax_write, write_y
+from .passes import (
+    LOG2E,
+    NEG_INF,
+    inverse_scale,
+    lane_amax,
+    lane_stats,
+    row_ptrs,
+    softmax_lane_stats,
+    softmax_write,
+    write_y,
+)
 
 __all__ = [
     "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_fwd_sliced",
@@ -284,14 +294,8 @@ def _norm_fwd_sliced_kernel(
     for row in fx.range(group, M, groups, disable_licm=True):
         rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
         row_ok = rows < M
-        x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
-        y_rows = y_ptr + row_offset(rows, stride_y)[:, None]
-        if HAS_RESIDUAL:
-            r_rows = r_ptr + row_offset(rows, stride_r)[:, None]
-            h_rows = h_ptr + row_offset(rows, stride_h)[:, None]
-        else:  # absent operands arrive as None (a constexpr): never dereferenced
-            r_rows = r_ptr
-            h_rows = h_ptr
+        x_rows, r_rows, y_rows, h_rows = row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y,
+                                                  stride_h, HAS_RESIDUAL)  # fmt: skip
         mean_s, m2_s = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, lo, hi, IS_RMS, HAS_RESIDUAL, 1, BLOCK_N)
         base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
         if IS_RMS:
@@ -580,14 +584,10 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
     return groups
 
 
-@flyc.jit(skip_empty=False)
-def launch_fwd_split(
-    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
-) -> bool:
-    """Forward of either norm on [M, N] row views through the split path (False: not launched, see
-    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
-    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
-    """
+def _launch_norm_fwd(kernel, cfg, extra: dict, x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset,
+                     is_rms, quant, qmax) -> bool:
+    """Launch one of the norm forward split kernels (their arguments are the same; ``extra``: the kernel's
+    own constexprs) with the (slice, warps, register cap) ``cfg``; see :func:`launch_fwd_split`."""
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
@@ -600,13 +600,25 @@ def launch_fwd_split(
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
             HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg, cols=True),
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **extra,
         )
         # fmt: on
         return args, meta
 
+    return x2.shape[0] == 0 or _launch_split(kernel, x2, 3, build, cfg[0], x2.device) > 0
+
+
+@flyc.jit(skip_empty=False)
+def launch_fwd_split(
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
+) -> bool:
+    """Forward of either norm on [M, N] row views through the split path (False: not launched, see
+    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
+    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
+    """
     cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
+    ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant, qmax)
+    return _launch_norm_fwd(_norm_fwd_split_kernel, cfg, _launch_opts(cfg, cols=True), *ops)
 
 
 @flyc.jit(skip_empty=False)
@@ -615,25 +627,9 @@ def launch_fwd_sliced(
 ) -> bool:
     """Forward of either norm through the sliced split path (slices of SLICED_FWD[0] columns streamed in
     SLICED_BLOCK_N chunks); arguments and result as :func:`launch_fwd_split`."""
-
-    def build(slots, parts, pp, groups):
-        m, n = x2.shape
-        # fmt: off
-        args = (
-            x2, r2, w, b, s, y2, h2, mean, rstd, qscale, slots,
-            m, n, parts, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0),
-            0 if h2 is None else h2.stride(0), float(eps), float(weight_offset),
-        )
-        meta = dict(
-            IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=SLICED_FWD[0],
-            BLOCK_N=SLICED_BLOCK_N, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(SLICED_FWD),
-        )
-        # fmt: on
-        return args, meta
-
-    slice_cols = SLICED_FWD[0]
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_sliced_kernel, x2, 3, build, slice_cols, x2.device) > 0
+    extra = dict(BLOCK_N=SLICED_BLOCK_N, **_launch_opts(SLICED_FWD))
+    ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant, qmax)
+    return _launch_norm_fwd(_norm_fwd_sliced_kernel, SLICED_FWD, extra, *ops)
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
