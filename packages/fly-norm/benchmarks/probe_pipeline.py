@@ -140,61 +140,57 @@ def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy):
     )
 
 
+def _wide_inputs(n: int):
+    """(m, x, w, b, y, references per op) for rows of ``n`` columns, M * N = 2**27 (bf16)."""
+    from fly_norm import reference as ref
+
+    m = (1 << 27) // n
+    x = torch.randn(m, n, dtype=_DT, device="cuda") + 1.0
+    w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+    b = torch.randn(n, dtype=_DT, device="cuda")
+    refs = {"rms": lambda: ref.rms_norm_ref(x, w, 1e-6), "ln": lambda: ref.layer_norm_ref(x, w, b, 1e-5),
+            "softmax": lambda: ref.softmax_ref(x)}  # fmt: skip
+    return m, x, w, b, torch.empty_like(x), refs
+
+
+def _measure(run, reference, y, m, n, copy, **fields) -> dict:
+    """Run once into a poisoned ``y``, check against ``reference``, time; a failure is recorded, not raised."""
+    try:
+        y.fill_(float("nan"))
+        run()
+        r = reference().float()
+        err = ((y.float() - r).norm() / r.norm()).item()
+        us = bench(run).median_us
+        row = dict(N=n, **fields, us=us, frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy, rel_err=err)
+    except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+        row = dict(N=n, **fields, error=repr(e)[:300])
+    print(row, flush=True)
+    return row
+
+
 def _production_chunked(copy: float) -> list[dict]:
     """The library's chunked forwards at wide rows, split routing off, as a fraction of copy."""
     import importlib
 
-    from fly_norm import reference as ref
     from fly_norm._kernels import norm
 
     sm = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
-
     norm.split_applies = sm.split_applies = lambda *a, **k: False  # this process only
     out = []
     for n in (16384, 32768, 65536, 131072, 262144):
-        m = (1 << 27) // n
-        x = torch.randn(m, n, dtype=_DT, device="cuda") + 1.0
-        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
-        b = torch.randn(n, dtype=_DT, device="cuda")
-        y = torch.empty_like(x)
+        m, x, w, b, y, refs = _wide_inputs(n)
         for block_n, warps in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 16)):
             cfg = RowConfig(1, block_n, warps, False)
             runs = {
-                "rms": (
-                    lambda: norm.launch_fwd(
-                        x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, None, cfg
-                    ),
-                    lambda: ref.rms_norm_ref(x, w, 1e-6),
-                ),
-                "ln": (
-                    lambda: norm.launch_fwd(
-                        x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False, None, cfg
-                    ),
-                    lambda: ref.layer_norm_ref(x, w, b, 1e-5),
-                ),
-                "softmax": (lambda: sm.softmax_fwd(x, y, cfg), lambda: ref.softmax_ref(x)),
-            }
-            for op, (run, reference) in runs.items():
-                try:
-                    y.fill_(float("nan"))
-                    run()
-                    r = reference().float()
-                    err = ((y.float() - r).norm() / r.norm()).item()
-                    us = bench(run).median_us
-                    row = dict(
-                        N=n,
-                        op=op,
-                        kernel="chunked",
-                        block_n=block_n,
-                        warps=warps,
-                        us=us,
-                        frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy,
-                        rel_err=err,
-                    )
-                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    row = dict(N=n, op=op, block_n=block_n, warps=warps, error=repr(e)[:300])
-                print(row, flush=True)
-                out.append(row)
+                "rms": lambda: norm.launch_fwd(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
+                                               None, cfg),
+                "ln": lambda: norm.launch_fwd(x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False,
+                                              None, cfg),
+                "softmax": lambda: sm.softmax_fwd(x, y, cfg),
+            }  # fmt: skip
+            for op, run in runs.items():
+                out.append(_measure(run, refs[op], y, m, n, copy, op=op, kernel="chunked", block_n=block_n,
+                                    warps=warps))  # fmt: skip
     return out
 
 
@@ -229,55 +225,26 @@ def _bwd_tile_case(n, is_rms, cfg, copy):
 
 def _production_sliced(copy: float) -> list[dict]:
     """The library's sliced split forward over (slice, chunk, warps) candidates, as a fraction of copy."""
-    from fly_norm import reference as ref
     from fly_norm._kernels import split
 
     out = []
     for n in (32768, 65536, 131072, 262144):
-        m = (1 << 27) // n
-        x = torch.randn(m, n, dtype=_DT, device="cuda") + 1.0
-        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
-        b = torch.randn(n, dtype=_DT, device="cuda")
-        y = torch.empty_like(x)
+        m, x, w, b, y, refs = _wide_inputs(n)
+        runs = {
+            "rms": lambda: split.launch_fwd_sliced(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
+                                                   0, 0.0),
+            "ln": lambda: split.launch_fwd_sliced(x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False,
+                                                  0, 0.0),
+            "softmax": lambda: split.launch_softmax_fwd_sliced(x, y),
+        }  # fmt: skip
         for slice_cols, block_n, warps in ((16384, 2048, 8), (16384, 4096, 16), (32768, 4096, 8), (32768, 4096, 16),
                                            (8192, 2048, 4), (65536, 4096, 16)):  # fmt: skip
             if slice_cols >= n:
                 continue
             split.SLICED_FWD, split.SLICED_BLOCK_N = (slice_cols, warps, None), block_n
-            for op in ("rms", "ln", "softmax"):
-                is_rms = op == "rms"
-                bias, eps = (None, 1e-6) if is_rms else (b, 1e-5)
-
-                def run():
-                    if op == "softmax":
-                        split.launch_softmax_fwd_sliced(x, y)
-                    else:
-                        ops = (x, None, w, bias, None, y, None, None, None, None, eps, 0.0, is_rms, 0, 0.0)
-                        split.launch_fwd_sliced(*ops)
-
-                try:
-                    y.fill_(float("nan"))
-                    run()
-                    refs = {"rms": lambda: ref.rms_norm_ref(x, w, eps), "ln": lambda: ref.layer_norm_ref(x, w, b, eps),
-                            "softmax": lambda: ref.softmax_ref(x)}  # fmt: skip
-                    r = refs[op]().float()
-                    err = ((y.float() - r).norm() / r.norm()).item()
-                    us = bench(run).median_us
-                    row = dict(
-                        N=n,
-                        op=op,
-                        kernel="sliced",
-                        slice=slice_cols,
-                        block_n=block_n,
-                        warps=warps,
-                        us=us,
-                        frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy,
-                        rel_err=err,
-                    )
-                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    row = dict(N=n, kernel="sliced", case=(slice_cols, block_n, warps, op), error=repr(e)[:300])
-                print(row, flush=True)
-                out.append(row)
+            for op, run in runs.items():
+                out.append(_measure(run, refs[op], y, m, n, copy, op=op, kernel="sliced", slice=slice_cols,
+                                    block_n=block_n, warps=warps))  # fmt: skip
     return out
 
 

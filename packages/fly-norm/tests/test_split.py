@@ -351,17 +351,12 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
     out = empty_poisoned(m, n, dtype=torch.float32)
-    if kernel == "rms":
-        assert split.launch_fwd_split(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
+    norm_fwd = split.launch_fwd_sliced if kernel.startswith("sliced_") else split.launch_fwd_split
+    if kernel.endswith("rms"):
+        assert norm_fwd(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
         ref = rms_norm_ref(x, w, 1e-6)
-    elif kernel == "layer":
-        assert split.launch_fwd_split(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
-        ref = layer_norm_ref(x, w, b, 1e-5)
-    elif kernel == "sliced_rms":
-        assert split.launch_fwd_sliced(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
-        ref = rms_norm_ref(x, w, 1e-6)
-    elif kernel == "sliced_layer":
-        assert split.launch_fwd_sliced(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
+    elif kernel.endswith("layer"):
+        assert norm_fwd(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
         ref = layer_norm_ref(x, w, b, 1e-5)
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)
