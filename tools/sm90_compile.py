@@ -79,28 +79,30 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
     return norm._norm_bwd_kernel, sig, consts, warps
 
 
-def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0):
-    cfg = split.FWD_SLICE if is_rms else split.LN_FWD_SLICE
+def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0, cfg=None):
+    """The split norm forward at its default (slice, warps, cap, depth) config, or ``cfg``."""
+    cfg = cfg or (split.FWD_SLICE if is_rms else split.LN_FWD_SLICE)
     ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
     ptrs.update(slot_ptr="*i64")
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
                   STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=cfg[0], PARTS_POW2=parts,
-                  SPIN_LIMIT=split._SPIN_LIMIT)
-    return split._norm_fwd_split_kernel, sig, consts, cfg[1:]
+                  SPIN_LIMIT=split._SPIN_LIMIT, DEPTH=cfg[3])
+    return split._norm_fwd_split_kernel, sig, consts, cfg[1:3]
 
 
-def _softmax_split(backward=False, parts=16):
-    slice_cols, *warps = split.SOFTMAX_BWD_SLICE if backward else split.FWD_SLICE
-    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+def _softmax_split(backward=False, parts=16, cfg=None):
+    cfg = cfg or (split.SOFTMAX_BWD_SLICE if backward else split.FWD_SLICE)
+    slice_cols, warps = cfg[0], tuple(cfg[1:3])
+    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT, DEPTH=cfg[3])
     if backward:
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
-        return split._softmax_bwd_split_kernel, sig, consts, tuple(warps)
+        return split._softmax_bwd_split_kernel, sig, consts, warps
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
-    return split._softmax_fwd_split_kernel, sig, consts, tuple(warps)
+    return split._softmax_fwd_split_kernel, sig, consts, warps
 
 
 def _bwd_split(is_rms=True, parts=4):
@@ -124,12 +126,6 @@ def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3]), cfg[1:3]
 
 
-def _sliced(is_rms=True, slice_cols=32768, block_n=4096, warps=8):
-    """The sliced split forward of a norm (split.launch_fwd_sliced)."""
-    _, sig, consts, _ = _split(is_rms=is_rms)
-    return split._norm_fwd_sliced_kernel, sig, dict(consts, SLICE=slice_cols, BLOCK_N=block_n), (warps, None)
-
-
 CASES = {
     "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
                    ("rms", _split()), ("ln", _split(is_rms=False)),
@@ -137,7 +133,18 @@ CASES = {
                    ("rms int8", _split(quant=1)),
                    ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True)),
                    ("rms bwd tiled 1024x4 w4", _bwd_tiled()), ("ln bwd tiled 1024x4 w4", _bwd_tiled(is_rms=False)),
-                   ("rms sliced 32K/4096 w8", _sliced()), ("ln sliced 32K/4096 w8", _sliced(is_rms=False))],
+                   ("rms bwd tiled 2048x4 w4", _bwd_tiled(cfg=(2048, 4, None, 4)))],
+    # Two rows in flight during the exchange (DEPTH 2) at the probe's candidate configs
+    "split_depth": [
+        *((f"rms {c}", _split(cfg=c)) for c in ((4096, 4, None, 2), (8192, 4, None, 1), (8192, 4, None, 2),
+                                                 (8192, 8, None, 2), (2048, 4, None, 2))),
+        *((f"ln {c}", _split(is_rms=False, cfg=c)) for c in ((4096, 4, 96, 2), (4096, 4, None, 2),
+                                                              (4096, 4, 128, 2), (8192, 8, None, 2))),
+        *((f"softmax {c}", _softmax_split(cfg=c)) for c in ((4096, 4, None, 2), (8192, 4, None, 2),
+                                                             (8192, 8, None, 2))),
+        *((f"softmax bwd {c}", _softmax_split(backward=True, cfg=c)) for c in ((4096, 4, None, 2),
+                                                                               (8192, 8, None, 2))),
+    ],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

@@ -15,9 +15,12 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   ``softmax._softmax_fwd_kernel``, per-lane since the fourth session) with
   the split routing switched off, over (BLOCK_N, warps) candidates at
   16K-256K: which widths they should serve, and their default configs;
-- ``sliced``: the production sliced split forward (``split.launch_fwd_sliced``:
-  slices of SLICE columns streamed in BLOCK_N chunks by the chunked path's
-  passes, one exchange a row) over (SLICE, BLOCK_N, warps), 32K-256K.
+- ``split``: the production register-resident split kernels (norm and
+  softmax forwards, softmax backward) over (slice, warps, register cap,
+  rows in flight during the exchange), 32K-256K. (The fifth session's
+  ``sliced`` part measured slices streamed in chunks and re-read from L2:
+  50-72% of copy, below the split kernels everywhere; removed, results in
+  ``results/probe-pipeline-r2-sliced-bwdtile.json``.)
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -153,15 +156,16 @@ def _wide_inputs(n: int):
     return m, x, w, b, torch.empty_like(x), refs
 
 
-def _measure(run, reference, y, m, n, copy, **fields) -> dict:
-    """Run once into a poisoned ``y``, check against ``reference``, time; a failure is recorded, not raised."""
+def _measure(run, reference, y, m, n, copy, transfers=4, **fields) -> dict:
+    """Run once into a poisoned ``y``, check against ``reference``, time (``transfers``: bytes moved an
+    element, as a multiple of m * n); a failure is recorded, not raised."""
     try:
         y.fill_(float("nan"))
         run()
         r = reference().float()
         err = ((y.float() - r).norm() / r.norm()).item()
         us = bench(run).median_us
-        row = dict(N=n, **fields, us=us, frac_copy=4 * m * n / (us * 1e-6) / 1e9 / copy, rel_err=err)
+        row = dict(N=n, **fields, us=us, frac_copy=transfers * m * n / (us * 1e-6) / 1e9 / copy, rel_err=err)
     except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
         row = dict(N=n, **fields, error=repr(e)[:300])
     print(row, flush=True)
@@ -223,35 +227,48 @@ def _bwd_tile_case(n, is_rms, cfg, copy):
                 frac_copy=6 * m * n / (us * 1e-6) / 1e9 / copy, err_dx=err_dx, err_dw=err_dw)
 
 
-def _production_sliced(copy: float) -> list[dict]:
-    """The library's sliced split forward over (slice, chunk, warps) candidates, as a fraction of copy."""
+# (slice, warps, register cap, rows in flight during the wait) candidates of the split kernels
+# (sm90_compile split_depth: registers 64-119 for the forwards' depth-2 configs)
+SPLIT_FWD_CFGS = [(4096, 4, None, 1), (4096, 4, None, 2), (2048, 4, None, 2), (8192, 8, None, 2),
+                  (8192, 4, None, 1)]
+SPLIT_LN_CFGS = [(4096, 4, 96, 1), (4096, 4, 96, 2), (4096, 4, None, 2), (8192, 8, None, 2)]
+SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None, 1), (4096, 4, None, 2), (8192, 8, None, 2)]
+
+
+def _production_split(copy: float) -> list[dict]:
+    """The library's register-resident split kernels over (slice, warps, cap, depth) candidates."""
+    from fly_norm import reference as ref
     from fly_norm._kernels import split
 
     out = []
     for n in (32768, 65536, 131072, 262144):
         m, x, w, b, y, refs = _wide_inputs(n)
+        dy = torch.randn_like(x)
+        yx = ref.softmax_ref(x).to(_DT)
+        refs["softmax_bwd"] = lambda: ref.softmax_bwd_ref(dy, yx)
         runs = {
-            "rms": lambda: split.launch_fwd_sliced(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
-                                                   0, 0.0),
-            "ln": lambda: split.launch_fwd_sliced(x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False,
-                                                  0, 0.0),
-            "softmax": lambda: split.launch_softmax_fwd_sliced(x, y),
+            "rms": ("FWD_SLICE", SPLIT_FWD_CFGS, lambda: split.launch_fwd_split(
+                x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, 0, 0.0)),
+            "softmax": ("FWD_SLICE", SPLIT_FWD_CFGS, lambda: split.launch_softmax_fwd_split(x, y)),
+            "ln": ("LN_FWD_SLICE", SPLIT_LN_CFGS, lambda: split.launch_fwd_split(
+                x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False, 0, 0.0)),
+            "softmax_bwd": ("SOFTMAX_BWD_SLICE", SPLIT_SOFTMAX_BWD_CFGS,
+                            lambda: split.launch_softmax_bwd_split(dy, yx, y)),
         }  # fmt: skip
-        for slice_cols, block_n, warps in ((16384, 2048, 8), (16384, 4096, 16), (32768, 4096, 8), (32768, 4096, 16),
-                                           (8192, 2048, 4), (65536, 4096, 16)):  # fmt: skip
-            if slice_cols >= n:
-                continue
-            split.SLICED_FWD, split.SLICED_BLOCK_N = (slice_cols, warps, None), block_n
-            for op, run in runs.items():
-                out.append(_measure(run, refs[op], y, m, n, copy, op=op, kernel="sliced", slice=slice_cols,
-                                    block_n=block_n, warps=warps))  # fmt: skip
+        for op, (name, cfgs, run) in runs.items():
+            default = getattr(split, name)
+            for cfg in cfgs:
+                setattr(split, name, cfg)
+                out.append(_measure(run, refs[op], y, m, n, copy, transfers=6 if op == "softmax_bwd" else 4,
+                                    op=op, kernel="split", cfg=cfg))  # fmt: skip
+            setattr(split, name, default)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--part", nargs="*", default=["chunked", "sliced", "bwd_tile"])
+    ap.add_argument("--part", nargs="*", default=["chunked", "split", "bwd_tile"])
     args = ap.parse_args()
     copy = _copy_gbps(1 << 27)
     rows = [dict(copy_GBps=copy)]
@@ -275,8 +292,8 @@ def main() -> None:
                 cases += [(_two_pass_kernel, n, is_rms, block_n, warps, stages, per_sm) for is_rms in (True, False)]
     if "chunked" in args.part:
         rows += _production_chunked(copy)
-    if "sliced" in args.part:
-        rows += _production_sliced(copy)
+    if "split" in args.part:
+        rows += _production_split(copy)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
             for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),

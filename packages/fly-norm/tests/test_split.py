@@ -46,11 +46,13 @@ def test_split_forward_matches_reference(dtype, m, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
-def test_sliced_forward_matches_reference(is_rms, m, n):
-    """The sliced forwards (not routed to by default yet) on real wide rows, twice (the exchange), with a
-    residual, stats and the quantized output; softmax."""
-    from fly_norm._kernels.split import launch_fwd_sliced, launch_softmax_fwd_sliced
+def test_two_rows_in_flight_match_reference(monkeypatch, is_rms, m, n):
+    """The split kernels prefetching two rows ahead (DEPTH 2) on real wide rows, twice (the exchange): the
+    norms with a residual, stats and the quantized output; softmax forward and backward."""
+    from fly_norm._kernels import split
 
+    for name in ("FWD_SLICE", "LN_FWD_SLICE", "SOFTMAX_BWD_SLICE"):
+        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (2,))
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0) + 0.5
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
     w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
@@ -59,17 +61,20 @@ def test_sliced_forward_matches_reference(is_rms, m, n):
         y, h = (empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         rstd = empty_poisoned(m, dtype=torch.float32, device="cuda")
         mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device="cuda")
-        assert launch_fwd_sliced(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.0, is_rms, 0, 127.0)
+        assert split.launch_fwd_split(x, r, w, b, None, y, h, mean, rstd, None, 1e-5, 0.0, is_rms, 0, 127.0)
         ref = rms_norm_ref(x, w, 1e-5, r) if is_rms else layer_norm_ref(x, w, b, 1e-5, r)
         assert_rel_close(y, ref[0])
         assert_rel_close(h, ref[1])
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
-    assert launch_softmax_fwd_sliced(x, y)
+    assert split.launch_softmax_fwd_split(x, y)
     assert_rel_close(y, softmax_ref(x))
+    dx = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    assert split.launch_softmax_bwd_split(r, y, dx)
+    assert_rel_close(dx, softmax_bwd_ref(r, y), tol=2 * tolerance(torch.bfloat16))
     if is_rms:
         q = torch.empty(m, n, dtype=torch.int8, device="cuda")
         scale = empty_poisoned(m, dtype=torch.float32, device="cuda")
-        assert launch_fwd_sliced(x, None, w, None, None, q, None, None, None, scale, 1e-6, 0.0, True, 1, 127.0)
+        assert split.launch_fwd_split(x, None, w, None, None, q, None, None, None, scale, 1e-6, 0.0, True, 1, 127.0)
         assert_quant_matches(q, scale, *rms_norm_quant_ref(x, w, 1e-6, dtype=torch.int8))
 
 
@@ -109,10 +114,11 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
-    register-resident kernel and the tiled one, not routed to by default yet)."""
+    register-resident kernel and the tiled one, whichever each norm takes by default)."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_TILED", tiled)
+    monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
     w = randn(n, device="cuda", seed=2) * 0.1
@@ -228,16 +234,14 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
 # too: every exchange, merge and prefetch path except the cross-program wait itself.
 
 
-@pytest.fixture(params=["split", "sliced"])
+@pytest.fixture(params=[1, 2])
 def fwd_launcher(request, monkeypatch):
-    """The register-resident split forward, or the sliced one (its slices streamed in chunks of 64
-    columns here: several chunks a slice, the last one partial)."""
+    """The split forward with one or two rows in flight during the wait (DEPTH)."""
     from fly_norm._kernels import split
 
-    if request.param == "split":
-        return launch_fwd_split
-    monkeypatch.setattr(split, "SLICED_BLOCK_N", 64)
-    return split.launch_fwd_sliced
+    for name in ("FWD_SLICE", "LN_FWD_SLICE"):
+        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (request.param,))
+    return launch_fwd_split
 
 
 @pytest.mark.parametrize("is_rms", [True, False])
@@ -282,8 +286,8 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     from fly_norm._kernels.split import launch_bwd_split
 
     monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
-    if tiled:
-        monkeypatch.setattr(split, "BWD_TILED", (512, 4, None, tile_rows))
+    monkeypatch.setattr(split, "BWD_TILED", (512, 4, None, tile_rows) if tiled else None)
+    monkeypatch.setattr(split, "LN_BWD_TILED", (512, 4, None, tile_rows) if tiled else None)
     m, n = 6, 257
     h = randn(m, n, device=device, scale=2.0) + 1.0
     w = randn(n, device=device, seed=1)
@@ -304,22 +308,23 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
-def test_one_slice_softmax(device, monkeypatch):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_one_slice_softmax(device, monkeypatch, depth):
     from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
-    monkeypatch.setattr(split, "SLICED_BLOCK_N", 64)  # several chunks in the sliced slice, the last partial
+    for name in ("FWD_SLICE", "SOFTMAX_BWD_SLICE"):  # rows in flight during the wait
+        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (depth,))
 
     m, n = 6, 333
     x = randn(m, n, device=device, scale=5.0)
     x[1] = float("-inf")  # a row of -inf: NaN, as torch.softmax
     ref = torch.softmax(x.double(), -1)
     keep = torch.tensor([0, 2, 3, 4, 5], device=device)
-    for launch in (split.launch_softmax_fwd_sliced, launch_softmax_fwd_split):
-        y = empty_poisoned(m, n, dtype=torch.float32, device=device)
-        assert launch(x, y)
-        assert torch.isnan(y[1]).all() and torch.isnan(ref[1]).all()
-        assert_rel_close(y[keep], ref[keep])
+    y = empty_poisoned(m, n, dtype=torch.float32, device=device)
+    assert launch_softmax_fwd_split(x, y)
+    assert torch.isnan(y[1]).all() and torch.isnan(ref[1]).all()
+    assert_rel_close(y[keep], ref[keep])
     dy = randn(m, n, device=device, seed=1)
     dx = empty_poisoned(m, n, dtype=torch.float32, device=device)
     assert launch_softmax_bwd_split(dy, y[keep].contiguous(), dx[: len(keep)])
@@ -328,8 +333,8 @@ def test_one_slice_softmax(device, monkeypatch):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "sliced_rms", "sliced_layer", "softmax", "sliced_softmax", "softmax_bwd", "norm_bwd",
-     "norm_bwd_tiles", "norm_bwd_tiled"],
+    ["rms", "layer", "depth2_rms", "depth2_layer", "softmax", "depth2_softmax", "softmax_bwd",
+     "depth2_softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -339,30 +344,28 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None))
+    depth = 2 if kernel.startswith("depth2_") else 1  # rows in flight during the wait
+    kernel = kernel.removeprefix("depth2_")
+    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None, depth))
+    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None, depth))
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None, depth))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
     monkeypatch.setattr(split, "BWD_TILED", (64, 4, None, 2) if kernel == "norm_bwd_tiled" else None)
-    monkeypatch.setattr(split, "SLICED_FWD", (64, 4, None))
-    monkeypatch.setattr(split, "SLICED_BLOCK_N", 16)  # 4 chunks a slice; the last slice's 3rd chunk is partial
+    monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
     out = empty_poisoned(m, n, dtype=torch.float32)
-    norm_fwd = split.launch_fwd_sliced if kernel.startswith("sliced_") else split.launch_fwd_split
-    if kernel.endswith("rms"):
+    norm_fwd = split.launch_fwd_split
+    if kernel == "rms":
         assert norm_fwd(x, None, w, None, None, out, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
         ref = rms_norm_ref(x, w, 1e-6)
-    elif kernel.endswith("layer"):
+    elif kernel == "layer":
         assert norm_fwd(x, None, w, b, None, out, None, None, None, None, 1e-5, 0.0, False, 0, 127.0)
         ref = layer_norm_ref(x, w, b, 1e-5)
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)
-        ref = softmax_ref(x)
-    elif kernel == "sliced_softmax":
-        assert split.launch_softmax_fwd_sliced(x, out)
         ref = softmax_ref(x)
     elif kernel == "softmax_bwd":
         y = torch.softmax(x, -1)

@@ -48,7 +48,6 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
-from ._kernels import split
 from ._kernels.eager import launch as eager_launch
 from ._kernels.eager import may_launch, plain_rows
 from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, softmax_lane_stats, softmax_write
@@ -56,7 +55,6 @@ from ._kernels.split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
-    launch_softmax_fwd_sliced,
     launch_softmax_fwd_split,
     split_applies,
 )
@@ -220,8 +218,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """
     m, n = x2.shape
     if split_applies(n):
-        sliced = split.SOFTMAX_SLICED_MIN_N is not None and n >= split.SOFTMAX_SLICED_MIN_N
-        if (launch_softmax_fwd_sliced if sliced else launch_softmax_fwd_split)(x2, y2):
+        if launch_softmax_fwd_split(x2, y2):
             return
     flyc.launch(
         _softmax_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),

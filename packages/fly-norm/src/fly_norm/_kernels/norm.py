@@ -46,7 +46,6 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32
 from flydsl_common.rows import RowConfig, as_rows
 
-from . import split
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
@@ -56,7 +55,6 @@ from .split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_bwd_split,
-    launch_fwd_sliced,
     launch_fwd_split,
     split_applies,
 )
@@ -335,8 +333,7 @@ def launch_fwd(
     if split_applies(n, SPLIT_MIN_N if is_rms else LN_SPLIT_MIN_N):  # wide rows on a GPU: split.py
         code, qmax = _quant_code(qdtype), _qmax(qdtype)
         ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, code, qmax)
-        sliced = split.SLICED_MIN_N is not None and n >= split.SLICED_MIN_N
-        if (launch_fwd_sliced if sliced else launch_fwd_split).__wrapped__(*ops):
+        if launch_fwd_split.__wrapped__(*ops):
             return  # split over the programs of one wave
     store_stats = rstd is not None and (mean is not None or is_rms)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.

@@ -26,17 +26,13 @@ program
 
 Every element is read once and written once: the copy's floor.
 
-The sliced forms (``launch_fwd_sliced``, ``launch_softmax_fwd_sliced``; not
-routed to until measured) give each program a slice of tens of thousands of
-columns streamed in chunks by the chunked paths' passes (:mod:`.passes`):
-pass 1's statistics are exchanged once a row as above, then the slice is
-re-read, from L2, to write the output. Nothing is held in registers across
-the wait; the L2 must hold only the slices in flight. The tiled norm
-backward (``BWD_TILED``) does the same for tiles of a few rows of a slice. What limits
-the speed is the exchange's latency (a publish reaching L2 and a poll seeing
-it, ~1 us a row), hidden by the loads of the other programs resident on the
-same SM: small slices (4096 columns, 4 warps) and few registers, so that
-several programs share each SM (PERF.md, v3).
+The tiled norm backward (``BWD_TILED``) instead holds nothing across the
+wait: a program walks tiles of a few rows of its slice, exchanges the tile's
+sums, then re-reads the tile (from L2) to write dx. What limits the speed is
+the exchange's latency (a publish reaching L2 and a poll seeing it, ~1 us a
+row), hidden by the loads in flight during it: the other programs resident on
+the same SM (small slices, few registers, several programs an SM) and the
+rows a program prefetches (``DEPTH``: one or two rows ahead; PERF.md v3, v5).
 
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
@@ -59,22 +55,11 @@ from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publi
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import (
-    LOG2E,
-    NEG_INF,
-    inverse_scale,
-    lane_amax,
-    lane_stats,
-    row_ptrs,
-    softmax_lane_stats,
-    softmax_write,
-    write_y,
-)
+from .passes import LOG2E, NEG_INF
 
 __all__ = [
-    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_fwd_sliced",
-    "launch_bwd_split",
-    "launch_softmax_fwd_split", "launch_softmax_fwd_sliced", "launch_softmax_bwd_split",
+    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
+    "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
@@ -85,11 +70,11 @@ LN_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
-# (columns a program holds, warps, register cap or None): set by measurement (PERF.md, probe.py --part
-# split); several programs share an SM so that one's wait overlaps the others' loads. 32 elements a
-# thread (the backward holds two rows: h and dy, or y and dy).
-FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
-LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
+# (columns a program holds, warps, register cap or None, rows in flight during the wait): set by
+# measurement (PERF.md, probe.py --part split); several programs share an SM so that one's wait overlaps
+# the others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
+FWD_SLICE = (4096, 4, None, 1)  # RMSNorm and softmax (80 registers: 6 programs an SM)
+LN_FWD_SLICE = (4096, 4, 96, 1)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 # Rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile). RMSNorm only: layer_norm with
 # tiles of 4 rows waited out the spin limit on the H200 (PERF.md v4, probe-split-r4), cause not found; its
@@ -97,16 +82,11 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
 # across it): (columns a program owns, warps, register cap, rows a tile), or None for the register-resident
-# kernel above. Not routed to until measured (PERF.md v5, probe_pipeline.py --part bwd_tile).
-BWD_TILED = None
-SOFTMAX_BWD_SLICE = (4096, 4, None)
-# The sliced forwards (launch_fwd_sliced, launch_softmax_fwd_sliced: slices streamed in chunks, re-read
-# from L2, one exchange a row): (columns a program owns, warps, register cap) and the chunk width. Not
-# routed to until measured (PERF.md v5: benchmarks/probe_pipeline.py --part sliced); None = off.
-SLICED_FWD = (32768, 8, None)
-SLICED_BLOCK_N = 4096
-SLICED_MIN_N = None  # norms
-SOFTMAX_SLICED_MIN_N = None
+# kernel above. Measured on the H200 (PERF.md v5, probe_pipeline.py --part bwd_tile): RMSNorm 65-68% of
+# copy at 16K-64K against the register-resident kernel's 53-55%; LayerNorm 49-55% against 54-60%.
+BWD_TILED = (2048, 4, None, 4)  # RMSNorm
+LN_BWD_TILED = None
+SOFTMAX_BWD_SLICE = (4096, 4, None, 1)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -185,17 +165,6 @@ def _my_slice(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
     return pid // parts, groups, part, c, c < N, p_idx, p_idx < parts
 
 
-@flyc.func
-def _my_range(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
-    """The sliced kernels' place in the wave: (group, groups, part, its columns [lo, hi), part indices, their
-    mask)."""
-    pid = fx.program_id(0)
-    part = pid % parts
-    lo = part * SLICE
-    p_idx = fx.arange(0, PARTS_POW2)
-    return pid // parts, fx.num_programs(0) // parts, part, lo, fx.minimum(lo + SLICE, N), p_idx, p_idx < parts
-
-
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_split_kernel(
@@ -205,7 +174,7 @@ def _norm_fwd_split_kernel(
     M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
     ROW_EVICT: fx.constexpr = "", COL_EVICT: fx.constexpr = "",  # cache hints (SPLIT_EVICT)
 ):
     # fmt: on
@@ -213,9 +182,15 @@ def _norm_fwd_split_kernel(
     n_here = fx.minimum(N - part * SLICE, SLICE) * 1.0  # elements of this slice
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
 
+    # DEPTH rows ahead are in flight (x_nx: the next row's slice; x_n2: the one after, when DEPTH is 2)
     x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), 0.0, ROW_EVICT)
     if HAS_RESIDUAL:
         r_nx = _load_row(r_ptr, group, stride_r, c, cmask & (group < M), 0.0, ROW_EVICT)
+    if DEPTH == 2:
+        g2 = group + groups
+        x_n2 = _load_row(x_ptr, g2, stride_x, c, cmask & (g2 < M), 0.0, ROW_EVICT)
+        if HAS_RESIDUAL:
+            r_n2 = _load_row(r_ptr, g2, stride_r, c, cmask & (g2 < M), 0.0, ROW_EVICT)
     # The per-column operands (weight, bias, smooth scale) are loaded again for every row, after the wait
     # (L1 hits): held in registers for the whole loop instead, they cost a resident program per SM, and
     # measured slower (PERF.md).
@@ -237,11 +212,18 @@ def _norm_fwd_split_kernel(
         publish(mine, s1, row < M)
         if not IS_RMS:
             publish(mine + 1, s2, row < M)
-        # 2. the next row's slice, in flight during the wait
-        nxt = row + groups
-        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        if HAS_RESIDUAL:
-            r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        # 2. the slice DEPTH rows ahead, in flight during the wait
+        nxt = row + DEPTH * groups
+        if DEPTH == 2:
+            x_nx = x_n2
+            x_n2 = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+            if HAS_RESIDUAL:
+                r_nx = r_n2
+                r_n2 = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        else:
+            x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+            if HAS_RESIDUAL:
+                r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         # 3. the row's statistics from every slice, then y
         mean, var, ok = _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS, SPIN_LIMIT)
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
@@ -272,64 +254,17 @@ def _norm_fwd_split_kernel(
             fx.store(rstd_ptr + row, rstd, mask=part == 0)
 
 
-# fmt: off
-@flyc.kernel(do_not_specialize=["M"])
-def _norm_fwd_sliced_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, qs_ptr, slot_ptr,  # as the split kernel
-    M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
-    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
-    HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
-    SLICE: fx.constexpr, BLOCK_N: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-):
-    # fmt: on
-    # The sliced form of the split forward: slices of SLICE columns (tens of thousands) streamed in
-    # BLOCK_N chunks by the chunked path's passes (passes.py) instead of held in registers. Per row:
-    # pass 1 over the slice (per-lane statistics, evict_last), one exchange of (mean, M2) or the sum of
-    # squares, [the quantized |y| max pass and its exchange,] the last pass re-reading the slice from L2.
-    group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
-    cols = fx.arange(0, BLOCK_N)
-    p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
-    # disable_licm: invariant blocks hoisted out of the row loop are held in registers through it
-    # (sm_90: LayerNorm 160 -> 98 registers at 8 warps x 4096-column chunks; PERF.md v5)
-    for row in fx.range(group, M, groups, disable_licm=True):
-        rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
-        row_ok = rows < M
-        x_rows, r_rows, y_rows, h_rows = row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y,
-                                                  stride_h, HAS_RESIDUAL)  # fmt: skip
-        mean_s, m2_s = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, lo, hi, IS_RMS, HAS_RESIDUAL, 1, BLOCK_N)
-        base = slot_ptr + row_offset(row, 3 * PARTS_POW2)  # [(s1, s2) pairs | amax] slots per row
-        if IS_RMS:
-            publish(base + 2 * part, fx.sum(m2_s, axis=0), row < M)
-        else:
-            publish(base + 2 * part, fx.sum(mean_s, axis=0), row < M)
-            publish(base + 2 * part + 1, fx.sum(m2_s, axis=0), row < M)
-        mean, var, ok = _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS, SPIN_LIMIT)
-        rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))  # a row given up on: NaN
-        mean_r = fx.zeros([1], dtype=fx.float32) + mean
-        rstd_r = fx.zeros([1], dtype=fx.float32) + rstd
-        inv = rstd_r  # unused unless quantizing
-        if QUANT != 0:
-            amax_s = lane_amax(x_rows, r_rows, row_ok, cols, lo, hi, mean_r, rstd_r, w_ptr, b_ptr, s_ptr,
-                               weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, 1, BLOCK_N)  # fmt: skip
-            amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, fx.sum(amax_s, axis=0), row < M, PARTS_POW2,
-                                       SPIN_LIMIT)  # fmt: skip
-            inv = fx.zeros([1], dtype=fx.float32) + inverse_scale(amax, QMAX)
-            fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
-        write_y(x_rows, r_rows, y_rows, row_ok, cols, lo, hi, mean_r, rstd_r, inv, w_ptr, b_ptr, s_ptr,
-                weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, BLOCK_N)  # fmt: skip
-        if STORE_STATS:
-            if not IS_RMS:
-                fx.store(mean_ptr + row, mean, mask=part == 0)
-            fx.store(rstd_ptr + row, rstd, mask=part == 0)
-
-
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_fwd_split_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
+    ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), NEG_INF, ROW_EVICT)
+    if DEPTH == 2:  # as in _norm_fwd_split_kernel
+        g2 = group + groups
+        x_n2 = _load_row(x_ptr, g2, stride_x, c, cmask & (g2 < M), NEG_INF, ROW_EVICT)
     for row in range(group, M, groups):
         x = x_nx.to(fx.float32)
         # 1. the slice's max and its sum of exp(x - max) (an all -inf slice: max -inf, sum 0)
@@ -340,9 +275,13 @@ def _softmax_fwd_split_kernel(
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
         publish(mine, m_b, row < M)
         publish(mine + 1, s_b, row < M)
-        # 2. the next row's slice, in flight during the wait
-        nxt = row + groups
-        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
+        # 2. the slice DEPTH rows ahead, in flight during the wait
+        nxt = row + DEPTH * groups
+        if DEPTH == 2:
+            x_nx = x_n2
+            x_n2 = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
+        else:
+            x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
         # 3. the row's max and sum from every slice, then y
         row_base, inv = _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT)
         y = fx.exp2((x - row_base) * LOG2E) * inv
@@ -350,47 +289,32 @@ def _softmax_fwd_split_kernel(
 
 
 @flyc.kernel(do_not_specialize=["M"])
-def _softmax_fwd_sliced_kernel(
-    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, BLOCK_N: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-):  # fmt: skip
-    # The sliced form of the split softmax forward (see _norm_fwd_sliced_kernel): per row, pass 1 over
-    # this program's slice (per-lane online max and sum), one exchange of (max, sum), the write pass.
-    group, groups, part, lo, hi, p_idx, p_ok = _my_range(N, parts, SLICE, PARTS_POW2)
-    cols = fx.arange(0, BLOCK_N)
-    # disable_licm: invariant blocks hoisted out of the row loop are held in registers through it
-    # (sm_90: LayerNorm 160 -> 98 registers at 8 warps x 4096-column chunks; PERF.md v5)
-    for row in fx.range(group, M, groups, disable_licm=True):
-        rows = row + fx.arange(0, 1)  # a [1] block: the passes work on [rows, columns] blocks
-        row_ok = rows < M
-        x_rows = x_ptr + row_offset(rows, stride_x)[:, None]
-        m_s, s_s = softmax_lane_stats(x_rows, row_ok, cols, lo, hi, 1, BLOCK_N)
-        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
-        publish(mine, fx.sum(m_s, axis=0), row < M)
-        publish(mine + 1, fx.sum(s_s, axis=0), row < M)
-        row_base, inv = _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT)
-        softmax_write(x_rows, y_ptr + row_offset(rows, stride_y)[:, None], row_ok, cols, lo, hi,
-                      fx.zeros([1], dtype=fx.float32) + row_base, fx.zeros([1], dtype=fx.float32) + inv,
-                      BLOCK_N)  # fmt: skip
-
-
-@flyc.kernel(do_not_specialize=["M"])
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
+    ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
+    if DEPTH == 2:  # as in _norm_fwd_split_kernel
+        g2 = group + groups
+        dy_n2 = _load_row(dy_ptr, g2, stride_dy, c, cmask & (g2 < M), 0.0, ROW_EVICT)
+        y_n2 = _load_row(y_ptr, g2, stride_y, c, cmask & (g2 < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
         dy = dy_nx.to(fx.float32)
         y = y_nx.to(fx.float32)
         base = slot_ptr + row_offset(row, PARTS_POW2)
         publish(base + part, fx.sum(dy * y, axis=0), row < M)
-        nxt = row + groups
-        dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        nxt = row + DEPTH * groups
+        if DEPTH == 2:
+            dy_nx = dy_n2
+            y_nx = y_n2
+            dy_n2 = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+            y_n2 = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        else:
+            dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+            y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
         dot = fx.where(ok, fx.sum(dots, axis=0), float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
@@ -584,10 +508,15 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
     return groups
 
 
-def _launch_norm_fwd(kernel, cfg, extra: dict, x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset,
-                     is_rms, quant, qmax) -> bool:
-    """Launch one of the norm forward split kernels (their arguments are the same; ``extra``: the kernel's
-    own constexprs) with the (slice, warps, register cap) ``cfg``; see :func:`launch_fwd_split`."""
+@flyc.jit(skip_empty=False)
+def launch_fwd_split(
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
+) -> bool:
+    """Forward of either norm on [M, N] row views through the split path (False: not launched, see
+    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
+    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
+    """
+    cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
@@ -600,36 +529,12 @@ def _launch_norm_fwd(kernel, cfg, extra: dict, x2, r2, w, b, s, y2, h2, mean, rs
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
             HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **extra,
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg, cols=True),
         )
         # fmt: on
         return args, meta
 
-    return x2.shape[0] == 0 or _launch_split(kernel, x2, 3, build, cfg[0], x2.device) > 0
-
-
-@flyc.jit(skip_empty=False)
-def launch_fwd_split(
-    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
-) -> bool:
-    """Forward of either norm on [M, N] row views through the split path (False: not launched, see
-    :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
-    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
-    """
-    cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
-    ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant, qmax)
-    return _launch_norm_fwd(_norm_fwd_split_kernel, cfg, _launch_opts(cfg, cols=True), *ops)
-
-
-@flyc.jit(skip_empty=False)
-def launch_fwd_sliced(
-    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
-) -> bool:
-    """Forward of either norm through the sliced split path (slices of SLICED_FWD[0] columns streamed in
-    SLICED_BLOCK_N chunks); arguments and result as :func:`launch_fwd_split`."""
-    extra = dict(BLOCK_N=SLICED_BLOCK_N, **_launch_opts(SLICED_FWD))
-    ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant, qmax)
-    return _launch_norm_fwd(_norm_fwd_sliced_kernel, SLICED_FWD, extra, *ops)
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
@@ -638,22 +543,10 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
     def build(slots, parts, pp, groups):
         m, n = x2.shape
         args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
-        return args, dict(SLICE=FWD_SLICE[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(FWD_SLICE))
+        cfg = FWD_SLICE
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg))
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, FWD_SLICE[0], x2.device) > 0
-
-
-def launch_softmax_fwd_sliced(x2, y2) -> bool:
-    """Softmax forward through the sliced split path (SLICED_FWD, SLICED_BLOCK_N); as launch_softmax_fwd_split."""
-
-    def build(slots, parts, pp, groups):
-        m, n = x2.shape
-        args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
-        meta = dict(SLICE=SLICED_FWD[0], BLOCK_N=SLICED_BLOCK_N, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT)
-        return args, dict(meta, **_launch_opts(SLICED_FWD))
-
-    slice_cols = SLICED_FWD[0]
-    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_sliced_kernel, x2, 2, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
@@ -663,7 +556,7 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         cfg = SOFTMAX_BWD_SLICE
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg))
 
     cols = SOFTMAX_BWD_SLICE[0]
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
@@ -699,9 +592,10 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         # fmt: on
         return args, meta
 
-    tiled = BWD_TILED is not None
-    cfg = BWD_TILED if tiled else BWD_SLICE
-    tile_rows = BWD_TILED[3] if tiled else (BWD_ROWS if is_rms else 1)
+    tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
+    tiled = tiled_cfg is not None
+    cfg = tiled_cfg if tiled else BWD_SLICE
+    tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms else 1)
     kernel = _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
     if not _launch_split(kernel, h2, 2, build, cfg[0], h2.device, tile_rows):
         return None
