@@ -80,7 +80,7 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
 
 
 def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0, cfg=None):
-    """The split norm forward at its default (slice, warps, cap, depth) config, or ``cfg``."""
+    """The split norm forward at its default (slice, warps, cap) config, or ``cfg``."""
     cfg = cfg or (split.FWD_SLICE if is_rms else split.LN_FWD_SLICE)
     ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
     ptrs.update(slot_ptr="*i64")
@@ -88,14 +88,14 @@ def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0, cfg=None
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
                   STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=cfg[0], PARTS_POW2=parts,
-                  SPIN_LIMIT=split._SPIN_LIMIT, DEPTH=cfg[3])
+                  SPIN_LIMIT=split._SPIN_LIMIT)
     return split._norm_fwd_split_kernel, sig, consts, cfg[1:3]
 
 
 def _softmax_split(backward=False, parts=16, cfg=None):
     cfg = cfg or (split.SOFTMAX_BWD_SLICE if backward else split.FWD_SLICE)
     slice_cols, warps = cfg[0], tuple(cfg[1:3])
-    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT, DEPTH=cfg[3])
+    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
     if backward:
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
@@ -134,17 +134,9 @@ CASES = {
                    ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True)),
                    ("rms bwd tiled 1024x4 w4", _bwd_tiled()), ("ln bwd tiled 1024x4 w4", _bwd_tiled(is_rms=False)),
                    ("rms bwd tiled 2048x4 w4", _bwd_tiled(cfg=(2048, 4, None, 4)))],
-    # Two rows in flight during the exchange (DEPTH 2) at the probe's candidate configs
-    "split_depth": [
-        *((f"rms {c}", _split(cfg=c)) for c in ((4096, 4, None, 2), (8192, 4, None, 1), (8192, 4, None, 2),
-                                                 (8192, 8, None, 2), (2048, 4, None, 2))),
-        *((f"ln {c}", _split(is_rms=False, cfg=c)) for c in ((4096, 4, 96, 2), (4096, 4, None, 2),
-                                                              (4096, 4, 128, 2), (8192, 8, None, 2))),
-        *((f"softmax {c}", _softmax_split(cfg=c)) for c in ((4096, 4, None, 2), (8192, 4, None, 2),
-                                                             (8192, 8, None, 2))),
-        *((f"softmax bwd {c}", _softmax_split(backward=True, cfg=c)) for c in ((4096, 4, None, 2),
-                                                                               (8192, 8, None, 2))),
-    ],
+    # The wide rows' slices (split.FWD_SLICE_WIDE)
+    "split_wide": [("rms wide", _split(cfg=split.FWD_SLICE_WIDE, parts=32)),
+                   ("softmax wide", _softmax_split(cfg=split.FWD_SLICE_WIDE, parts=32))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

@@ -124,6 +124,12 @@ def part_host() -> dict:
     c = _fwd_config(4096, x.dtype, x.device)
     shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config)  # makes the plan
     bound = next(p[0] for k, p in shared._EAGER_PLANS.items() if k[1] == _DT and k[2] == 4096)
+    bound_args = (x, None, w, None, None, y, None, None, None, None, 4, 4096, 4096, 0, 4096, 0, 1e-6, 0.0)
+    int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bound_args)
+    via_run = flyc.Bound(bound.kernel, bound.device, bound.entry[:4] + (None,), bound.meta)  # as before v5
+    _, fn, packed, tail, (c_launch, coop, pdl) = bound.entry
+    stream0 = torch._C._cuda_getCurrentRawStream(0)
+    from fly_norm._kernels.eager import plain_rows
     pieces = {
         "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
         "fly_rms_norm": lambda: rms_norm(x, w, 1e-6),
@@ -141,6 +147,21 @@ def part_host() -> dict:
         "bound_launch": lambda: bound(4, x, None, w, None, None, y, None, None, None, None, 4, 4096, 4096, 0, 4096, 0,
                                       1e-6, 0.0),
         "is_compiling": torch.compiler.is_compiling,
+        # v5: the bound launch's pieces: Triton's launcher object (as before v5) or its C launch directly,
+        # pointers as tensors or ints; the C launch with an empty grid (all but the driver's launch)
+        "bound_launch_int_ptrs": lambda: bound(4, *int_args),
+        "bound_launch_via_run": lambda: via_run(4, *bound_args),
+        "c_launch_grid0": lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None, None,
+                                           *int_args, *tail),
+        "c_launch_grid0_tensors": lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None,
+                                                   None, *bound_args, *tail),
+        "c_launch": lambda: c_launch(4, 1, 1, stream0, fn, coop, pdl, None, None, packed, None, None, None,
+                                     *int_args, *tail),
+        "raw_stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "data_ptr": x.data_ptr,
+        "new_empty": lambda: x.new_empty(x.shape),
+        "plain_rows": lambda: plain_rows(x, 16384, w, None, None),
+        "torch_layer_norm": lambda: torch.nn.functional.layer_norm(x, (4096,), w, w, 1e-5),
         # softmax's plan for comparison (v4: ~12 us end to end against the norm plan's ~25)
         "torch_softmax": lambda: torch.softmax(x, -1),
         "fly_softmax": lambda: softmax(x, -1),

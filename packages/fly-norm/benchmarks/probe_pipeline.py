@@ -16,8 +16,8 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   the split routing switched off, over (BLOCK_N, warps) candidates at
   16K-256K: which widths they should serve, and their default configs;
 - ``split``: the production register-resident split kernels (norm and
-  softmax forwards, softmax backward) over (slice, warps, register cap,
-  rows in flight during the exchange), 32K-256K. (The fifth session's
+  softmax forwards, softmax backward) over (slice, warps, register cap),
+  32K-256K. (The fifth session's
   ``sliced`` part measured slices streamed in chunks and re-read from L2:
   50-72% of copy, below the split kernels everywhere; removed, results in
   ``results/probe-pipeline-r2-sliced-bwdtile.json``.)
@@ -227,19 +227,19 @@ def _bwd_tile_case(n, is_rms, cfg, copy):
                 frac_copy=6 * m * n / (us * 1e-6) / 1e9 / copy, err_dx=err_dx, err_dw=err_dw)
 
 
-# (slice, warps, register cap, rows in flight during the wait) candidates of the split kernels
-# (sm90_compile split_depth: registers 64-119 for the forwards' depth-2 configs)
-SPLIT_FWD_CFGS = [(4096, 4, None, 1), (4096, 4, None, 2), (2048, 4, None, 2), (8192, 8, None, 2),
-                  (8192, 4, None, 1)]
-SPLIT_LN_CFGS = [(4096, 4, 96, 1), (4096, 4, 96, 2), (4096, 4, None, 2), (8192, 8, None, 2)]
-SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None, 1), (4096, 4, None, 2), (8192, 8, None, 2)]
+# (slice, warps, register cap) candidates of the split kernels. (v5 also measured prefetching two rows
+# ahead instead of one: 4-19 points worse everywhere, results/probe-pipeline-r3-split.json; removed.)
+SPLIT_FWD_CFGS = [(4096, 4, None), (8192, 4, None), (2048, 4, None)]
+SPLIT_LN_CFGS = [(4096, 4, 96), (8192, 8, None)]
+SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None), (8192, 8, None)]
 
 
 def _production_split(copy: float) -> list[dict]:
-    """The library's register-resident split kernels over (slice, warps, cap, depth) candidates."""
+    """The library's register-resident split kernels over (slice, warps, cap) candidates."""
     from fly_norm import reference as ref
     from fly_norm._kernels import split
 
+    split.WIDE_MIN_N = 1 << 40  # FWD_SLICE serves every width while it is swept
     out = []
     for n in (32768, 65536, 131072, 262144):
         m, x, w, b, y, refs = _wide_inputs(n)

@@ -18,7 +18,7 @@ from fly_norm.autotune import (
     row_config_for,
     tuning_key,
 )
-from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
+from flydsl_common.rows import MAX_SINGLE_PASS, RowConfig, default_row_config, row_config_valid
 
 BUCKETS = [1 << k for k in range(0, 21)]
 
@@ -48,8 +48,10 @@ def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
     # The backward keeps more values live per element: its own, leaner default.
     if op.endswith("_bwd"):
         assert cfg == bwd_default_row_config(flyc_next_pow2(n), "cpu", 8 if op == "layernorm_bwd" else 16)
-    else:
+    elif n <= MAX_SINGLE_PASS:
         assert cfg == default_row_config(flyc_next_pow2(n), "cpu")
+    else:  # the forwards' per-lane chunked passes: their own chunk (autotune.CHUNKED)
+        assert cfg == RowConfig(1, 4096, 16, False)
     assert row_config_valid(cfg, n, "cpu")
     assert TUNABLES[op].explain(tuning_key(n, torch.bfloat16), "cpu")[1] in ("memo", "default")
 
@@ -96,10 +98,11 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
 
 
 def test_gpu_tuning_skips_the_widths_of_the_split_paths():
-    from fly_norm._kernels.split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+    from fly_norm._kernels.split import LN_SPLIT_MIN_N, SOFTMAX_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
     for op in OPS:
-        limit = SPLIT_MIN_N_BWD if op.endswith("_bwd") else LN_SPLIT_MIN_N if op.startswith("layer") else SPLIT_MIN_N
+        limit = (SPLIT_MIN_N_BWD if op.endswith("_bwd") else LN_SPLIT_MIN_N if op.startswith("layer")
+                 else SOFTMAX_SPLIT_MIN_N if op == "softmax_fwd" else SPLIT_MIN_N)  # fmt: skip
         gpu = [k["n_bucket"] for k in TUNABLES[op].tune_keys("sm_90")]
         assert gpu and max(gpu) < limit and max(gpu) * 2 >= limit and min(gpu) == 256
         assert max(k["n_bucket"] for k in TUNABLES[op].tune_keys("cpu")) == 262144

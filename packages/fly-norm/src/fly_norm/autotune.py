@@ -23,7 +23,7 @@ from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
-from ._kernels.split import LN_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from ._kernels.split import LN_SPLIT_MIN_N, SOFTMAX_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
@@ -42,7 +42,7 @@ TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # row config does not steer: `flydsl tune norm` skips those buckets there.
 _SPLIT_FROM = {
     "fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD,
-    "layernorm_fwd": LN_SPLIT_MIN_N, "layernorm_quant": LN_SPLIT_MIN_N,
+    "layernorm_fwd": LN_SPLIT_MIN_N, "layernorm_quant": LN_SPLIT_MIN_N, "softmax_fwd": SOFTMAX_SPLIT_MIN_N,
 }  # fmt: skip
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
@@ -55,8 +55,17 @@ def tuning_key(n: int, dtype: torch.dtype) -> dict:
     return {"n_bucket": flyc.next_power_of_2(max(n, 1)), "dtype": dtype_name(dtype)}
 
 
+# The forwards' chunked rows (wider than one program keeps in registers): chunks of 4096 columns over 16
+# warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5, probe_pipeline.py --part chunked)
+# the best of six configs for all three ops from 16K to 256K columns; the ladder's 16K-column chunks (made
+# for kernels reducing across warps every chunk) hold 32 accumulators a lane: rms_norm 70% of copy at 32K
+# against 85%.
+CHUNKED = RowConfig(1, 4096, 16, False)
+
+
 def _default(key, arch: str) -> RowConfig:
-    return default_row_config(key["n_bucket"], arch)
+    cfg = default_row_config(key["n_bucket"], arch)
+    return cfg if cfg.single_pass or not row_config_valid(CHUNKED, key["n_bucket"], arch) else CHUNKED
 
 
 # Backward launch default (the "*_bwd" tunables). The backward keeps h, dy,

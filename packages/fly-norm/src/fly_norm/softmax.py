@@ -52,6 +52,7 @@ from ._kernels.eager import launch as eager_launch
 from ._kernels.eager import may_launch, plain_rows
 from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, softmax_lane_stats, softmax_write
 from ._kernels.split import (
+    SOFTMAX_SPLIT_MIN_N,
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
@@ -217,7 +218,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape
-    if split_applies(n):
+    if split_applies(n, SOFTMAX_SPLIT_MIN_N):
         if launch_softmax_fwd_split(x2, y2):
             return
     flyc.launch(

@@ -299,7 +299,7 @@ def _key(device: int, args: tuple, meta: dict) -> tuple:
 
 
 class _Lean:
-    """Per-kernel table: specialization key -> (launcher, function, packed metadata, constexpr tail)."""
+    """Per-kernel table: specialization key -> launch entry (:func:`_entry`)."""
 
     __slots__ = ("kernel", "table", "occupancy")
 
@@ -314,7 +314,7 @@ class _Lean:
         if compiled is None or any(n not in meta for n in names):
             return  # not a plain launch (e.g. constexprs given positionally): stay on Triton's path
         tail = tuple(meta[n] for n in names)
-        self.table[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        self.table[key] = _entry(compiled, tail)
 
 
 def _hooks_idle() -> bool:
@@ -349,10 +349,9 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     if entry is None or not _hooks_idle():
         lean.first(key, grid, args, meta)
         return
-    run, function, packed, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, packed, None, None, None, *args, *tail)
+    _fire(entry, grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), args)
 
 
 def _compile(kernel, args: tuple, meta: dict):
@@ -362,6 +361,34 @@ def _compile(kernel, args: tuple, meta: dict):
         compiled = compiled.result()
     compiled._init_handles()
     return compiled
+
+
+def _entry(compiled, tail: tuple) -> tuple:
+    """A compiled specialization's launch entry: (launcher, function, packed metadata, constexpr tail,
+    direct C launch or None)."""
+    run = compiled.run
+    return run, compiled.function, compiled.packed_metadata, tail, _direct_launch(run)
+
+
+def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple) -> None:
+    """Launch an entry's kernel: its C launch function directly when the launcher allows it."""
+    run, function, packed, tail, direct = entry
+    if direct is None:
+        run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+        return
+    launch_c, coop, pdl = direct
+    launch_c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args, *tail)
+
+
+def _direct_launch(run):
+    """(C launch function, cooperative flag, PDL flag) of a compiled kernel's launcher when calling the C
+    function directly is what its Python ``__call__`` would do (Triton 3.6's CUDA launcher, no scratch
+    buffers to allocate per launch); None otherwise (other versions and backends: call ``run``). The
+    launcher object's Python call costs ~2-4 us of host time a launch (H200: fly-norm PERF.md v5)."""
+    c = getattr(run, "launch", None)
+    if not callable(c) or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return c, run.launch_cooperative_grid, run.launch_pdl
 
 
 class Bound:
@@ -377,9 +404,7 @@ class Bound:
         if not _hooks_idle():  # a profiler hook is installed: Triton's own path reports the launch
             self.kernel[(grid0,)](*args, **self.meta)
             return
-        run, function, packed, tail = self.entry
-        run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), function, packed, None, None, None,
-            *args, *tail)  # fmt: skip
+        _fire(self.entry, grid0, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), args)
 
 
 def bind(kernel, *args, **meta) -> Bound:
@@ -405,8 +430,7 @@ def bind(kernel, *args, **meta) -> Bound:
         missing = [n for n in names if n not in meta]
         if missing:
             raise TypeError(f"flyc.bind: give {missing} by keyword (constexprs after the runtime arguments)")
-        compiled = _compile(kernel, args, meta)
-        entry = (compiled.run, compiled.function, compiled.packed_metadata, tuple(meta[n] for n in names))
+        entry = _entry(_compile(kernel, args, meta), tuple(meta[n] for n in names))
         lean.table[key] = entry
     return Bound(kernel, device, entry, meta)
 

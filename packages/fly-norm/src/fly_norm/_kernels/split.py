@@ -32,7 +32,8 @@ sums, then re-reads the tile (from L2) to write dx. What limits the speed is
 the exchange's latency (a publish reaching L2 and a poll seeing it, ~1 us a
 row), hidden by the loads in flight during it: the other programs resident on
 the same SM (small slices, few registers, several programs an SM) and the
-rows a program prefetches (``DEPTH``: one or two rows ahead; PERF.md v3, v5).
+next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
+worse, v5: fewer programs fit an SM).
 
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
@@ -58,23 +59,29 @@ from .affine import load_bwd_rows, load_weight
 from .passes import LOG2E, NEG_INF
 
 __all__ = [
-    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split", "launch_bwd_split",
-    "launch_softmax_fwd_split", "launch_softmax_bwd_split",
+    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SOFTMAX_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
+    "launch_bwd_split", "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 SPLIT_MIN_N = MAX_SINGLE_PASS + 1  # forward: wider than one program keeps in registers (16K)
 # LayerNorm forward: the chunked path measured better at 32K (79% vs 71% of copy; a tie at 64K: PERF.md v3)
 LN_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
+# Softmax forward: the per-lane chunked path measured better at 32K (81% vs 77%: PERF.md v5)
+SOFTMAX_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # Rows of more slices than this take the chunked paths: the wave then holds only a few rows and every
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
-# (columns a program holds, warps, register cap or None, rows in flight during the wait): set by
-# measurement (PERF.md, probe.py --part split); several programs share an SM so that one's wait overlaps
-# the others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
-FWD_SLICE = (4096, 4, None, 1)  # RMSNorm and softmax (80 registers: 6 programs an SM)
-LN_FWD_SLICE = (4096, 4, 96, 1)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
+# (columns a program holds, warps, register cap or None): set by measurement (PERF.md, probe.py --part
+# split, probe_pipeline.py --part split); several programs share an SM so that one's wait overlaps the
+# others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
+FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
+# From WIDE_MIN_N columns, RMSNorm and softmax slices of 8192 (168 registers, 2 programs an SM): fewer
+# slices a row to wait for; H200 (v5): rms 77/73% of copy at 128K/256K against 76/57%, softmax 64/67 vs 64/61
+FWD_SLICE_WIDE = (8192, 4, None)
+WIDE_MIN_N = 131072
+LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 # Rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile). RMSNorm only: layer_norm with
 # tiles of 4 rows waited out the spin limit on the H200 (PERF.md v4, probe-split-r4), cause not found; its
@@ -86,7 +93,7 @@ BWD_ROWS = 1
 # copy at 16K-64K against the register-resident kernel's 53-55%; LayerNorm 49-55% against 54-60%.
 BWD_TILED = (2048, 4, None, 4)  # RMSNorm
 LN_BWD_TILED = None
-SOFTMAX_BWD_SLICE = (4096, 4, None, 1)
+SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -174,7 +181,7 @@ def _norm_fwd_split_kernel(
     M, N, parts, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
     ROW_EVICT: fx.constexpr = "", COL_EVICT: fx.constexpr = "",  # cache hints (SPLIT_EVICT)
 ):
     # fmt: on
@@ -182,15 +189,9 @@ def _norm_fwd_split_kernel(
     n_here = fx.minimum(N - part * SLICE, SLICE) * 1.0  # elements of this slice
     p_count = fx.where(p_ok, fx.minimum(N - p_idx * SLICE, SLICE) * 1.0, 0.0)
 
-    # DEPTH rows ahead are in flight (x_nx: the next row's slice; x_n2: the one after, when DEPTH is 2)
     x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), 0.0, ROW_EVICT)
     if HAS_RESIDUAL:
         r_nx = _load_row(r_ptr, group, stride_r, c, cmask & (group < M), 0.0, ROW_EVICT)
-    if DEPTH == 2:
-        g2 = group + groups
-        x_n2 = _load_row(x_ptr, g2, stride_x, c, cmask & (g2 < M), 0.0, ROW_EVICT)
-        if HAS_RESIDUAL:
-            r_n2 = _load_row(r_ptr, g2, stride_r, c, cmask & (g2 < M), 0.0, ROW_EVICT)
     # The per-column operands (weight, bias, smooth scale) are loaded again for every row, after the wait
     # (L1 hits): held in registers for the whole loop instead, they cost a resident program per SM, and
     # measured slower (PERF.md).
@@ -212,18 +213,11 @@ def _norm_fwd_split_kernel(
         publish(mine, s1, row < M)
         if not IS_RMS:
             publish(mine + 1, s2, row < M)
-        # 2. the slice DEPTH rows ahead, in flight during the wait
-        nxt = row + DEPTH * groups
-        if DEPTH == 2:
-            x_nx = x_n2
-            x_n2 = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-            if HAS_RESIDUAL:
-                r_nx = r_n2
-                r_n2 = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        else:
-            x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-            if HAS_RESIDUAL:
-                r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        # 2. the next row's slice, in flight during the wait
+        nxt = row + groups
+        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        if HAS_RESIDUAL:
+            r_nx = _load_row(r_ptr, nxt, stride_r, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         # 3. the row's statistics from every slice, then y
         mean, var, ok = _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS, SPIN_LIMIT)
         rstd = fx.where(ok, fx.rsqrt(var + eps), float("nan"))
@@ -257,14 +251,10 @@ def _norm_fwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_fwd_split_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
-    ROW_EVICT: fx.constexpr = "",
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     x_nx = _load_row(x_ptr, group, stride_x, c, cmask & (group < M), NEG_INF, ROW_EVICT)
-    if DEPTH == 2:  # as in _norm_fwd_split_kernel
-        g2 = group + groups
-        x_n2 = _load_row(x_ptr, g2, stride_x, c, cmask & (g2 < M), NEG_INF, ROW_EVICT)
     for row in range(group, M, groups):
         x = x_nx.to(fx.float32)
         # 1. the slice's max and its sum of exp(x - max) (an all -inf slice: max -inf, sum 0)
@@ -275,13 +265,9 @@ def _softmax_fwd_split_kernel(
         mine, pairs, pairs_ok = _pair_slots(base, part, p_idx, p_ok)
         publish(mine, m_b, row < M)
         publish(mine + 1, s_b, row < M)
-        # 2. the slice DEPTH rows ahead, in flight during the wait
-        nxt = row + DEPTH * groups
-        if DEPTH == 2:
-            x_nx = x_n2
-            x_n2 = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
-        else:
-            x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
+        # 2. the next row's slice, in flight during the wait
+        nxt = row + groups
+        x_nx = _load_row(x_ptr, nxt, stride_x, c, cmask & (nxt < M), NEG_INF, ROW_EVICT)
         # 3. the row's max and sum from every slice, then y
         row_base, inv = _merge_softmax_slices(pairs, pairs_ok, p_ok, SPIN_LIMIT)
         y = fx.exp2((x - row_base) * LOG2E) * inv
@@ -291,30 +277,19 @@ def _softmax_fwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, DEPTH: fx.constexpr,
-    ROW_EVICT: fx.constexpr = "",
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
-    if DEPTH == 2:  # as in _norm_fwd_split_kernel
-        g2 = group + groups
-        dy_n2 = _load_row(dy_ptr, g2, stride_dy, c, cmask & (g2 < M), 0.0, ROW_EVICT)
-        y_n2 = _load_row(y_ptr, g2, stride_y, c, cmask & (g2 < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
         dy = dy_nx.to(fx.float32)
         y = y_nx.to(fx.float32)
         base = slot_ptr + row_offset(row, PARTS_POW2)
         publish(base + part, fx.sum(dy * y, axis=0), row < M)
-        nxt = row + DEPTH * groups
-        if DEPTH == 2:
-            dy_nx = dy_n2
-            y_nx = y_n2
-            dy_n2 = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-            y_n2 = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        else:
-            dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-            y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        nxt = row + groups
+        dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
+        y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
         dot = fx.where(ok, fx.sum(dots, axis=0), float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
@@ -478,6 +453,11 @@ def _launch_opts(cfg, cols: bool = False) -> dict:
     return opts
 
 
+def _fwd_slice(n: int) -> tuple:
+    """The RMSNorm / softmax forward's slice config for rows of ``n`` columns."""
+    return FWD_SLICE_WIDE if n >= WIDE_MIN_N else FWD_SLICE
+
+
 def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
     """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns."""
     return n >= min_n and not flyc.interpreting()
@@ -516,7 +496,7 @@ def launch_fwd_split(
     :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
     ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
     """
-    cfg = FWD_SLICE if is_rms else LN_FWD_SLICE
+    cfg = _fwd_slice(x2.shape[1]) if is_rms else LN_FWD_SLICE
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
@@ -529,7 +509,7 @@ def launch_fwd_split(
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
             HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
-            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg, cols=True),
+            PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg, cols=True),
         )
         # fmt: on
         return args, meta
@@ -540,13 +520,14 @@ def launch_fwd_split(
 def launch_softmax_fwd_split(x2, y2) -> bool:
     """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
 
+    cfg = _fwd_slice(x2.shape[1])
+
     def build(slots, parts, pp, groups):
         m, n = x2.shape
         args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
-        cfg = FWD_SLICE
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg))
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
-    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, FWD_SLICE[0], x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, cfg[0], x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
@@ -556,7 +537,7 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         cfg = SOFTMAX_BWD_SLICE
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, DEPTH=cfg[3], **_launch_opts(cfg))
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
     cols = SOFTMAX_BWD_SLICE[0]
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
