@@ -140,6 +140,8 @@ CASES = {
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),
+                 ("rms chunked 4096 w16", _fwd(1, 4096, 16, False)),
+                 ("ln chunked 4096 w16", _fwd(1, 4096, 16, False, is_rms=False)),
                  ("rms res+stats 1x4096 w8", _fwd(1, 4096, 8, True, residual=True, stats=True))],
     # The backward defaults of both norms (fly_norm.autotune), row widths 256-16K.
     "norm_bwd": [
