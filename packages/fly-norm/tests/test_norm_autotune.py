@@ -10,6 +10,7 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 from fly_norm.autotune import (
+    CHUNKED_MAX_N,
     OPS,
     TUNABLES,
     bwd_default_row_config,
@@ -39,7 +40,7 @@ def test_candidate_space_is_bounded_and_valid(n):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n", [1, 7, 1000, 4097, 65537, 262144])
+@pytest.mark.parametrize("n", [1, 7, 1000, 4097, 65537, 262144, 1048576])
 def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
@@ -48,7 +49,7 @@ def test_default_is_served_without_search(op, n, tmp_path, monkeypatch):
     # The backward keeps more values live per element: its own, leaner default.
     if op.endswith("_bwd"):
         assert cfg == bwd_default_row_config(flyc_next_pow2(n), "cpu", 8 if op == "layernorm_bwd" else 16)
-    elif n <= MAX_SINGLE_PASS:
+    elif n <= MAX_SINGLE_PASS or n > CHUNKED_MAX_N:
         assert cfg == default_row_config(flyc_next_pow2(n), "cpu")
     else:  # the forwards' per-lane chunked passes: their own chunk (autotune.CHUNKED)
         assert cfg == RowConfig(1, 4096, 16, False)

@@ -55,17 +55,22 @@ def tuning_key(n: int, dtype: torch.dtype) -> dict:
     return {"n_bucket": flyc.next_power_of_2(max(n, 1)), "dtype": dtype_name(dtype)}
 
 
-# The forwards' chunked rows (wider than one program keeps in registers): chunks of 4096 columns over 16
-# warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5, probe_pipeline.py --part chunked)
-# the best of six configs for all three ops from 16K to 256K columns; the ladder's 16K-column chunks (made
-# for kernels reducing across warps every chunk) hold 32 accumulators a lane: rms_norm 70% of copy at 32K
-# against 85%.
+# The forwards' chunked rows (wider than one program keeps in registers) up to CHUNKED_MAX_N columns:
+# chunks of 4096 columns over 16 warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5,
+# probe_pipeline.py --part chunked) the best of six configs for all three ops from 16K to 256K columns;
+# the ladder's 16K-column chunks hold 32 accumulators a lane: rms_norm 70% of copy at 32K against 85%.
+# Wider rows (softmax at 1M: 128 rows, one program an SM) need the ladder's wider chunks and 32 warps to
+# keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's in v4).
 CHUNKED = RowConfig(1, 4096, 16, False)
+CHUNKED_MAX_N = 262144
 
 
 def _default(key, arch: str) -> RowConfig:
-    cfg = default_row_config(key["n_bucket"], arch)
-    return cfg if cfg.single_pass or not row_config_valid(CHUNKED, key["n_bucket"], arch) else CHUNKED
+    n = key["n_bucket"]
+    cfg = default_row_config(n, arch)
+    if cfg.single_pass or n > CHUNKED_MAX_N or not row_config_valid(CHUNKED, n, arch):
+        return cfg
+    return CHUNKED
 
 
 # Backward launch default (the "*_bwd" tunables). The backward keeps h, dy,
