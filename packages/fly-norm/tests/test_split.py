@@ -114,7 +114,7 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
-    register-resident kernel and the tiled one, whichever each norm takes by default)."""
+    register-resident kernel, the default, and the tiled one)."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_TILED", tiled)

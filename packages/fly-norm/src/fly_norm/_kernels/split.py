@@ -89,9 +89,12 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
 # across it): (columns a program owns, warps, register cap, rows a tile), or None for the register-resident
-# kernel above. Measured on the H200 (PERF.md v5, probe_pipeline.py --part bwd_tile): RMSNorm 65-68% of
-# copy at 16K-64K against the register-resident kernel's 53-55%; LayerNorm 49-55% against 54-60%.
-BWD_TILED = (2048, 4, None, 4)  # RMSNorm
+# kernel above. Measured on the H200 (PERF.md v5): in the probe (the split launch alone) RMSNorm 65-68% of
+# copy at 16K-64K against the register-resident kernel's 53-55%, but in the benchmark (the whole backward)
+# 65/63/62/59/42% at 16K-256K against v3's register-resident 66/68/61/56/49%: not better where the bars
+# are (16K-32K), so off by default until an A/B in one benchmark run decides. LayerNorm: 49-55% against
+# 54-60% in the probe.
+BWD_TILED = None  # RMSNorm; e.g. (2048, 4, None, 4)
 LN_BWD_TILED = None
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
