@@ -380,11 +380,16 @@ def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple) -> 
     launch_c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args, *tail)
 
 
+_DIRECT_LAUNCH_TRITON = "3.6."  # the Triton whose CUDA launcher's C arguments _fire passes
+
+
 def _direct_launch(run):
     """(C launch function, cooperative flag, PDL flag) of a compiled kernel's launcher when calling the C
     function directly is what its Python ``__call__`` would do (Triton 3.6's CUDA launcher, no scratch
     buffers to allocate per launch); None otherwise (other versions and backends: call ``run``). The
     launcher object's Python call costs ~2-4 us of host time a launch (H200: fly-norm PERF.md v5)."""
+    if type(run).__name__ != "CudaLauncher" or not triton.__version__.startswith(_DIRECT_LAUNCH_TRITON):
+        return None  # the C function's argument layout is that version's: others go through ``run``
     c = getattr(run, "launch", None)
     if not callable(c) or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None
