@@ -21,6 +21,8 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   ``sliced`` part measured slices streamed in chunks and re-read from L2:
   50-72% of copy, below the split kernels everywhere; removed, results in
   ``results/probe-pipeline-r2-sliced-bwdtile.json``.)
+- ``bwd_op``: the whole rms_norm backward through autograd (as the benchmark
+  times it) with the tiled split kernel and with the register-resident one.
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -234,6 +236,25 @@ SPLIT_LN_CFGS = [(4096, 4, 96), (8192, 8, None)]
 SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None), (8192, 8, None)]
 
 
+def _bwd_op_case(n, cfg, copy):
+    """The whole rms_norm backward as the benchmark times it (autograd through the public op: the split
+    kernel, the weight-gradient column sum, the casts), with ``split.BWD_TILED = cfg`` (None: the register-
+    resident kernel): the A/B the fifth session's probe and benchmark disagreed on (PERF.md v5)."""
+    from fly_norm import rms_norm
+    from fly_norm._kernels import split
+
+    split.BWD_TILED = cfg
+    m = (1 << 27) // n
+    x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
+    w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
+    dy = torch.randn(m, n, dtype=_DT, device="cuda")
+    y = rms_norm(x, w, 1e-6)
+    us = bench(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True)).median_us
+    split.BWD_TILED = None
+    nbytes = 2 * 3 * m * n + 2 * 2 * n + 4 * m  # as the benchmark counts: x, dy, dx; w, dw; rstd
+    return dict(N=n, op="rms_bwd_op", cfg=cfg, us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+
+
 def _production_split(copy: float) -> list[dict]:
     """The library's register-resident split kernels over (slice, warps, cap) candidates."""
     from fly_norm import reference as ref
@@ -294,6 +315,12 @@ def main() -> None:
         rows += _production_chunked(copy)
     if "split" in args.part:
         rows += _production_split(copy)
+    if "bwd_op" in args.part:
+        for n in (16384, 32768, 65536, 262144):
+            for cfg in (None, (2048, 4, None, 4), None):  # the resident kernel twice: run-to-run spread
+                r = _bwd_op_case(n, cfg, copy)
+                print(r, flush=True)
+                rows.append(r)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
             for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),

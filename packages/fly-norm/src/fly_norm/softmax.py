@@ -214,7 +214,7 @@ def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | N
 def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """Launch the forward kernel on [M, N] rows; no checks (callers check).
 
-    Rows wider than 16K columns on a GPU go through the split path (each row over
+    Rows wider than 32K columns on a GPU go through the split path (each row over
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape
@@ -447,8 +447,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
 
     Returns:
         A tensor of ``x``'s shape and dtype. Any row width works (on a GPU,
-        rows of 16K-256K elements are split over several programs, wider ones
-        take the two-pass chunked path); zero rows give an
+        rows of 32K-512K elements are split over several programs, other rows
+        wider than 16K take the two-pass chunked path); zero rows give an
         empty result; a row of only ``-inf`` gives NaN, like ``torch.softmax``.
         Differentiable (``fly_norm::softmax_fwd`` / ``fly_norm::softmax_bwd``
         custom ops) and usable under ``torch.compile(fullgraph=True)``.
