@@ -11,6 +11,7 @@ keep k programs resident on an SM.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -26,6 +27,8 @@ from triton.compiler import ASTSource  # noqa: E402
 import flydsl  # noqa: E402, F401 - backend choice before triton
 from fly_norm._kernels import norm, split  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
+
+softmax = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -126,6 +129,13 @@ def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3]), cfg[1:3]
 
 
+def _softmax_fwd(block_m, block_n, warps, single):
+    """The softmax forward kernel (fly_norm.softmax) at one row config."""
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "stride_y": "i32"}
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+    return softmax._softmax_fwd_kernel, sig, consts, warps
+
+
 CASES = {
     "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
                    ("rms", _split()), ("ln", _split(is_rms=False)),
@@ -134,6 +144,8 @@ CASES = {
                    ("softmax fwd", _softmax_split()), ("softmax bwd", _softmax_split(backward=True)),
                    ("rms bwd tiled 1024x4 w4", _bwd_tiled()), ("ln bwd tiled 1024x4 w4", _bwd_tiled(is_rms=False)),
                    ("rms bwd tiled 2048x4 w4", _bwd_tiled(cfg=(2048, 4, None, 4)))],
+    "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
+                    ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)
     "split_wide": [("rms wide", _split(cfg=split.FWD_SLICE_WIDE, parts=32)),
                    ("softmax wide", _softmax_split(cfg=split.FWD_SLICE_WIDE, parts=32))],

@@ -107,9 +107,9 @@ def _softmax_fwd_kernel(
     else:
         # Chunked rows (passes.py): pass 1 keeps an online (max, sum) per lane, merged once; pass 2
         # re-reads the row (from L2) back to front and writes y.
-        m, s = softmax_lane_stats(x_rows, row_ok, cols, 0, N, BLOCK_M, BLOCK_N)
+        m, s = softmax_lane_stats(x_rows, row_ok, cols, N, BLOCK_M, BLOCK_N)
         inv = 1.0 / fx.where(row_ok, s, 1.0)  # padding rows: no 1/0
-        softmax_write(x_rows, y_rows, row_ok, cols, 0, N, finite_or_zero(m), inv, BLOCK_N)
+        softmax_write(x_rows, y_rows, row_ok, cols, N, finite_or_zero(m), inv, BLOCK_N)
 
 
 @flyc.kernel(do_not_specialize=["M"])

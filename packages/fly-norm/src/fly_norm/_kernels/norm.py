@@ -119,15 +119,15 @@ def _norm_fwd_kernel(
     else:
         # Pass 1 (passes.lane_stats): the statistics in per-lane accumulators, merged once; the residual
         # sum written. Pass 2 (+ the amax pass when quantizing): y from a re-read of the inputs (from L2).
-        mean, m2 = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, 0, N, IS_RMS, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+        mean, m2 = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, N, IS_RMS, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
         rstd = fx.rsqrt(m2 / N + eps)
         inv = rstd  # unused unless quantizing
         if QUANT != 0:
-            amax = lane_amax(x_rows, r_rows, row_ok, cols, 0, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+            amax = lane_amax(x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
                              HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
             fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
             inv = inverse_scale(amax, QMAX)
-        write_y(x_rows, r_rows, y_rows, row_ok, cols, 0, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
+        write_y(x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, BLOCK_N)  # fmt: skip
 
     if STORE_STATS:

@@ -1,11 +1,8 @@
-"""Device helpers of the forwards' passes over a row's columns, shared by :mod:`.norm`,
-:mod:`fly_norm.softmax` and :mod:`.split`.
+"""Device helpers of the forwards' chunked passes over a row's ``N`` columns, shared by :mod:`.norm`
+and :mod:`fly_norm.softmax` (and their constants by :mod:`.split`).
 
 A row too wide to keep in registers is read twice (three times when
-quantizing), a chunk of ``BLOCK_N`` columns at a time, over a column range
-``[lo, hi)``: the whole row (the chunked paths) or one slice of it (the
-sliced paths, :mod:`.split`, whose slices exchange their statistics between
-the passes).
+quantizing), a chunk of ``BLOCK_N`` columns at a time.
 
 - :func:`lane_stats` (pass 1): each lane of the ``[BLOCK_M, BLOCK_N]`` block
   accumulates its own statistics over the chunks and the lanes are merged
@@ -109,12 +106,12 @@ def inverse_scale(amax, QMAX: fx.constexpr):
 
 @flyc.func
 def _chunk_y(
-    x_rows, r_rows, row_ok, c, hi, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+    x_rows, r_rows, row_ok, c, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     EVICT: fx.constexpr,
 ):  # fmt: skip
-    """y of columns ``c`` (those below ``hi``) re-read from the inputs with cache hint ``EVICT``, and its mask."""
-    cmask = c < hi
+    """y of columns ``c`` (those below ``N``) re-read from the inputs with cache hint ``EVICT``, and its mask."""
+    cmask = c < N
     mask = row_ok[:, None] & cmask[None, :]
     h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
     y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
@@ -123,10 +120,10 @@ def _chunk_y(
 
 @flyc.func
 def lane_stats(
-    x_rows, r_rows, h_rows, row_ok, cols, lo, hi,
+    x_rows, r_rows, h_rows, row_ok, cols, N,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """Pass 1 over columns [lo, hi): (mean, M2) of each row (RMSNorm: (0, sum of squares)); writes the
+    """Pass 1 over the N columns: (mean, M2) of each row (RMSNorm: (0, sum of squares)); writes the
     residual sum h through ``h_rows`` when HAS_RESIDUAL. ``cols``: ``arange(0, BLOCK_N)``.
 
     LayerNorm sums d = h - shift and d^2 per lane, ``shift`` being the mean of the row's first chunk (one
@@ -139,13 +136,12 @@ def lane_stats(
     acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d
     shift = fx.zeros([BLOCK_M], dtype=fx.float32)
     if not IS_RMS:  # (names of their own: values assigned before a loop and in it are carried through it)
-        c0 = lo + cols
-        mask0 = row_ok[:, None] & (c0 < hi)[None, :]
-        h0 = load_h(x_rows, r_rows, c0[None, :], mask0, HAS_RESIDUAL, "evict_last")
-        shift = fx.sum(h0, axis=1) / fx.minimum(hi - lo, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+        mask0 = row_ok[:, None] & (cols < N)[None, :]
+        h0 = load_h(x_rows, r_rows, cols[None, :], mask0, HAS_RESIDUAL, "evict_last")
+        shift = fx.sum(h0, axis=1) / fx.minimum(N, BLOCK_N)
+    for start in range(0, N, BLOCK_N):
         c = start + cols
-        mask = row_ok[:, None] & (c < hi)[None, :]
+        mask = row_ok[:, None] & (c < N)[None, :]
         h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, "evict_last")
         if HAS_RESIDUAL:
             fx.store(h_rows + c[None, :], h.to(h_rows.dtype.element_ty), mask=mask)
@@ -158,20 +154,20 @@ def lane_stats(
     if IS_RMS:
         return shift, fx.sum(acc, axis=1)
     s1 = fx.sum(acc1, axis=1)
-    n = (hi - lo) * 1.0
+    n = N * 1.0
     return shift + s1 / n, fx.maximum(fx.sum(acc, axis=1) - s1 * (s1 / n), 0.0)
 
 
 @flyc.func
 def lane_amax(
-    x_rows, r_rows, row_ok, cols, lo, hi, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+    x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The quantized forwards' middle pass: max |y| of each row over columns [lo, hi), per lane then merged."""
+    """The quantized forwards' middle pass: max |y| of each row over its N columns, per lane then merged."""
     amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-    for start in range(lo, hi, BLOCK_N):
-        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, hi, mean, rstd, w_ptr, b_ptr, s_ptr,
+    for start in range(0, N, BLOCK_N):
+        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last")  # fmt: skip
         amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
     return fx.max(amax, axis=1)
@@ -179,15 +175,15 @@ def lane_amax(
 
 @flyc.func
 def write_y(
-    x_rows, r_rows, y_rows, row_ok, cols, lo, hi, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
+    x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     QUANT: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The last pass over columns [lo, hi): y, or its codes scaled by ``inv`` when QUANT != 0. h is
+    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0. h is
     recomputed from x and residual rather than read back from residual_out, so the result is identical to
     the single-pass path's."""
-    for start in range(lo, hi, BLOCK_N):
-        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, hi, mean, rstd, w_ptr, b_ptr, s_ptr,
+    for start in range(0, N, BLOCK_N):
+        y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first")  # fmt: skip
         if QUANT == 0:
             fx.store(y_rows + (start + cols)[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
@@ -196,8 +192,8 @@ def write_y(
 
 
 @flyc.func
-def softmax_lane_stats(x_rows, row_ok, cols, lo, hi, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr):
-    """Softmax pass 1 over columns [lo, hi): each row's max and sum of exp(x - finite_or_zero(max)).
+def softmax_lane_stats(x_rows, row_ok, cols, N, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr):
+    """Softmax pass 1 over the N columns: each row's max and sum of exp(x - finite_or_zero(max)).
 
     Each lane carries its own online (max, sum), merged once after the loop. One exp an element: with
     d = x - max, e = exp(-|d|) is exp(x - max) when x does not raise the max (s += e) and exp(old max - x)
@@ -205,9 +201,9 @@ def softmax_lane_stats(x_rows, row_ok, cols, lo, hi, BLOCK_M: fx.constexpr, BLOC
     """
     m_l = fx.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=fx.float32)
     s_l = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(0, N, BLOCK_N):
         c = start + cols
-        mask = row_ok[:, None] & (c[None, :] < hi)
+        mask = row_ok[:, None] & (c[None, :] < N)
         xc = fx.load(x_rows + c[None, :], mask=mask, other=NEG_INF, eviction_policy="evict_last").to(fx.float32)
         e = fx.exp2(-fx.abs(xc - m_l) * LOG2E)  # NaN where both are -inf: not used there
         s_l = fx.where(xc > m_l, s_l * e + 1.0, fx.where(xc > NEG_INF, s_l + e, s_l))
@@ -218,13 +214,13 @@ def softmax_lane_stats(x_rows, row_ok, cols, lo, hi, BLOCK_M: fx.constexpr, BLOC
 
 
 @flyc.func
-def softmax_write(x_rows, y_rows, row_ok, cols, lo, hi, base, inv, BLOCK_N: fx.constexpr):
-    """Softmax's last pass over columns [lo, hi): y = exp(x - base) * inv, back to front (the chunks read
+def softmax_write(x_rows, y_rows, row_ok, cols, N, base, inv, BLOCK_N: fx.constexpr):
+    """Softmax's last pass over the N columns: y = exp(x - base) * inv, back to front (the chunks read
     last in pass 1 are the likeliest still to be in L2)."""
-    num_chunks = fx.cdiv(hi - lo, BLOCK_N)
+    num_chunks = fx.cdiv(N, BLOCK_N)
     for i in range(0, num_chunks):
-        c = lo + (num_chunks - 1 - i) * BLOCK_N + cols
-        mask = row_ok[:, None] & (c[None, :] < hi)
+        c = (num_chunks - 1 - i) * BLOCK_N + cols
+        mask = row_ok[:, None] & (c[None, :] < N)
         xc = fx.load(x_rows + c[None, :], mask=mask, other=NEG_INF, eviction_policy="evict_first")
         e = fx.exp2((xc.to(fx.float32) - base[:, None]) * LOG2E)
         fx.store(y_rows + c[None, :], (e * inv[:, None]).to(y_rows.dtype.element_ty), mask=mask)
