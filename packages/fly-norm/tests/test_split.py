@@ -46,13 +46,13 @@ def test_split_forward_matches_reference(dtype, m, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
-def test_two_rows_in_flight_match_reference(monkeypatch, is_rms, m, n):
-    """The split kernels prefetching two rows ahead (DEPTH 2) on real wide rows, twice (the exchange): the
-    norms with a residual, stats and the quantized output; softmax forward and backward."""
+def test_wide_slices_match_reference(monkeypatch, is_rms, m, n):
+    """The split kernels with the wide rows' 8192-column slices (split.FWD_SLICE_WIDE) at every width, on
+    real wide rows, twice (the exchange): the norms with a residual, stats and the quantized output;
+    softmax forward and backward."""
     from fly_norm._kernels import split
 
-    for name in ("FWD_SLICE", "LN_FWD_SLICE", "SOFTMAX_BWD_SLICE"):
-        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (2,))
+    monkeypatch.setattr(split, "WIDE_MIN_N", 0)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0) + 0.5
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
     w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
@@ -234,13 +234,14 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
 # too: every exchange, merge and prefetch path except the cross-program wait itself.
 
 
-@pytest.fixture(params=[1, 2])
+@pytest.fixture(params=["slice", "wide"])
 def fwd_launcher(request, monkeypatch):
-    """The split forward with one or two rows in flight during the wait (DEPTH)."""
+    """The split forward with its default slices, or with the wide rows' (split.FWD_SLICE_WIDE) at every
+    width (RMSNorm)."""
     from fly_norm._kernels import split
 
-    for name in ("FWD_SLICE", "LN_FWD_SLICE"):
-        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (request.param,))
+    if request.param == "wide":
+        monkeypatch.setattr(split, "WIDE_MIN_N", 0)
     return launch_fwd_split
 
 
@@ -308,13 +309,8 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_one_slice_softmax(device, monkeypatch, depth):
-    from fly_norm._kernels import split
+def test_one_slice_softmax(device):
     from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
-
-    for name in ("FWD_SLICE", "SOFTMAX_BWD_SLICE"):  # rows in flight during the wait
-        monkeypatch.setattr(split, name, getattr(split, name)[:3] + (depth,))
 
     m, n = 6, 333
     x = randn(m, n, device=device, scale=5.0)
@@ -333,8 +329,7 @@ def test_one_slice_softmax(device, monkeypatch, depth):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "depth2_rms", "depth2_layer", "softmax", "depth2_softmax", "softmax_bwd",
-     "depth2_softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled"],
+    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -344,12 +339,10 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    depth = 2 if kernel.startswith("depth2_") else 1  # rows in flight during the wait
-    kernel = kernel.removeprefix("depth2_")
-    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None, depth))
-    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None, depth))
+    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None, depth))
+    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
     monkeypatch.setattr(split, "BWD_TILED", (64, 4, None, 2) if kernel == "norm_bwd_tiled" else None)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
