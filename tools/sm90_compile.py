@@ -68,7 +68,8 @@ def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=Fal
     sig = {**ptrs, "M": "i32", "N": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
-                  STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+                  STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
+                  N_FIXED=0)
     return norm._norm_fwd_kernel, sig, consts, warps
 
 
@@ -132,7 +133,7 @@ def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
 def _softmax_fwd(block_m, block_n, warps, single):
     """The softmax forward kernel (fly_norm.softmax) at one row config."""
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "stride_y": "i32"}
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, N_FIXED=0)
     return softmax._softmax_fwd_kernel, sig, consts, warps
 
 

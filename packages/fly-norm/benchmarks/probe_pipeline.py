@@ -174,19 +174,30 @@ def _measure(run, reference, y, m, n, copy, transfers=4, **fields) -> dict:
     return row
 
 
+CHUNKED_CONFIGS = ((1024, 8), (2048, 8), (2048, 16), (4096, 16), (4096, 32), (8192, 16))
+
+
 def _production_chunked(copy: float) -> list[dict]:
     """The library's chunked forwards at wide rows, split routing off, as a fraction of copy."""
     import importlib
 
-    from fly_norm._kernels import norm
+    from fly_norm._kernels import norm, passes
 
     sm = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
     norm.split_applies = sm.split_applies = lambda *a, **k: False  # this process only
     out = []
-    for n in (16384, 32768, 65536, 131072, 262144):
+    for n in (8192, 16384, 32768, 65536, 131072, 262144):
         m, x, w, b, y, refs = _wide_inputs(n)
-        for block_n, warps in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 16)):
-            cfg = RowConfig(1, block_n, warps, False)
+        # r3: small chunks over many warps (torch.compile's choice for these ops at 16K-32K: 2048 columns,
+        # 16 warps), against v5's default (4096, 16); single pass at 8K-16K for comparison
+        # (config, width fixed at compile time): r4 adds the fixed widths (passes.row_meta)
+        cfgs = [(RowConfig(1, bn, wp, False), True) for bn, wp in CHUNKED_CONFIGS if bn < n]
+        cfgs += [(RowConfig(1, 4096, 16, False), False)]
+        cfgs += [(RowConfig(1, n, 16, True), False)] if n <= 16384 else []
+        for cfg, fixed in cfgs:
+            block_n, warps = cfg.block_n, cfg.num_warps
+            passes._FIXED_WIDTHS.clear()
+            passes.FIXED_WIDTHS_MAX = 1 if fixed else 0
             runs = {
                 "rms": lambda: norm.launch_fwd(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
                                                None, cfg),
@@ -195,7 +206,8 @@ def _production_chunked(copy: float) -> list[dict]:
                 "softmax": lambda: sm.softmax_fwd(x, y, cfg),
             }  # fmt: skip
             for op, run in runs.items():
-                out.append(_measure(run, refs[op], y, m, n, copy, op=op, kernel="chunked", block_n=block_n,
+                kernel = "single" if cfg.single_pass else "chunked-fixed" if fixed else "chunked"
+                out.append(_measure(run, refs[op], y, m, n, copy, op=op, kernel=kernel, block_n=block_n,
                                     warps=warps))  # fmt: skip
     return out
 

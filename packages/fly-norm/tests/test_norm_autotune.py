@@ -99,11 +99,10 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
 
 
 def test_gpu_tuning_skips_the_widths_of_the_split_paths():
-    from fly_norm._kernels.split import LN_SPLIT_MIN_N, SOFTMAX_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+    from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
     for op in OPS:
-        limit = (SPLIT_MIN_N_BWD if op.endswith("_bwd") else LN_SPLIT_MIN_N if op.startswith("layer")
-                 else SOFTMAX_SPLIT_MIN_N if op == "softmax_fwd" else SPLIT_MIN_N)  # fmt: skip
+        limit = SPLIT_MIN_N_BWD if op.endswith("_bwd") else SPLIT_MIN_N
         gpu = [k["n_bucket"] for k in TUNABLES[op].tune_keys("sm_90")]
         assert gpu and max(gpu) < limit and max(gpu) * 2 >= limit and min(gpu) == 256
         assert max(k["n_bucket"] for k in TUNABLES[op].tune_keys("cpu")) == 262144

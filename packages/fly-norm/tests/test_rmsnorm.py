@@ -120,6 +120,30 @@ def test_low_level_launch_writes_every_element(device):
         assert_rel_close(dw, gw, name="dweight")
 
 
+@pytest.mark.parametrize("fixed", [16, 0], ids=["width_fixed", "width_at_run_time"])
+def test_chunked_rows_with_the_width_fixed_or_at_run_time(device, monkeypatch, fixed):
+    """Chunked rows compile with N fixed (passes.row_meta) until FIXED_WIDTHS_MAX widths are; then N is read
+    at run time. Both must write every element of odd rows right (rms_norm, layer_norm, softmax)."""
+    from fly_norm._kernels import norm, passes
+    from fly_norm.reference import layer_norm_ref, softmax_ref
+    from fly_norm.softmax import softmax_fwd
+
+    monkeypatch.setattr(passes, "FIXED_WIDTHS_MAX", fixed)
+    monkeypatch.setattr(passes, "_FIXED_WIDTHS", set())
+    assert passes.row_meta(CHUNKED, 257)["N_FIXED"] == (257 if fixed else 0)
+    assert passes.row_meta(RowConfig(4, 512, 4, True), 300)["N_FIXED"] == 0  # single pass: never
+    for n in (257, 1000):
+        x, w, b = randn(3, n, device=device), randn(n, device=device, seed=1), randn(n, device=device, seed=2)
+        for is_rms, ref in ((True, rms_norm_ref(x, w, 1e-6)), (False, layer_norm_ref(x, w, b, 1e-6))):
+            y = empty_poisoned(3, n, dtype=torch.float32, device=device)
+            norm.launch_fwd(x, None, w, None if is_rms else b, None, y, None, None, None, None, 1e-6, 0.0, is_rms,
+                            None, CHUNKED)  # fmt: skip
+            assert_rel_close(y, ref)
+        y = empty_poisoned(3, n, dtype=torch.float32, device=device)
+        softmax_fwd(x, y, CHUNKED)
+        assert_rel_close(y, softmax_ref(x))
+
+
 def test_chunked_path(device, monkeypatch):
     """Rows wider than one step are reduced chunk by chunk: forward, residual, backward and quant."""
     force_config(monkeypatch, rmsnorm_mod, CHUNKED)

@@ -23,7 +23,7 @@ from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
-from ._kernels.split import LN_SPLIT_MIN_N, SOFTMAX_SPLIT_MIN_N, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
@@ -40,10 +40,7 @@ OPS = (
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
 # row config does not steer: `flydsl tune norm` skips those buckets there.
-_SPLIT_FROM = {
-    "fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD,
-    "layernorm_fwd": LN_SPLIT_MIN_N, "layernorm_quant": LN_SPLIT_MIN_N, "softmax_fwd": SOFTMAX_SPLIT_MIN_N,
-}  # fmt: skip
+_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -123,7 +120,9 @@ def candidates(key, arch: str) -> list[RowConfig]:
     Single pass (rows up to 32K): rows per program so that a program moves
     2K-16K elements, and warps giving 8-64 elements per thread (the range
     where the quantization sweep found every winner). Chunked (rows above
-    2K): 4K-32K chunks with 8-32 elements per thread.
+    4K): 1K-16K chunks at 4-16 elements a thread, the width fixed at compile
+    time (the best configs measured from 8K to 32K columns, PERF.md v6: 2048
+    columns over 8 warps up to 4096 over 32).
     """
     n = key["n_bucket"]
     out = []
@@ -135,12 +134,12 @@ def candidates(key, arch: str) -> list[RowConfig]:
             for warps in (1, 2, 4, 8, 16, 32):
                 if 8 <= elems // (32 * warps) <= 64:
                     out.append(RowConfig(block_m, n, warps, True))
-    if n > 2048:
-        for block_n in (4096, 8192, 16384, 32768):
+    if n > 4096:
+        for block_n in (1024, 2048, 4096, 8192, 16384):
             if block_n >= n:
                 continue
             for warps in (4, 8, 16, 32):
-                if 8 <= block_n // (32 * warps) <= 32:
+                if 4 <= block_n // (32 * warps) <= 16:
                     out.append(RowConfig(1, block_n, warps, False))
     return out
 
@@ -167,7 +166,7 @@ def _valid(cfg: RowConfig, key, arch: str) -> bool:
 
 
 def _tune_keys_for(name: str):
-    split_from = _SPLIT_FROM.get(name, _SPLIT_FROM[name.rsplit("_", 1)[1]])
+    split_from = _SPLIT_FROM[name.rsplit("_", 1)[1]]
 
     def tune_keys(arch: str) -> list[dict]:
         gpu = arch != "cpu"

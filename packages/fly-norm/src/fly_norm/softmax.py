@@ -50,9 +50,8 @@ from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
 from ._kernels.eager import launch as eager_launch
 from ._kernels.eager import may_launch, plain_rows
-from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, softmax_lane_stats, softmax_write
+from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, row_meta, softmax_lane_stats, softmax_write
 from ._kernels.split import (
-    SOFTMAX_SPLIT_MIN_N,
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
@@ -89,7 +88,10 @@ def _softmax_fwd_kernel(
     BLOCK_M: fx.constexpr,
     BLOCK_N: fx.constexpr,
     SINGLE_PASS: fx.constexpr,
+    N_FIXED: fx.constexpr,
 ):
+    if N_FIXED != 0:
+        N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
     # Row indices in int64: M x N past 2**31 elements must not overflow.
     rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -125,7 +127,10 @@ def _softmax_bwd_kernel(
     BLOCK_M: fx.constexpr,
     BLOCK_N: fx.constexpr,
     SINGLE_PASS: fx.constexpr,
+    N_FIXED: fx.constexpr,
 ):
+    if N_FIXED != 0:
+        N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
     rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = fx.arange(0, BLOCK_N)
@@ -218,7 +223,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape
-    if split_applies(n, SOFTMAX_SPLIT_MIN_N):
+    if split_applies(n, SPLIT_MIN_N):
         if launch_softmax_fwd_split(x2, y2):
             return
     flyc.launch(
@@ -229,10 +234,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
         n,
         x2.stride(0),
         y2.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
+        **row_meta(cfg, n),
     )
 
 
@@ -250,10 +252,7 @@ def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: Row
         dy2.stride(0),
         y2.stride(0),
         dx2.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
+        **row_meta(cfg, n),
     )
 
 
@@ -344,7 +343,7 @@ def _eager_fwd(x: torch.Tensor):
 
     def make():
         cfg = softmax_config(n, x.dtype, x.device)
-        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps)
+        meta = row_meta(cfg, n)
         return _softmax_fwd_kernel, meta, cfg.block_m
 
     eager_launch(_EAGER_PLANS, key, m, (x, y, m, n, n, n), make)

@@ -49,9 +49,8 @@ from flydsl_common.rows import RowConfig, as_rows
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
-from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, row_ptrs, write_y
+from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, row_meta, row_ptrs, write_y
 from .split import (
-    LN_SPLIT_MIN_N,
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
     launch_bwd_split,
@@ -85,9 +84,11 @@ def _norm_fwd_kernel(
     M, N, stride_x, stride_r, stride_y, stride_h, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
-    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr, N_FIXED: fx.constexpr,
 ):
     # fmt: on
+    if N_FIXED != 0:
+        N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
     pid = fx.program_id(0)
     rows = pid * BLOCK_M + fx.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -330,7 +331,7 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n, SPLIT_MIN_N if is_rms else LN_SPLIT_MIN_N):  # wide rows on a GPU: split.py
+    if split_applies(n, SPLIT_MIN_N):  # wide rows on a GPU: split.py
         code, qmax = _quant_code(qdtype), _qmax(qdtype)
         ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, code, qmax)
         if launch_fwd_split.__wrapped__(*ops):
@@ -343,17 +344,17 @@ def launch_fwd(
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
         float(eps), float(weight_offset),
-        **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg),
+        **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n),
     )
     # fmt: on
 
 
-def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig) -> dict:
+def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig, n: int) -> dict:
     """The forward kernel's constexprs and launch options."""
     return dict(
         IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
         HAS_SMOOTH=s is not None, STORE_STATS=store_stats, QUANT=_quant_code(qdtype), QMAX=_qmax(qdtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+        **row_meta(cfg, n),
     )
 
 
@@ -637,7 +638,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
 
     def make():
         cfg = config_for(n, dtype, x.device, autotune=None, task=None)
-        return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg), cfg.block_m
+        return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n), cfg.block_m
 
     args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, weight_offset)
     eager_launch(_EAGER_PLANS, key, m, args, make)

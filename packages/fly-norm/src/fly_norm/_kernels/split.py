@@ -59,16 +59,15 @@ from .affine import load_bwd_rows, load_weight
 from .passes import LOG2E, NEG_INF
 
 __all__ = [
-    "SPLIT_MIN_N", "LN_SPLIT_MIN_N", "SOFTMAX_SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
+    "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
     "launch_bwd_split", "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
-SPLIT_MIN_N = MAX_SINGLE_PASS + 1  # forward: wider than one program keeps in registers (16K)
-# LayerNorm forward: the chunked path measured better at 32K (79% vs 71% of copy; a tie at 64K: PERF.md v3)
-LN_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
-# Softmax forward: the per-lane chunked path measured better at 32K (81% vs 77%: PERF.md v5)
-SOFTMAX_SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
+# Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (passes.row_meta;
+# at 32K rms_norm 98%, softmax 93%, layer_norm 89% of copy, against 85% split: PERF.md v6); wider rows'
+# second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
+SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # Rows of more slices than this take the chunked paths: the wave then holds only a few rows and every
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
