@@ -63,13 +63,13 @@ def _norm_fwd_operands(quant=0, residual=False, stats=False, bias=False):
     return ptrs, {k: None for k, on in present.items() if not on}
 
 
-def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=False):
+def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=False, fixed=0):
     ptrs, consts = _norm_fwd_operands(residual=residual, stats=stats)
     sig = {**ptrs, "M": "i32", "N": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
                   STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
-                  N_FIXED=0)
+                  N_FIXED=fixed)
     return norm._norm_fwd_kernel, sig, consts, warps
 
 
@@ -155,6 +155,9 @@ CASES = {
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),
                  ("rms chunked 4096 w16", _fwd(1, 4096, 16, False)),
                  ("ln chunked 4096 w16", _fwd(1, 4096, 16, False, is_rms=False)),
+                 ("rms chunked 4096 w32 N=32768", _fwd(1, 4096, 32, False, fixed=32768)),
+                 ("ln chunked 8192 w32 N=32768", _fwd(1, 8192, 32, False, is_rms=False, fixed=32768)),
+                 ("ln chunked 4096 w16 N=16384", _fwd(1, 4096, 16, False, is_rms=False, fixed=16384)),
                  ("rms res+stats 1x4096 w8", _fwd(1, 4096, 8, True, residual=True, stats=True))],
     # The backward defaults of both norms (fly_norm.autotune), row widths 256-16K.
     "norm_bwd": [

@@ -73,12 +73,15 @@ def test_large_mean_is_not_cancelled(device, monkeypatch, config):
     y = layer_norm(x, None, None)
     # The input itself is exact; fp32 rounding of x - mean leaves ~1e-4 / 1 relative error at most.
     assert_rel_close(y, layer_norm_ref(x, None, None), tol=1e-4)
-    # The chunked pass sums deviations from its first chunk's mean: a first chunk far from the rest of
-    # the row (row 0), and a first chunk holding the row's only large values (row 1)
-    x = randn(2, 257, device=device)
+    # The chunked pass sums each lane's deviations from the lane's first element (the row's first chunk)
+    # and merges the lanes about the row's first element: a first chunk far from the rest of the row
+    # (row 0), a first chunk holding the row's only large values (row 1), an outlier first element (row 2)
+    x = randn(3, 257, device=device)
     x[0, :64] += 1000.0
     x[1, :64] += 300.0
     x[1, 64:] = 0.001 * x[1, 64:] + 2.0
+    x[2] += 500.0
+    x[2, 0] = -3000.0
     assert_rel_close(layer_norm(x, None, None), layer_norm_ref(x, None, None), tol=1e-4)
 
 

@@ -6,10 +6,10 @@ quantizing), a chunk of ``BLOCK_N`` columns at a time.
 
 - :func:`lane_stats` (pass 1): each lane of the ``[BLOCK_M, BLOCK_N]`` block
   accumulates its own statistics over the chunks and the lanes are merged
-  once after the loop: no reduction across warps (a barrier) inside it.
-  RMSNorm sums squares; LayerNorm sums the deviations from the first chunk's
-  mean and their squares, never E[h^2] - E[h]^2 about 0 (which cancels when
-  |mean| >> std). Its loads are marked evict_last so that the next pass's
+  once after the loop: no reduction across warps (a barrier) before or inside it.
+  RMSNorm sums squares; LayerNorm sums each lane's deviations from its first
+  element and their squares, never E[h^2] - E[h]^2 about 0 (which cancels
+  when |mean| >> std). Its loads are marked evict_last so that the next pass's
   re-read of the row finds it in L2.
 - :func:`lane_amax` (quantized forwards): the absolute max of y, per lane.
 - :func:`write_y` (last pass): y (or its quantized codes) from the re-read.
@@ -149,19 +149,21 @@ def lane_stats(
     """Pass 1 over the N columns: (mean, M2) of each row (RMSNorm: (0, sum of squares)); writes the
     residual sum h through ``h_rows`` when HAS_RESIDUAL. ``cols``: ``arange(0, BLOCK_N)``.
 
-    LayerNorm sums d = h - shift and d^2 per lane, ``shift`` being the mean of the row's first chunk (one
-    reduction before the loop): M2 = sum d^2 - (sum d)^2 / n loses about (mean - shift)^2 / var units
-    of rounding, and a chunk's mean is within sqrt(n / BLOCK_N) standard deviations of the row's (Cauchy-
-    Schwarz), so the loss stays bounded (|mean| >> std costs nothing) at 4 operations an element (a
-    per-lane Welford update measured 71% of copy at 32K columns on the H200, PERF.md v5).
+    LayerNorm: lane p of the block sees the k_p elements h[p], h[p + BLOCK_N], ... and sums d = h - h[p]
+    and d^2 about its own first element, so the loop starts without a reduction (a barrier the chunk
+    loads cannot pass); the lanes' (k_p, mean_p, M2_p) are merged once after it (Chan), about the
+    row's first element. A lane's M2_p = sum d^2 - (sum d)^2 / k_p loses about (mean_p - h[p])^2 / var_p
+    units of rounding, and any one element lies within sqrt(k_p) standard deviations of its lane's
+    mean, so the loss stays within k_p = N / BLOCK_N units (|mean| >> std costs nothing), at 4
+    operations an element. (A per-lane Welford update measured 71% of copy at 32K columns on the
+    H200, PERF.md v5.)
     """
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or of d^2 (LayerNorm)
     acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d
-    shift = fx.zeros([BLOCK_M], dtype=fx.float32)
+    shift = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     if not IS_RMS:  # (names of their own: values assigned before a loop and in it are carried through it)
         mask0 = row_ok[:, None] & (cols < N)[None, :]
-        h0 = load_h(x_rows, r_rows, cols[None, :], mask0, HAS_RESIDUAL, "evict_last")
-        shift = fx.sum(h0, axis=1) / fx.minimum(N, BLOCK_N)
+        shift = load_h(x_rows, r_rows, cols[None, :], mask0, HAS_RESIDUAL, "evict_last")
     for start in range(0, N, BLOCK_N):
         c = start + cols
         mask = row_ok[:, None] & (c < N)[None, :]
@@ -171,14 +173,20 @@ def lane_stats(
         if IS_RMS:
             acc += h * h  # masked elements are 0
         else:
-            d = fx.where(mask, h - shift[:, None], 0.0)
+            d = fx.where(mask, h - shift, 0.0)
             acc1 += d
             acc += d * d
     if IS_RMS:
-        return shift, fx.sum(acc, axis=1)
-    s1 = fx.sum(acc1, axis=1)
-    n = N * 1.0
-    return shift + s1 / n, fx.maximum(fx.sum(acc, axis=1) - s1 * (s1 / n), 0.0)
+        return fx.zeros([BLOCK_M], dtype=fx.float32), fx.sum(acc, axis=1)
+    k = ((N - cols + (BLOCK_N - 1)) // BLOCK_N).to(fx.float32)  # elements of lane p: 0 past N
+    valid = row_ok[:, None] & (k > 0)[None, :]
+    kk = fx.where(valid, k[None, :], 1.0)
+    first = fx.max(load_h(x_rows, r_rows, fx.zeros([1, 1], dtype=fx.int32), row_ok[:, None], HAS_RESIDUAL, ""), axis=1)
+    lane_mean = fx.where(valid, (shift - first[:, None]) + acc1 / kk, 0.0)  # mean_p - h[0]
+    mean = fx.sum(kk * lane_mean, axis=1) / N  # - h[0]
+    dm = fx.where(valid, lane_mean - mean[:, None], 0.0)
+    m2 = fx.sum(fx.where(valid, acc - acc1 * (acc1 / kk), 0.0) + kk * dm * dm, axis=1)
+    return first + mean, fx.maximum(m2, 0.0)
 
 
 @flyc.func
