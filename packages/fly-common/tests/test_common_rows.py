@@ -27,6 +27,16 @@ def test_validity_predicate_rejects():
     assert row_config_valid(RowConfig(1, 32768, 32, False), 65536, "sm_90")
 
 
+def test_register_caps():
+    capped = RowConfig(1, 4096, 8, True, maxnreg=128)
+    assert row_config_valid(capped, 4096, "sm_90")
+    assert capped.launch_options() == {"num_warps": 8, "maxnreg": 128}
+    assert RowConfig(1, 4096, 8, True).launch_options() == {"num_warps": 8}
+    assert not row_config_valid(capped, 4096, "gfx942")  # Triton's maxnreg is NVIDIA's
+    for bad in (20, 100, 256):  # under 24, not a multiple of 8, over 255
+        assert not row_config_valid(RowConfig(1, 4096, 8, True, maxnreg=bad), 4096, "sm_90")
+
+
 def test_as_rows_views_without_copy():
     x = torch.randn(2, 3, 8)
     r = as_rows(x)

@@ -107,7 +107,7 @@ def test_low_level_launch_writes_every_element(device):
     x = randn(3, 257, device=device)
     w = randn(257, device=device, seed=1)
     dy = randn(3, 257, device=device, seed=4)
-    for cfg in (RowConfig(2, 512, 4, True), CHUNKED):
+    for cfg in (RowConfig(2, 512, 4, True), CHUNKED, RowConfig(2, 512, 4, True, maxnreg=128)):
         y = empty_poisoned(3, 257, dtype=torch.float32, device=device)
         rstd = empty_poisoned(3, dtype=torch.float32, device=device)
         rmsnorm_fwd(x, w, y, eps=1e-6, rstd=rstd, config=cfg)

@@ -19,6 +19,8 @@ read twice, the second time mostly from L2):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import flydsl.compiler as flyc
@@ -172,7 +174,7 @@ def _launch_rows(x2, q2, s, mode: int, qdtype: torch.dtype, cfg: QuantConfig, st
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
+        **cfg.launch_options(),
     )
 
 
@@ -259,6 +261,6 @@ def quantize_per_tensor(
         _launch_rows(x2, q2, amax, _MODE_AMAX, dtype, cfg)
         _launch_amax_to_scale(amax, scale_t, dtype)
     if cfg.single_pass:  # the static path always streams the row once
-        cfg = QuantConfig(cfg.block_m, cfg.block_n, cfg.num_warps, False)
+        cfg = dataclasses.replace(cfg, single_pass=False)
     _launch_rows(x2, q2, scale_t, _MODE_STATIC, dtype, cfg)
     return q, scale_t

@@ -50,6 +50,15 @@ class RowConfig:
     block_n: int  # columns per step (a power of two)
     num_warps: int
     single_pass: bool  # the whole row fits in one step and is kept in registers
+    # Register cap a thread (NVIDIA, Triton's ``maxnreg``), or None: more programs fit an SM (Hopper's
+    # row kernels are occupancy-bound) at the price of spills.
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        """Triton's launch options of this config: ``num_warps`` and, when capped, ``maxnreg``."""
+        if self.maxnreg is None:
+            return {"num_warps": self.num_warps}
+        return {"num_warps": self.num_warps, "maxnreg": self.maxnreg}
 
 
 def _max_warps(arch: str) -> int:
@@ -64,6 +73,8 @@ def row_config_valid(cfg: RowConfig, n: int, arch: str = "sm_90") -> bool:
         return False
     if cfg.block_m * cfg.block_n > 65536:  # Triton's per-block tensor limit is 2**20; keep registers sane
         return False
+    if cfg.maxnreg is not None and (arch.startswith("gfx") or not 24 <= cfg.maxnreg <= 255 or cfg.maxnreg % 8):
+        return False  # a cap: NVIDIA only, whole multiples of 8 as ptxas allocates them
     if cfg.single_pass:
         return cfg.block_n >= n
     return cfg.block_m == 1  # chunked rows are processed one row per program

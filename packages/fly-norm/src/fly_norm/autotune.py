@@ -9,6 +9,7 @@ never benchmarks unless ``FLYDSL_AUTOTUNE=1`` or ``autotune=True``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,14 +142,23 @@ def candidates(key, arch: str) -> list[RowConfig]:
             for warps in (4, 8, 16, 32):
                 if 4 <= block_n // (32 * warps) <= 16:
                     out.append(RowConfig(1, block_n, warps, False))
+                    if warps == 32:  # 29-46 registers uncapped (sm_90): one program an SM above 32
+                        out.append(RowConfig(1, block_n, warps, False, maxnreg=32))
     return out
+
+
+# Register caps the backward's search tries beside each uncapped config (sm_90, `tools/sm90_compile.py`:
+# layer_norm's 16-element configs take 143-147 registers, one 8-warp program an SM or three of 4 warps;
+# at 128 two and four fit without spilling, at 96 five of 4 warps with a small spill; 16 warps at 64: two).
+_BWD_CAPS = {4: (128, 96), 8: (128,), 16: (64,)}
 
 
 def bwd_candidates(key, arch: str) -> list[RowConfig]:
     """The backward's space: single pass at 8 or 16 elements a thread and 4-16 warps (more spill; see above).
 
     Rows wider than the single-pass limit take the split paths on a GPU (not steered by a row config), so
-    only single-pass configs are searched; about six per key.
+    only single-pass configs are searched: about six per key, each also with the register caps of
+    ``_BWD_CAPS`` (about fourteen in all).
     """
     n = key["n_bucket"]
     out = []
@@ -157,7 +167,9 @@ def bwd_candidates(key, arch: str) -> list[RowConfig]:
             per_program = 32 * warps * elems
             if per_program < n or per_program // n > 64:
                 continue
-            out.append(RowConfig(per_program // n, n, warps, True))
+            cfg = RowConfig(per_program // n, n, warps, True)
+            out.append(cfg)
+            out += [dataclasses.replace(cfg, maxnreg=cap) for cap in _BWD_CAPS[warps]]
     return out
 
 

@@ -371,7 +371,7 @@ def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offs
     meta = dict(
         IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
         COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        num_warps=cfg.num_warps,
+        **cfg.launch_options(),
     )
     # fmt: on
     return args, meta

@@ -51,13 +51,13 @@ _FIXED_WIDTHS: set[int] = set()
 def row_meta(cfg, n: int) -> dict:
     """The row kernels' launch constexprs for config ``cfg`` (a :class:`~flydsl_common.rows.RowConfig`) on
     rows of ``n`` columns: BLOCK_M, BLOCK_N, SINGLE_PASS, N_FIXED (``n`` for chunked rows while fewer than
-    FIXED_WIDTHS_MAX widths are fixed, else 0) and num_warps."""
+    FIXED_WIDTHS_MAX widths are fixed, else 0) and the launch options (num_warps, maxnreg when capped)."""
     fixed = 0
     if not cfg.single_pass and (n in _FIXED_WIDTHS or len(_FIXED_WIDTHS) < FIXED_WIDTHS_MAX):
         _FIXED_WIDTHS.add(n)
         fixed = n
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass, N_FIXED=fixed,
-                num_warps=cfg.num_warps)
+                **cfg.launch_options())
 
 
 @flyc.func
