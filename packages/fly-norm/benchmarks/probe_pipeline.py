@@ -1,6 +1,6 @@
 """Probes of the wide-row paths: python probe_pipeline.py [--out DIR] [--part NAME ...]
 
-Design probes for PERF.md v4/v5, not the benchmark. bf16, M * N = 2**27, as a
+Design probes for PERF.md v4-v6, not the benchmark. bf16, M * N = 2**27, as a
 fraction of a device copy of the same bytes measured in the same run. Parts
 ``rows`` and ``two_pass`` (round 1, software-pipelined cp.async loads):
 
@@ -14,15 +14,17 @@ fraction of a device copy of the same bytes measured in the same run. Parts
 - ``chunked``: the production chunked forwards (``norm._norm_fwd_kernel``,
   ``softmax._softmax_fwd_kernel``, per-lane since the fourth session) with
   the split routing switched off, over (BLOCK_N, warps) candidates at
-  16K-256K: which widths they should serve, and their default configs;
+  8K-256K, with the width fixed at compile time or read at run time (r4):
+  which widths they should serve, and their default configs;
 - ``split``: the production register-resident split kernels (norm and
   softmax forwards, softmax backward) over (slice, warps, register cap),
   32K-256K. (The fifth session's
   ``sliced`` part measured slices streamed in chunks and re-read from L2:
   50-72% of copy, below the split kernels everywhere; removed, results in
   ``results/probe-pipeline-r2-sliced-bwdtile.json``.)
-- ``bwd_op``: the whole rms_norm backward through autograd (as the benchmark
-  times it) with the tiled split kernel and with the register-resident one.
+- ``bwd_op``: the whole rms_norm / layer_norm backward through autograd (as
+  the benchmark times it) with the tiled split kernel (with and without its
+  lead, ``BWD_OP_CFGS``) and with the register-resident one, 16K-64K.
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -248,23 +250,47 @@ SPLIT_LN_CFGS = [(4096, 4, 96), (8192, 8, None)]
 SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None), (8192, 8, None)]
 
 
-def _bwd_op_case(n, cfg, copy):
-    """The whole rms_norm backward as the benchmark times it (autograd through the public op: the split
-    kernel, the weight-gradient column sum, the casts), with ``split.BWD_TILED = cfg`` (None: the register-
-    resident kernel): the A/B the fifth session's probe and benchmark disagreed on (PERF.md v5)."""
-    from fly_norm import rms_norm
+# The bwd_op part's split-backward configs: None (the register-resident kernel), else the tiled kernel's
+# (slice, warps, register cap, rows a tile[, lead]); r5 adds the lead (pass 1 one tile ahead of the wait;
+# sm_90: 2048 x 4 rows takes 168 registers without it, 184 with it, so 168 is tried as a cap).
+BWD_OP_CFGS = (
+    None, (2048, 4, None, 4), (2048, 4, None, 4, 1), (2048, 4, 168, 4, 1), (2048, 4, None, 2, 1),
+    (1024, 4, None, 4, 1), (1024, 4, None, 8, 1), (4096, 4, None, 2, 1),
+)  # fmt: skip
+
+
+def _bwd_op_case(n, cfg, copy, is_rms=True):
+    """The whole norm backward as the benchmark times it (autograd through the public op: the split kernel,
+    the weight-gradient column sums, the casts), with ``split.BWD_TILED`` / ``LN_BWD_TILED = cfg`` (None:
+    the register-resident kernel); the gradients are checked against the register-resident kernel's."""
+    from fly_norm import layer_norm, rms_norm
     from fly_norm._kernels import split
 
-    split.BWD_TILED = cfg
     m = (1 << 27) // n
     x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
     w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
+    b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
     dy = torch.randn(m, n, dtype=_DT, device="cuda")
-    y = rms_norm(x, w, 1e-6)
-    us = bench(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True)).median_us
-    split.BWD_TILED = None
-    nbytes = 2 * 3 * m * n + 2 * 2 * n + 4 * m  # as the benchmark counts: x, dy, dx; w, dw; rstd
-    return dict(N=n, op="rms_bwd_op", cfg=cfg, us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+    params = (x, w) if is_rms else (x, w, b)
+
+    def grads(c):
+        split.BWD_TILED = split.LN_BWD_TILED = c
+        y = rms_norm(x, w, 1e-6) if is_rms else layer_norm(x, w, b, 1e-5)
+        return y, torch.autograd.grad(y, params, dy, retain_graph=True)
+
+    try:
+        _, ref = grads(None)
+        y, got = grads(cfg)
+        err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref, strict=True))
+        us = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
+    except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+        return dict(N=n, op="rms_bwd_op" if is_rms else "ln_bwd_op", cfg=cfg, error=repr(e)[:300])
+    finally:
+        split.BWD_TILED = split.LN_BWD_TILED = None
+    # as the benchmark counts: x, dy, dx; w, dw (b, db); rstd (mean)
+    nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
+    return dict(N=n, op="rms_bwd_op" if is_rms else "ln_bwd_op", cfg=cfg, us=us,
+                frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_resident=err)  # fmt: skip
 
 
 def _production_split(copy: float) -> list[dict]:
@@ -328,11 +354,13 @@ def main() -> None:
     if "split" in args.part:
         rows += _production_split(copy)
     if "bwd_op" in args.part:
-        for n in (16384, 32768, 65536, 262144):
-            for cfg in (None, (2048, 4, None, 4), None):  # the resident kernel twice: run-to-run spread
-                r = _bwd_op_case(n, cfg, copy)
-                print(r, flush=True)
-                rows.append(r)
+        for n in (16384, 32768, 65536):
+            for is_rms in (True, False):
+                for cfg in (*BWD_OP_CFGS, None):  # the resident kernel twice: run-to-run spread
+                    r = _bwd_op_case(n, cfg, copy, is_rms)
+                    print(r, flush=True)
+                    rows.append(r)
+                    torch.cuda.empty_cache()
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
             for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),

@@ -109,12 +109,12 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiled", [None, (1024, 4, None, 4)], ids=["resident", "tiled"])
+@pytest.mark.parametrize("tiled", [None, (1024, 4, None, 4), (1024, 4, None, 4, 1)], ids=["resident", "tiled", "lead"])
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
-    register-resident kernel, the default, and the tiled one)."""
+    register-resident kernel, the default, and the tiled one, with and without its lead)."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_TILED", tiled)
@@ -281,14 +281,15 @@ def test_one_slice_quantized_forward(device, qdtype, fwd_launcher):
 
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("tile_rows", [1, 4])
-@pytest.mark.parametrize("tiled", [False, True], ids=["resident", "tiled"])
+@pytest.mark.parametrize("tiled", [None, 0, 1], ids=["resident", "tiled", "lead"])
 def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_bwd_split
 
     monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
-    monkeypatch.setattr(split, "BWD_TILED", (512, 4, None, tile_rows) if tiled else None)
-    monkeypatch.setattr(split, "LN_BWD_TILED", (512, 4, None, tile_rows) if tiled else None)
+    cfg = None if tiled is None else (512, 4, None, tile_rows, tiled)
+    monkeypatch.setattr(split, "BWD_TILED", cfg)
+    monkeypatch.setattr(split, "LN_BWD_TILED", cfg)
     m, n = 6, 257
     h = randn(m, n, device=device, scale=2.0) + 1.0
     w = randn(n, device=device, seed=1)
@@ -329,7 +330,7 @@ def test_one_slice_softmax(device):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled"],
+    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled", "norm_bwd_lead"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -344,7 +345,8 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
-    monkeypatch.setattr(split, "BWD_TILED", (64, 4, None, 2) if kernel == "norm_bwd_tiled" else None)
+    tiled = {"norm_bwd_tiled": (64, 4, None, 2), "norm_bwd_lead": (64, 4, None, 2, 1)}.get(kernel)
+    monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns

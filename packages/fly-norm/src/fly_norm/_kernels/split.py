@@ -87,7 +87,8 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 # tiles stay one row until that is understood.
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
-# across it): (columns a program owns, warps, register cap, rows a tile), or None for the register-resident
+# across it): (columns a program owns, warps, register cap, rows a tile[, lead: pass 1 one tile ahead of
+# the wait, see the kernel]), or None for the register-resident
 # kernel above. Measured on the H200 (PERF.md v5): in the probe (the split launch alone) RMSNorm 65-68% of
 # copy at 16K-64K against the register-resident kernel's 53-55%, but in the benchmark (the whole backward)
 # 65/63/62/59/42% at 16K-256K against v3's register-resident 66/68/61/56/49%: not better where the bars
@@ -369,6 +370,34 @@ def _norm_bwd_split_kernel(
         fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
 
 
+@flyc.func
+def _publish_tile(
+    h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, blk, M, c, cmask, r, part, stride_h, stride_dy,
+    weight_offset, IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, PARTS_POW2: fx.constexpr, ROWS: fx.constexpr,
+):  # fmt: skip
+    """The tiled backward's pass 1 over tile ``blk`` (rows past M: nothing loaded or published): the rows'
+    partial sums of g * xhat and g over this program's slice, published row by row (scalar atomics:
+    layer_norm tiles published as one block atomic waited out the spin limit on the GPU, PERF.md v4)."""
+    rows = blk * ROWS + r
+    mask = (rows < M)[:, None] & cmask[None, :]
+    h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h, stride_dy,
+                                      IS_RMS, "evict_last")  # fmt: skip
+    wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
+    xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy.to(fx.float32) * wv
+    if IS_RMS:
+        s_gx = fx.sum(g * xhat, axis=1)
+        s_g = s_gx
+    else:
+        s_gx, s_g = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both
+    for i in fx.static_range(ROWS):
+        mine = slot_ptr + row_offset(blk * ROWS + i, 2 * PARTS_POW2) + 2 * part
+        live = blk * ROWS + i < M
+        publish(mine, fx.sum(fx.where(r == i, s_gx, 0.0), axis=0), live)
+        if not IS_RMS:
+            publish(mine + 1, fx.sum(fx.where(r == i, s_g, 0.0), axis=0), live)
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_tiled_kernel(
@@ -377,40 +406,29 @@ def _norm_bwd_tiled_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    ROWS: fx.constexpr,
+    ROWS: fx.constexpr, LEAD: fx.constexpr,
 ):
     # fmt: on
     # The tiled form of the split backward: a program owns a column slice and walks tiles of ROWS rows.
-    # Pass 1 loads the tile (evict_last) for the rows' partial sums g * xhat and g, published once a
-    # tile; after the wait pass 2 re-reads the tile (from L2) for dx and the dweight/dbias sums. Nothing
-    # is held in registers across the wait (the register-resident kernel holds h, dy and their prefetch).
+    # Pass 1 (_publish_tile) loads the tile (evict_last) and publishes the rows' partial sums; after the
+    # wait pass 2 re-reads the tile (from L2) for dx and the dweight/dbias sums. Nothing is held in
+    # registers across the wait. With LEAD, pass 1 runs one tile ahead: a program publishes its next tile
+    # before it waits for this one, which its peers published an iteration ago, so the wait seldom stalls
+    # (two tiles a program in L2). No cycle of waits: a program waiting on tile t has published t + 1.
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     r = fx.arange(0, ROWS)
     k = fx.arange(0, 2)
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
+    if LEAD:
+        _publish_tile(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c, cmask, r, part, stride_h,
+                      stride_dy, weight_offset, IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
     for blk in fx.range(group, fx.cdiv(M, ROWS), groups, disable_licm=True):
         rows = blk * ROWS + r
         row_ok = rows < M
         mask = row_ok[:, None] & cmask[None, :]
-        h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h,
-                                          stride_dy, IS_RMS, "evict_last")  # fmt: skip
-        wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
-        xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy.to(fx.float32) * wv
-        if IS_RMS:
-            s_gx = fx.sum(g * xhat, axis=1)
-            s_g = s_gx
-        else:
-            s_gx, s_g = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both
-        # Published row by row with scalar atomics: layer_norm tiles published as one block atomic waited
-        # out the spin limit on the GPU (PERF.md v4).
-        for i in fx.static_range(ROWS):
-            mine = slot_ptr + row_offset(blk * ROWS + i, 2 * PARTS_POW2) + 2 * part
-            live = blk * ROWS + i < M
-            publish(mine, fx.sum(fx.where(r == i, s_gx, 0.0), axis=0), live)
-            if not IS_RMS:
-                publish(mine + 1, fx.sum(fx.where(r == i, s_g, 0.0), axis=0), live)
+        _publish_tile(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, blk + groups * LEAD, M, c, cmask, r, part,
+                      stride_h, stride_dy, weight_offset, IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
         base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
         slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
         slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
@@ -571,6 +589,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
+            **({"LEAD": int(len(cfg) > 4 and bool(cfg[4]))} if tiled else {}),
         )
         # fmt: on
         return args, meta
