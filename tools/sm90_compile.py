@@ -127,7 +127,7 @@ def _bwd_split(is_rms=True, parts=4):
 def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     """The tiled split backward (split.BWD_TILED) at a (slice, warps, cap, rows[, lead]) config."""
     _, sig, consts, _ = _bwd_split(is_rms)
-    lead = int(len(cfg) > 4 and bool(cfg[4]))
+    lead = cfg[4] if len(cfg) > 4 else 0
     return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3], LEAD=lead), cfg[1:3]
 
 
@@ -148,7 +148,9 @@ CASES = {
                    ("rms bwd tiled 2048x4 w4", _bwd_tiled(cfg=(2048, 4, None, 4))),
                    ("rms bwd tiled 2048x4 w4 lead", _bwd_tiled(cfg=(2048, 4, None, 4, 1))),
                    ("ln bwd tiled 1024x4 w4 lead", _bwd_tiled(is_rms=False, cfg=(1024, 4, None, 4, 1))),
-                   ("rms bwd tiled 2048x2 w4 lead", _bwd_tiled(cfg=(2048, 4, None, 2, 1)))],
+                   ("rms bwd tiled 2048x2 w4 lead", _bwd_tiled(cfg=(2048, 4, None, 2, 1))),
+                   ("rms bwd tiled 2048x2 w4 lead2", _bwd_tiled(cfg=(2048, 4, None, 2, 2))),
+                   ("ln bwd tiled 1024x4 w4 lead2", _bwd_tiled(is_rms=False, cfg=(1024, 4, None, 4, 2)))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)

@@ -251,11 +251,13 @@ SPLIT_SOFTMAX_BWD_CFGS = [(4096, 4, None), (8192, 8, None)]
 
 
 # The bwd_op part's split-backward configs: None (the register-resident kernel), else the tiled kernel's
-# (slice, warps, register cap, rows a tile[, lead]); r5 adds the lead (pass 1 one tile ahead of the wait;
-# sm_90: 2048 x 4 rows takes 168 registers without it, 184 with it, so 168 is tried as a cap).
+# (slice, warps, register cap, rows a tile[, lead]); r5 adds the leads (1: pass 1 one tile ahead of the wait;
+# 2: its loads also in flight through the wait and pass 2; sm_90: 2048 x 4 rows takes 168 registers without
+# a lead, 184 with one, so 168 is tried as a cap).
 BWD_OP_CFGS = (
     None, (2048, 4, None, 4), (2048, 4, None, 4, 1), (2048, 4, 168, 4, 1), (2048, 4, None, 2, 1),
     (1024, 4, None, 4, 1), (1024, 4, None, 8, 1), (4096, 4, None, 2, 1),
+    (2048, 4, None, 2, 2), (1024, 4, None, 4, 2), (2048, 4, None, 1, 2),
 )  # fmt: skip
 
 

@@ -109,7 +109,11 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiled", [None, (1024, 4, None, 4), (1024, 4, None, 4, 1)], ids=["resident", "tiled", "lead"])
+@pytest.mark.parametrize(
+    "tiled",
+    [None, (1024, 4, None, 4), (1024, 4, None, 4, 1), (1024, 4, None, 2, 2)],
+    ids=["resident", "tiled", "lead", "lead2"],
+)
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
@@ -281,7 +285,7 @@ def test_one_slice_quantized_forward(device, qdtype, fwd_launcher):
 
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("tile_rows", [1, 4])
-@pytest.mark.parametrize("tiled", [None, 0, 1], ids=["resident", "tiled", "lead"])
+@pytest.mark.parametrize("tiled", [None, 0, 1, 2], ids=["resident", "tiled", "lead", "lead2"])
 def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     from fly_norm._kernels import split
     from fly_norm._kernels.split import launch_bwd_split
@@ -330,7 +334,8 @@ def test_one_slice_softmax(device):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled", "norm_bwd_lead"],
+    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled", "norm_bwd_lead",
+     "norm_bwd_lead2"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -345,7 +350,8 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
-    tiled = {"norm_bwd_tiled": (64, 4, None, 2), "norm_bwd_lead": (64, 4, None, 2, 1)}.get(kernel)
+    tiled = {"norm_bwd_tiled": (64, 4, None, 2), "norm_bwd_lead": (64, 4, None, 2, 1),
+             "norm_bwd_lead2": (64, 4, None, 2, 2)}.get(kernel)  # fmt: skip
     monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)

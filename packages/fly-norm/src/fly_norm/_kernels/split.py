@@ -87,7 +87,7 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 # tiles stay one row until that is understood.
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
-# across it): (columns a program owns, warps, register cap, rows a tile[, lead: pass 1 one tile ahead of
+# across it): (columns a program owns, warps, register cap, rows a tile[, lead 0-2: pass 1 a tile ahead of
 # the wait, see the kernel]), or None for the register-resident
 # kernel above. Measured on the H200 (PERF.md v5): in the probe (the split launch alone) RMSNorm 65-68% of
 # copy at 16K-64K against the register-resident kernel's 53-55%, but in the benchmark (the whole backward)
@@ -372,16 +372,14 @@ def _norm_bwd_split_kernel(
 
 @flyc.func
 def _publish_tile(
-    h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, blk, M, c, cmask, r, part, stride_h, stride_dy,
-    weight_offset, IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, PARTS_POW2: fx.constexpr, ROWS: fx.constexpr,
+    h, dy, rstd, mean, w_ptr, slot_ptr, blk, M, c, cmask, r, part, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, PARTS_POW2: fx.constexpr, ROWS: fx.constexpr,
 ):  # fmt: skip
-    """The tiled backward's pass 1 over tile ``blk`` (rows past M: nothing loaded or published): the rows'
-    partial sums of g * xhat and g over this program's slice, published row by row (scalar atomics:
-    layer_norm tiles published as one block atomic waited out the spin limit on the GPU, PERF.md v4)."""
-    rows = blk * ROWS + r
-    mask = (rows < M)[:, None] & cmask[None, :]
-    h, dy, rstd, mean = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h, stride_dy,
-                                      IS_RMS, "evict_last")  # fmt: skip
+    """The tiled backward's pass 1 over tile ``blk`` from its loaded h and dy (storage dtype; rows past M
+    load as zeros and publish nothing): the rows' partial sums of g * xhat and g over this program's
+    slice, published row by row (scalar atomics: layer_norm tiles published as one block atomic waited
+    out the spin limit on the GPU, PERF.md v4)."""
+    mask = (blk * ROWS + r < M)[:, None] & cmask[None, :]
     wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
     xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
     g = dy.to(fx.float32) * wv
@@ -410,25 +408,34 @@ def _norm_bwd_tiled_kernel(
 ):
     # fmt: on
     # The tiled form of the split backward: a program owns a column slice and walks tiles of ROWS rows.
-    # Pass 1 (_publish_tile) loads the tile (evict_last) and publishes the rows' partial sums; after the
+    # Pass 1 loads the tile (evict_last) and publishes the rows' partial sums (_publish_tile); after the
     # wait pass 2 re-reads the tile (from L2) for dx and the dweight/dbias sums. Nothing is held in
-    # registers across the wait. With LEAD, pass 1 runs one tile ahead: a program publishes its next tile
-    # before it waits for this one, which its peers published an iteration ago, so the wait seldom stalls
-    # (two tiles a program in L2). No cycle of waits: a program waiting on tile t has published t + 1.
+    # registers across the wait. LEAD runs pass 1 one tile ahead: a program publishes its next tile
+    # before it waits for this one, which its peers published an iteration ago, so the wait seldom
+    # stalls (two tiles a program in L2). LEAD = 2 also keeps the next tile's loads in flight through the
+    # wait and pass 2, reducing and publishing them after (their registers held meanwhile). No cycle of
+    # waits: with a lead, the tile a program waits on was published by its peers before the loop or in
+    # their previous iteration, which itself waited only on an earlier tile.
     group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     r = fx.arange(0, ROWS)
     k = fx.arange(0, 2)
     dw = fx.zeros([SLICE], dtype=fx.float32)
     db = fx.zeros([SLICE], dtype=fx.float32)
+    ahead = groups * (LEAD != 0)  # the tile pass 1 works on, relative to the one waited for
     if LEAD:
-        _publish_tile(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c, cmask, r, part, stride_h,
-                      stride_dy, weight_offset, IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
+        h0, dy0, rstd0, mean0 = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, group * ROWS + r, M, c, cmask,
+                                              stride_h, stride_dy, IS_RMS, "evict_last")  # fmt: skip
+        _publish_tile(h0, dy0, rstd0, mean0, w_ptr, slot_ptr, group, M, c, cmask, r, part, weight_offset, IS_RMS,
+                      HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
     for blk in fx.range(group, fx.cdiv(M, ROWS), groups, disable_licm=True):
         rows = blk * ROWS + r
         row_ok = rows < M
         mask = row_ok[:, None] & cmask[None, :]
-        _publish_tile(h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, blk + groups * LEAD, M, c, cmask, r, part,
-                      stride_h, stride_dy, weight_offset, IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
+        h1, dy1, rstd1, mean1 = load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows + ahead * ROWS, M, c, cmask,
+                                              stride_h, stride_dy, IS_RMS, "evict_last")  # fmt: skip
+        if LEAD != 2:
+            _publish_tile(h1, dy1, rstd1, mean1, w_ptr, slot_ptr, blk + ahead, M, c, cmask, r, part, weight_offset,
+                          IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
         base = slot_ptr + row_offset(rows, 2 * PARTS_POW2)
         slots = base[:, None, None] + 2 * p_idx[None, :, None] + k[None, None, :]
         slots_ok = row_ok[:, None, None] & p_ok[None, :, None] & (k[None, None, :] < 2 - IS_RMS)
@@ -454,6 +461,9 @@ def _norm_bwd_tiled_kernel(
             dw += fx.sum(dyf * xhat, axis=0)
         if COMPUTE_DB:
             db += fx.sum(dyf, axis=0)
+        if LEAD == 2:
+            _publish_tile(h1, dy1, rstd1, mean1, w_ptr, slot_ptr, blk + ahead, M, c, cmask, r, part, weight_offset,
+                          IS_RMS, HAS_WEIGHT, PARTS_POW2, ROWS)  # fmt: skip
     if COMPUTE_DW:
         fx.store(dwp_ptr + row_offset(group, N) + c, dw, mask=cmask)
     if COMPUTE_DB:
@@ -589,7 +599,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
-            **({"LEAD": int(len(cfg) > 4 and bool(cfg[4]))} if tiled else {}),
+            **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
         # fmt: on
         return args, meta
