@@ -34,6 +34,8 @@ row), hidden by the loads in flight during it: the other programs resident on
 the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
+With a lead (the config's fifth element) it publishes its next tile before
+waiting on the current one (v6, not yet measured on the GPU).
 
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
