@@ -28,14 +28,14 @@ Every element is read once and written once: the copy's floor.
 
 The tiled norm backward (``BWD_TILED``) instead holds nothing across the
 wait: a program walks tiles of a few rows of its slice, exchanges the tile's
-sums, then re-reads the tile (from L2) to write dx. What limits the speed is
+sums, then re-reads the tile (from L2) to write dx; with a lead (the config's
+fifth element) it publishes its next tile before waiting on the current one
+(v6, not yet measured on the GPU). What limits the speed is
 the exchange's latency (a publish reaching L2 and a poll seeing it, ~1 us a
 row), hidden by the loads in flight during it: the other programs resident on
 the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
-With a lead (the config's fifth element) it publishes its next tile before
-waiting on the current one (v6, not yet measured on the GPU).
 
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
