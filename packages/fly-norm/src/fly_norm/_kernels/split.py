@@ -67,8 +67,8 @@ __all__ = [
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 # Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (passes.row_meta;
-# at 32K rms_norm 98%, softmax 93%, layer_norm 89% of copy, against 85% split: PERF.md v6); wider rows'
-# second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
+# at 32K rms_norm 97%, softmax 92%, layer_norm 86% of copy in the v6 benchmark, against 85/81/75% in v5's
+# (rms_norm split); wider rows' second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
 SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # Rows of more slices than this take the chunked paths: the wave then holds only a few rows and every
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
