@@ -199,7 +199,9 @@ def _tune_keys_for(name: str):
 # on its own device thread, where a context variable set here is not visible.
 _CAPTURE: list[tuple[str, list]] = []
 
-_TUNE_ELEMENTS = 1 << 25  # rows of the bucket's width, 64 MiB of bf16: past L2, like real activations
+# Rows of the bucket's width, 2^27 elements as the benchmark runs (PERF.md, "Why 2^27"): at 2^25 a kernel's
+# ramp and tail are ~6% of its time and weigh differently per config (the v6 artifacts were searched at 2^25).
+_TUNE_ELEMENTS = 1 << 27
 
 
 def _run_op(op: str, m: int, n: int, dtype: torch.dtype, device) -> None:
