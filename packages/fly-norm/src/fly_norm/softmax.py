@@ -223,7 +223,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
     """
     m, n = x2.shape
-    if split_applies(n, SPLIT_MIN_N):
+    if split_applies(n):
         if launch_softmax_fwd_split(x2, y2):
             return
     flyc.launch(

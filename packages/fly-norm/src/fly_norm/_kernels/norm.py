@@ -331,7 +331,7 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n, SPLIT_MIN_N):  # wide rows on a GPU: split.py
+    if split_applies(n):  # wide rows on a GPU: split.py
         code, qmax = _quant_code(qdtype), _qmax(qdtype)
         ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, code, qmax)
         if launch_fwd_split.__wrapped__(*ops):
