@@ -29,6 +29,11 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   production kernel at the same configs (what quantizing costs: 59-82% of
   copy against 94-98% in v6), and a persistent prototype that prefetches
   the next rows through the two reductions.
+- ``bwd_ab``: the single-pass norm backward (256-8K columns) with its default config and with the
+  searched one, alternated three times in one process, each timed two ways: the whole backward through
+  autograd (as the benchmark) and the op's own launch (``backward_into``, as the tuner). The sixth
+  session's search picked configs that it timed 5-9% faster than the defaults but that the benchmark
+  measured up to 3x slower (rms_norm at 8K with a 64-register cap: tuned 207 us, benchmark 691 us).
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -400,6 +405,54 @@ def _bwd_op_case(n, cfg, copy, is_rms=True):
                 frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_resident=err)  # fmt: skip
 
 
+def _bwd_ab(copy: float) -> list[dict]:
+    """Default vs searched single-pass backward configs, alternated in one process (see the module doc)."""
+    import dataclasses
+
+    from fly_norm import autotune, layer_norm, rms_norm
+    from fly_norm._kernels.norm import backward_into
+
+    out = []
+    capped_8k = RowConfig(1, 8192, 16, True, maxnreg=64)
+    for is_rms in (True, False):
+        op = "rmsnorm_bwd" if is_rms else "layernorm_bwd"
+        for n in (256, 1024, 2048, 4096, 8192):
+            m = (1 << 27) // n
+            x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
+            w = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
+            b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
+            dy = torch.randn(m, n, dtype=_DT, device="cuda")
+            params = (x, w) if is_rms else (x, w, b)
+            y = rms_norm(x, w, 1e-6) if is_rms else layer_norm(x, w, b, 1e-5)
+            h = x.detach()
+            rstd = torch.rand(m, dtype=torch.float32, device="cuda") + 0.5
+            mean = None if is_rms else torch.randn(m, dtype=torch.float32, device="cuda")
+            dx, dw, db = torch.empty_like(h), torch.empty_like(w), torch.empty_like(b)
+            key = autotune.tuning_key(n, _DT)
+            tun = autotune.TUNABLES[op]
+            cfgs = {"default": tun.default(key, "sm_90"), "searched": tun.select(key, "sm_90")}
+            if is_rms and n == 8192:
+                cfgs["capped64"] = capped_8k
+            nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
+            for rep in range(3):
+                for name, cfg in cfgs.items():
+                    autotune._FAST[(op, n, _DT, x.device)] = cfg
+                    try:
+                        us_op = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
+                        us_launch = bench(lambda: backward_into(
+                            h, w, dy, None, mean, rstd, dx, dw, None if is_rms else db, 0.0, is_rms, cfg)).median_us
+                        row = dict(N=n, op=op, which=name, rep=rep, cfg=dataclasses.astuple(cfg), us_autograd=us_op,
+                                   us_launch=us_launch, frac_copy_autograd=nbytes / (us_op * 1e-6) / 1e9 / copy,
+                                   frac_copy_launch=nbytes / (us_launch * 1e-6) / 1e9 / copy)
+                    except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                        row = dict(N=n, op=op, which=name, rep=rep, error=repr(e)[:300])
+                    print(row, flush=True)
+                    out.append(row)
+            autotune.clear_memo()
+            torch.cuda.empty_cache()
+    return out
+
+
 def _production_split(copy: float) -> list[dict]:
     """The library's register-resident split kernels over (slice, warps, cap) candidates."""
     from fly_norm import reference as ref
@@ -462,6 +515,8 @@ def main() -> None:
         rows += _production_split(copy)
     if "quant" in args.part:
         rows += _quant_cases(copy)
+    if "bwd_ab" in args.part:
+        rows += _bwd_ab(copy)
     if "bwd_op" in args.part:
         for n in (16384, 32768, 65536):
             for is_rms in (True, False):

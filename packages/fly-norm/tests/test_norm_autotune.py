@@ -75,6 +75,11 @@ def test_offline_task_is_the_ops_own_search_task(op, device, tmp_path, monkeypat
     result = small.search(key, arch, task, persist=False)
     assert row_config_valid(result.config, 64, arch)
     assert not result.rejected  # every candidate computed the right answer
+    if op in ("rmsnorm_bwd", "layernorm_bwd"):
+        # the training case: the searched kernel also reduces dweight (and dbias), a costlier
+        # specialization than dx alone (PERF.md v7)
+        _, dw, db = task.run(result.config)
+        assert dw.shape == (64,) and (db.shape == (64,)) == (op == "layernorm_bwd")
 
 
 def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatch):

@@ -224,7 +224,12 @@ def _run_op(op: str, m: int, n: int, dtype: torch.dtype, device) -> None:
     if op.endswith("_fwd"):
         fwd(x)
         return
-    x.requires_grad_(True)
+    # The weight and bias need gradients too, as in training: a backward without dweight/dbias is another
+    # kernel specialization (no per-column accumulators: ~40 fewer registers a thread), and configs
+    # searched on it misfire on the real one (PERF.md v7: a 64-register cap timed 207 us without
+    # dweight, 688 us with it).
+    for t in (x, w, b):
+        t.requires_grad_(True)
     fwd(x).backward(torch.randn(m, n, device=device, dtype=dtype))
 
 

@@ -90,14 +90,13 @@ BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gra
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
 # across it): (columns a program owns, warps, register cap, rows a tile[, lead 0-2: pass 1 a tile ahead of
-# the wait, see the kernel]), or None for the register-resident
-# kernel above. Measured on the H200 (PERF.md v5): in the probe (the split launch alone) RMSNorm 65-68% of
-# copy at 16K-64K against the register-resident kernel's 53-55%, but in the benchmark (the whole backward)
-# 65/63/62/59/42% at 16K-256K against v3's register-resident 66/68/61/56/49%: not better where the bars
-# are (16K-32K), so off by default until an A/B in one benchmark run decides. LayerNorm: 49-55% against
-# 54-60% in the probe.
-BWD_TILED = None  # RMSNorm; e.g. (2048, 4, None, 4)
-LN_BWD_TILED = None
+# the wait, see the kernel]), or None for the register-resident kernel above. Measured on the H200 (PERF.md
+# v7, probe_pipeline.py --part bwd_op: the whole backward through autograd, 16K/32K/64K columns), 2048
+# columns x 4 warps, 4-row tiles, lead 1, capped at 168 registers: RMSNorm 69/69/67% of copy against the
+# register-resident kernel's 54/54/52%, LayerNorm 58/60/60% against 58/55/53%. Lead 2 and the uncapped
+# lead 1 (184 registers) lost to it everywhere.
+BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
+LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
