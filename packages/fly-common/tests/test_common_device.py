@@ -40,14 +40,17 @@ def _reduce_kernel(x_ptr, out_ptr, n, stride, B: fx.constexpr):
     row = fx.program_id(0)
     cols = fx.arange(0, B)
     x = dev.load_row_f32(x_ptr + dev.row_offset(row, stride), cols, n, 0.0, 1)
-    fx.store(out_ptr + row * 6 + 0, dev.sum_f32(x, 0))
-    fx.store(out_ptr + row * 6 + 1, dev.sumsq_f32(x, 0))
-    fx.store(out_ptr + row * 6 + 2, dev.absmax_f32(x, 0))
+    fx.store(out_ptr + row * 8 + 0, dev.sum_f32(x, 0))
+    fx.store(out_ptr + row * 8 + 1, dev.sumsq_f32(x, 0))
+    fx.store(out_ptr + row * 8 + 2, dev.absmax_f32(x, 0))
     xm = fx.load(x_ptr + dev.row_offset(row, stride) + cols, mask=cols < n, other=-float("inf"))
-    fx.store(out_ptr + row * 6 + 3, dev.max_f32(xm, 0))
+    fx.store(out_ptr + row * 8 + 3, dev.max_f32(xm, 0))
     s, sq = dev.sum2_f32(x, x * x, 0)  # both sums in one reduction
-    fx.store(out_ptr + row * 6 + 4, s)
-    fx.store(out_ptr + row * 6 + 5, sq)
+    fx.store(out_ptr + row * 8 + 4, s)
+    fx.store(out_ptr + row * 8 + 5, sq)
+    sq2, amax2 = dev.sum_absmax_f32(x * x, x * -2.0, 0)  # a sum and an abs-max in one reduction
+    fx.store(out_ptr + row * 8 + 6, sq2)
+    fx.store(out_ptr + row * 8 + 7, amax2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -55,10 +58,11 @@ def _reduce_kernel(x_ptr, out_ptr, n, stride, B: fx.constexpr):
 def test_reductions_in_fp32_on_strided_rows(device, dtype, n):
     base = torch.randn(5, 160, device=device).to(dtype)
     x = base[:, 3 : 3 + n]  # row stride 160, offset start: strided rows
-    out = empty_poisoned(5, 6, dtype=torch.float32, device=device)
+    out = empty_poisoned(5, 8, dtype=torch.float32, device=device)
     _reduce_kernel[(5,)](x, out, n, x.stride(0), 128)
     xd = x.double()
-    ref = torch.stack([xd.sum(1), (xd * xd).sum(1), xd.abs().amax(1), xd.amax(1), xd.sum(1), (xd * xd).sum(1)], 1)
+    sq, amax = (xd * xd).sum(1), xd.abs().amax(1)
+    ref = torch.stack([xd.sum(1), sq, amax, xd.amax(1), xd.sum(1), sq, sq, 2 * amax], 1)
     assert_rel_close(out, ref, tol=1e-6)
 
 

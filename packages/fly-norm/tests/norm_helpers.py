@@ -37,9 +37,10 @@ def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, seed=0):
 
 
 def force_config(monkeypatch, module, cfg):
-    """Make every launch of ``module`` (forward and backward) use ``cfg``."""
+    """Make every launch of ``module`` (forward, backward and the quantized forward) use ``cfg``."""
     monkeypatch.setattr(module, "_fwd_config", lambda *a, **k: cfg)
     monkeypatch.setattr(module, "_bwd_config", lambda *a, **k: cfg)
+    monkeypatch.setattr(module, "_quant_config", lambda *a, **k: cfg)
 
 
 def reference_grads(ref_fn, tensors, upstream):

@@ -161,6 +161,27 @@ def test_chunked_path(device, monkeypatch):
     assert_quant_matches(q, s, *rms_norm_quant_ref(x, w, dtype=torch.int8))
 
 
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_quant_chunked_matches_single_pass(device, monkeypatch, qdtype):
+    """The quantized RMSNorm takes its row max from the statistics pass (max |y| = rstd * max |h * w|),
+    single pass and chunked: both match the reference, with residual and smooth scale, and each other's
+    scales to the last bits (the sums of squares are added in different orders)."""
+    x = randn(3, 257, device=device, scale=3.0)
+    x[1, 200] = 40.0  # an outlier far from the first chunk sets the row's max
+    r = randn(3, 257, device=device, seed=2)
+    w, sm = randn(257, device=device, seed=1), randn(257, device=device, seed=3).abs() + 0.5
+    qr, sr, hr = rms_norm_quant_ref(x, w, dtype=qdtype, smooth_scale=sm, residual=r)
+    got = []
+    for cfg in (RowConfig(4, 512, 4, True), CHUNKED):
+        force_config(monkeypatch, rmsnorm_mod, cfg)
+        q, s, h = rms_norm_quant(x, w, dtype=qdtype, smooth_scale=sm, residual=r)
+        assert_quant_matches(q, s, qr, sr)
+        assert_rel_close(h, hr)
+        got.append((s, h))
+    assert_rel_close(got[0][0], got[1][0], tol=1e-6)
+    assert torch.equal(got[0][1], got[1][1])
+
+
 # ---------------------------------------------------------------- backward
 
 

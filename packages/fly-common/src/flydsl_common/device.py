@@ -104,6 +104,17 @@ def sum2_f32(x, y, axis: fx.constexpr):
 
 
 @flyc.func
+def _add_max(a0, a1, b0, b1):
+    return a0 + b0, fx.maximum(a1, b1)
+
+
+@flyc.func
+def sum_absmax_f32(x, y, axis: fx.constexpr):
+    """(sum of x, max of |y|) in fp32 as one reduction: one exchange between warps instead of two."""
+    return fx.reduce((x.to(fx.float32), fx.abs(y.to(fx.float32))), axis, _add_max)
+
+
+@flyc.func
 def max_f32(x, axis: fx.constexpr):
     return fx.max(x.to(fx.float32), axis=axis)
 

@@ -13,8 +13,9 @@ Forward, per row ``h = x (+ residual)``::
 - chunked (wider rows, ``BLOCK_M == 1``): pass 1 accumulates the statistics
   per lane over the row's chunks and merges the lanes once after the loop,
   pass 2 re-reads the row (from L2) and writes y (:mod:`.passes`).
-  The quantized forward needs the row's absolute max of y before writing, so
-  it adds a third pass;
+  The quantized LayerNorm needs the row's absolute max of y before writing, so
+  it adds a third pass; the quantized RMSNorm gets it from pass 1
+  (``max |y| = rstd * max |h * w|``, :func:`.passes.weighted`);
 - split (rows wider than 16K columns on a GPU): each row over several
   programs of one resident wave, read once (:mod:`.split`).
 
@@ -43,13 +44,24 @@ from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
 from flydsl.testing import tolerance
-from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32
+from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32, sum_absmax_f32
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
-from .passes import inverse_scale, lane_amax, lane_stats, load_h, normalize, quantize, row_meta, row_ptrs, write_y
+from .passes import (
+    inverse_scale,
+    lane_amax,
+    lane_stats,
+    load_h,
+    normalize,
+    quantize,
+    row_meta,
+    row_ptrs,
+    weighted,
+    write_y,
+)
 from .split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
@@ -96,40 +108,58 @@ def _norm_fwd_kernel(
     x_rows, r_rows, y_rows, h_rows = row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y,
                                               stride_h, HAS_RESIDUAL)  # fmt: skip
 
+    # The quantized RMSNorm (FACTORED) computes y = weighted(h) * rstd: max |y| = rstd * max |weighted(h)|,
+    # which comes out of the same reduction as the sum of squares (passes.weighted).
+    FACTORED: fx.constexpr = IS_RMS and QUANT != 0
     if SINGLE_PASS:
         cmask = cols < N
         mask = row_ok[:, None] & cmask[None, :]
         h = load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL, "")
         if HAS_RESIDUAL:
             fx.store(h_rows + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
-        if IS_RMS:
+        if FACTORED:
+            mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+            u = weighted(h, w_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH)
+            ss, umax = sum_absmax_f32(h * h, u, 1)  # one exchange between warps for both
+            rstd = fx.rsqrt(ss / N + eps)
+            amax = umax * rstd
+            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+            fx.store(y_rows + cols[None, :], quantize(u * rstd[:, None], inverse_scale(amax, QMAX), QUANT), mask=mask)
+        elif IS_RMS:
             mean = fx.zeros([BLOCK_M], dtype=fx.float32)
             var = fx.sum(h * h, axis=1) / N
         else:
             mean = fx.sum(h, axis=1) / N
             d = fx.where(mask, h - mean[:, None], 0.0)
             var = fx.sum(d * d, axis=1) / N
-        rstd = fx.rsqrt(var + eps)
-        y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
-        if QUANT == 0:
-            fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
-            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
-            fx.store(y_rows + cols[None, :], quantize(y, inverse_scale(amax, QMAX), QUANT), mask=mask)
+        if not FACTORED:
+            rstd = fx.rsqrt(var + eps)
+            y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS,
+                          HAS_SMOOTH)  # fmt: skip
+            if QUANT == 0:
+                fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
+                fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+                fx.store(y_rows + cols[None, :], quantize(y, inverse_scale(amax, QMAX), QUANT), mask=mask)
     else:
         # Pass 1 (passes.lane_stats): the statistics in per-lane accumulators, merged once; the residual
-        # sum written. Pass 2 (+ the amax pass when quantizing): y from a re-read of the inputs (from L2).
-        mean, m2 = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, N, IS_RMS, HAS_RESIDUAL, BLOCK_M, BLOCK_N)
+        # sum written (FACTORED: and max |weighted(h)|). Pass 2 (after the quantized LayerNorm's amax pass):
+        # y from a re-read of the inputs (from L2).
+        mean, m2, umax = lane_stats(x_rows, r_rows, h_rows, row_ok, cols, N, w_ptr, s_ptr, weight_offset, IS_RMS,
+                                    HAS_RESIDUAL, HAS_WEIGHT, HAS_SMOOTH, FACTORED, BLOCK_M, BLOCK_N)  # fmt: skip
         rstd = fx.rsqrt(m2 / N + eps)
         inv = rstd  # unused unless quantizing
         if QUANT != 0:
-            amax = lane_amax(x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
-                             HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
+            if FACTORED:
+                amax = umax * rstd
+            else:
+                amax = lane_amax(x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
+                                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
             fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
             inv = inverse_scale(amax, QMAX)
         write_y(x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
-                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, BLOCK_N)  # fmt: skip
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, FACTORED, BLOCK_N)  # fmt: skip
 
     if STORE_STATS:
         if not IS_RMS:

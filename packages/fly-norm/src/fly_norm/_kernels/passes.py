@@ -1,8 +1,8 @@
 """Device helpers of the forwards' chunked passes over a row's ``N`` columns, shared by :mod:`.norm`
 and :mod:`fly_norm.softmax` (and their constants by :mod:`.split`).
 
-A row too wide to keep in registers is read twice (three times when
-quantizing), a chunk of ``BLOCK_N`` columns at a time.
+A row too wide to keep in registers is read twice (three times for the
+quantized LayerNorm), a chunk of ``BLOCK_N`` columns at a time.
 
 - :func:`lane_stats` (pass 1): each lane of the ``[BLOCK_M, BLOCK_N]`` block
   accumulates its own statistics over the chunks and the lanes are merged
@@ -11,7 +11,8 @@ quantizing), a chunk of ``BLOCK_N`` columns at a time.
   element and their squares, never E[h^2] - E[h]^2 about 0 (which cancels
   when |mean| >> std). Its loads are marked evict_last so that the next pass's
   re-read of the row finds it in L2.
-- :func:`lane_amax` (quantized forwards): the absolute max of y, per lane.
+- :func:`lane_amax` (quantized LayerNorm): the absolute max of y, per lane, a pass of its own (the
+  quantized RMSNorm gets it from pass 1: :func:`weighted`).
 - :func:`write_y` (last pass): y (or its quantized codes) from the re-read.
 - softmax: :func:`softmax_lane_stats` (pass 1: each lane's online max and sum
   of exponentials, one exp an element, merged once) and :func:`softmax_write`.
@@ -29,11 +30,12 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum_absmax_f32
 
 __all__ = [
     "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h", "normalize",
-    "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats", "softmax_write",
+    "weighted", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats",
+    "softmax_write",
 ]  # fmt: skip
 
 # exp(x) = exp2(x * log2(e)): exp2 is the hardware instruction (and the interpreter has no libdevice).
@@ -113,6 +115,22 @@ def normalize(
 
 
 @flyc.func
+def weighted(h, w_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr, HAS_SMOOTH: fx.constexpr):
+    """h * (w + offset) (* smooth): RMSNorm's y before its row scale rstd (RMSNorm has no bias).
+
+    The quantized RMSNorm computes y = weighted(h) * rstd: rstd > 0 scales every element of the row alike,
+    so max |y| = rstd * max |weighted(h)| exactly (rounding is monotonic), and the row's sum of squares
+    and that maximum come out of one reduction, before rstd is known (:func:`lane_stats` with UMAX).
+    """
+    u = h
+    if HAS_WEIGHT:
+        u = u * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)[None, :]
+    if HAS_SMOOTH:
+        u = u * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
+    return u
+
+
+@flyc.func
 def quantize(y, inv, QUANT: fx.constexpr):
     """Codes of y scaled by the per-row ``inv``: int8 (QUANT 1) or fp8 e4m3 (QUANT 2), saturating."""
     if QUANT == 1:
@@ -131,23 +149,30 @@ def inverse_scale(amax, QMAX: fx.constexpr):
 def _chunk_y(
     x_rows, r_rows, row_ok, c, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
-    EVICT: fx.constexpr,
+    EVICT: fx.constexpr, FACTORED: fx.constexpr,
 ):  # fmt: skip
-    """y of columns ``c`` (those below ``N``) re-read from the inputs with cache hint ``EVICT``, and its mask."""
+    """y of columns ``c`` (those below ``N``) re-read from the inputs with cache hint ``EVICT``, and its mask;
+    FACTORED: as weighted(h) * rstd (the quantized RMSNorm's order, see :func:`weighted`)."""
     cmask = c < N
     mask = row_ok[:, None] & cmask[None, :]
     h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
-    y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
+    if FACTORED:
+        y = weighted(h, w_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH) * rstd[:, None]
+    else:
+        y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
     return y, mask
 
 
 @flyc.func
 def lane_stats(
-    x_rows, r_rows, h_rows, row_ok, cols, N,
-    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+    x_rows, r_rows, h_rows, row_ok, cols, N, w_ptr, s_ptr, weight_offset,
+    IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_SMOOTH: fx.constexpr,
+    UMAX: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """Pass 1 over the N columns: (mean, M2) of each row (RMSNorm: (0, sum of squares)); writes the
-    residual sum h through ``h_rows`` when HAS_RESIDUAL. ``cols``: ``arange(0, BLOCK_N)``.
+    """Pass 1 over the N columns: (mean, M2, umax) of each row (RMSNorm: (0, sum of squares, umax)); writes
+    the residual sum h through ``h_rows`` when HAS_RESIDUAL. ``cols``: ``arange(0, BLOCK_N)``. With UMAX
+    (RMSNorm only) umax = max |weighted(h)|, reduced with the sum of squares in one exchange (the
+    quantized RMSNorm's amax is rstd * umax: no pass of its own); else 0.
 
     LayerNorm: lane p of the block sees the k_p elements h[p], h[p + BLOCK_N], ... and sums d = h - h[p]
     and d^2 about its own first element, so the loop starts without a reduction (a barrier the chunk
@@ -159,7 +184,7 @@ def lane_stats(
     H200, PERF.md v5.)
     """
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or of d^2 (LayerNorm)
-    acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d
+    acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d; RMS with UMAX: max |u|
     shift = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     if not IS_RMS:  # (names of their own: values assigned before a loop and in it are carried through it)
         mask0 = row_ok[:, None] & (cols < N)[None, :]
@@ -172,12 +197,19 @@ def lane_stats(
             fx.store(h_rows + c[None, :], h.to(h_rows.dtype.element_ty), mask=mask)
         if IS_RMS:
             acc += h * h  # masked elements are 0
+            if UMAX:
+                acc1 = fx.maximum(acc1, fx.abs(weighted(h, w_ptr, s_ptr, c, c < N, weight_offset, HAS_WEIGHT,
+                                                         HAS_SMOOTH)))  # fmt: skip
         else:
             d = fx.where(mask, h - shift, 0.0)
             acc1 += d
             acc += d * d
+    zero = fx.zeros([BLOCK_M], dtype=fx.float32)
     if IS_RMS:
-        return fx.zeros([BLOCK_M], dtype=fx.float32), fx.sum(acc, axis=1)
+        if UMAX:
+            ss, umax = sum_absmax_f32(acc, acc1, 1)
+            return zero, ss, umax
+        return zero, fx.sum(acc, axis=1), zero
     k = ((N - cols + (BLOCK_N - 1)) // BLOCK_N).to(fx.float32)  # elements of lane p: 0 past N
     valid = row_ok[:, None] & (k > 0)[None, :]
     kk = fx.where(valid, k[None, :], 1.0)
@@ -186,7 +218,7 @@ def lane_stats(
     mean = fx.sum(kk * lane_mean, axis=1) / N  # - h[0]
     dm = fx.where(valid, lane_mean - mean[:, None], 0.0)
     m2 = fx.sum(fx.where(valid, acc - acc1 * (acc1 / kk), 0.0) + kk * dm * dm, axis=1)
-    return first + mean, fx.maximum(m2, 0.0)
+    return first + mean, fx.maximum(m2, 0.0), zero
 
 
 @flyc.func
@@ -199,7 +231,8 @@ def lane_amax(
     amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for start in range(0, N, BLOCK_N):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last")  # fmt: skip
+                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last",
+                           False)  # fmt: skip
         amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
     return fx.max(amax, axis=1)
 
@@ -208,14 +241,15 @@ def lane_amax(
 def write_y(
     x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
-    QUANT: fx.constexpr, BLOCK_N: fx.constexpr,
+    QUANT: fx.constexpr, FACTORED: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0. h is
-    recomputed from x and residual rather than read back from residual_out, so the result is identical to
-    the single-pass path's."""
+    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0 (FACTORED: y as
+    weighted(h) * rstd). h is recomputed from x and residual rather than read back from residual_out, so
+    the result is identical to the single-pass path's."""
     for start in range(0, N, BLOCK_N):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
-                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first")  # fmt: skip
+                           weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first",
+                           FACTORED)  # fmt: skip
         if QUANT == 0:
             fx.store(y_rows + (start + cols)[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
         else:
