@@ -1,12 +1,14 @@
 """fly-gemm: FlyDSL GEMM kernels.
 
-Scope: dense / scaled GEMM with fused epilogues, MoE.
-
-This release is the package skeleton: it registers the ``gemm`` family with
-the ``flydsl`` command and exports no kernels yet. Kernels arrive in later
-releases; ``__all__`` is the public contract and grows with them.
+``gemm(a, b, ...)``: C = A @ B^T for fp16, bf16, fp8 e4m3 and int8, with
+per-tensor / per-row / per-column scales, bias and activation fused into the
+kernel's epilogue. :class:`GemmConfig` is the launch configuration. See the
+package README for the API table and its status.
 """
 
 from ._version import __version__
+from .autotune import GemmConfig
+from .gemm import gemm
+from .reference import gemm_ref
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "gemm", "gemm_ref", "GemmConfig"]

@@ -1,0 +1,1 @@
+"""Device code of fly-gemm (private): the kernels and their host launchers."""

@@ -1,0 +1,124 @@
+"""The pointer-based tiled GEMM: ``C = epilogue(A @ B^T)`` for every shape, stride and dtype.
+
+One program computes a ``BLOCK_M x BLOCK_N`` tile of C and walks K in
+``BLOCK_K`` steps with masked loads, so M, N and K may be anything (M = 1,
+K not a multiple of the tile, K = 0) and the operands are read through their
+strides in place (a transposed or sliced A or B costs no copy and needs no
+alignment). Programs take tiles in grouped order (``fx.grouped_tile``): the
+GROUP_M row-tiles of a group share their B tiles through L2.
+
+Accumulators: fp32 for fp16/bf16/fp8 e4m3 inputs, int32 for int8. The
+epilogue runs in fp32 on the accumulator before the one downcast::
+
+    c = act(acc * scale_a[m] * scale_b[n] + bias[n])
+
+with each scale per-tensor (one value), per-row / per-column, or absent. A raw
+int8 product (``RAW_INT``) stores the int32 accumulator itself.
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import activation, row_offset
+
+__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "launch_tiled"]
+
+SCALE_NONE = 0  # no scale
+SCALE_TENSOR = 1  # one value for the whole operand
+SCALE_VECTOR = 2  # one value a row of A (scale_a[M]) or a column of C (scale_b[N])
+
+
+@flyc.func
+def _scaled(acc, s_ptr, idx, ok, MODE: fx.constexpr, AXIS: fx.constexpr):
+    """acc times the scale of its rows (AXIS 0: per row of A) or columns (AXIS 1: per column of C)."""
+    if MODE == 1:
+        acc = acc * fx.load(s_ptr).to(fx.float32)
+    elif MODE == 2:
+        s = fx.load(s_ptr + idx, mask=ok, other=0.0).to(fx.float32)
+        if AXIS == 0:
+            acc = acc * s[:, None]
+        else:
+            acc = acc * s[None, :]
+    return acc
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _gemm_tiled_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
+    M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
+    INT_ACC: fx.constexpr, RAW_INT: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
+):
+    # fmt: on
+    pid_m, pid_n = fx.grouped_tile(fx.program_id(0), fx.cdiv(M, BLOCK_M), fx.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + fx.arange(0, BLOCK_N)
+    rk = fx.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # int64 offsets: M x K and N x K past 2^31 elements address correctly
+    a_ptrs = a_ptr + row_offset(rm, stride_am)[:, None] + row_offset(rk, stride_ak)[None, :]
+    # B's tile as [N, K], transposed for the dot: K-major operands, which Hopper's 8-bit wgmma requires
+    b_ptrs = b_ptr + row_offset(rn, stride_bn)[:, None] + row_offset(rk, stride_bk)[None, :]
+    a_step = row_offset(BLOCK_K, stride_ak)
+    b_step = row_offset(BLOCK_K, stride_bk)
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = fx.trans(fx.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
+        if INT_ACC:
+            acc += fx.dot(a, b, out_dtype=fx.int32)
+        else:
+            acc = fx.dot(a, b, acc)
+        a_ptrs += a_step
+        b_ptrs += b_step
+
+    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    c_ok = m_ok[:, None] & n_ok[None, :]
+    if RAW_INT:
+        fx.store(c_ptrs, acc, mask=c_ok)
+    else:
+        out = _scaled(acc.to(fx.float32), sa_ptr, rm, m_ok, SCALE_A, 0)
+        out = _scaled(out, sb_ptr, rn, n_ok, SCALE_B, 1)
+        if HAS_BIAS:
+            out += fx.load(bias_ptr + rn, mask=n_ok, other=0.0).to(fx.float32)[None, :]
+        out = activation(out, ACT)
+        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
+
+
+def _scale_mode(s) -> int:
+    if s is None:
+        return SCALE_NONE
+    return SCALE_TENSOR if s.numel() == 1 else SCALE_VECTOR
+
+
+@flyc.jit(skip_empty=False)
+def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None):
+    """Launch the tiled kernel: ``c[M, N] = epilogue(a[M, K] @ b_nk[N, K]^T)`` through the given strides.
+
+    ``b_nk`` is B as an ``[N, K]`` view (a ``[K, N]`` B goes as its transpose: only the strides differ).
+    ``scale_a`` / ``scale_b``: fp32, one element or one a row / column (flattened), or None. ``act``: an
+    ``ACT_*`` code of :mod:`flydsl_common.device`. ``cfg``: a :class:`fly_gemm.autotune.GemmConfig`.
+    With K = 0 the epilogue runs on zeros (bias and activation still apply).
+    """
+    m, k = a.shape
+    n = b_nk.shape[0]
+    if m == 0 or n == 0:
+        return
+    int_acc = a.dtype.is_floating_point is False
+    grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n),)
+    # fmt: off
+    flyc.launch(
+        _gemm_tiled_kernel, grid,
+        a, b_nk, c, bias, scale_a, scale_b,
+        m, n, k, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
+        SCALE_A=_scale_mode(scale_a), SCALE_B=_scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
+        INT_ACC=int_acc, RAW_INT=not c.dtype.is_floating_point,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        **cfg.launch_options(),
+    )
+    # fmt: on

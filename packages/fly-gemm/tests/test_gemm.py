@@ -1,0 +1,200 @@
+"""gemm against the fp64 reference: dtypes, epilogues, scales, layouts, odd and boundary shapes, bad input.
+
+CPU runs go through Triton's interpreter (small shapes; fp16, fp8 and int8, since the interpreter's bf16
+dot multiplies raw bit patterns); ``gpu`` tests add bf16 and the sizes the issue names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flydsl.arch
+from fly_gemm import GemmConfig, gemm, gemm_ref
+from fly_gemm.autotune import config_valid, default_config
+from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError
+from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
+
+# (M, N, K): one row and one column, K below one step and not a multiple of it, a ragged last tile in each
+# dimension, a tile boundary exactly (32).
+SHAPES = [(1, 1, 1), (1, 7, 16), (7, 33, 47), (33, 40, 5), (32, 32, 64), (50, 17, 33)]
+ACTIVATIONS = [None, "relu", "silu", "gelu_tanh", "gelu"]
+
+
+def _rand(*shape, dtype, device, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    if dtype == torch.int8:
+        return x.mul(40).round().clamp(-127, 127).to(device=device, dtype=dtype)
+    return x.to(device=device, dtype=dtype)
+
+
+def _out(m, n, dtype, device):
+    return empty_poisoned(m, n, dtype=dtype, device=device)  # unwritten elements fail as NaN
+
+
+def _tol(in_dtype, out_dtype):
+    # the inputs are exact in the reference (it reads the same quantized values): only the accumulation
+    # order and the output's rounding differ
+    return tolerance(out_dtype) if out_dtype != torch.float32 else 1e-5
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_fp16(device, m, n, k, out_dtype):
+    a, b = _rand(m, k, dtype=torch.float16, device=device), _rand(n, k, dtype=torch.float16, device=device, seed=1)
+    c = gemm(a, b, out_dtype=out_dtype, out=_out(m, n, out_dtype, device))
+    assert c.dtype == out_dtype
+    assert_rel_close(c, gemm_ref(a, b), tol=_tol(a.dtype, out_dtype))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bias_and_activation_epilogues(device, activation):
+    m, n, k = 37, 50, 40
+    a, b = _rand(m, k, dtype=torch.float16, device=device), _rand(n, k, dtype=torch.float16, device=device, seed=1)
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    c = gemm(a, b, bias=bias, activation=activation, out=_out(m, n, torch.float32, device))
+    assert_rel_close(c, gemm_ref(a, b, bias=bias, activation=activation), tol=1e-5)
+    # no bias, 16-bit output, 16-bit bias
+    c16 = gemm(a, b, bias=bias.half(), activation=activation)
+    assert_rel_close(c16, gemm_ref(a, b, bias=bias.half(), activation=activation))
+
+
+def test_layouts_and_strides_are_read_in_place(device):
+    """B as [K, N], transposed and sliced operands, a strided output: no copies, same result."""
+    m, n, k = 20, 24, 36
+    a_big = _rand(m, 2 * k, dtype=torch.float16, device=device)
+    a = a_big[:, ::2]  # column stride 2
+    b_kn = _rand(k, n, dtype=torch.float16, device=device, seed=1)
+    ref = gemm_ref(a, b_kn, b_layout="kn")
+    assert_rel_close(gemm(a, b_kn, b_layout="kn", out_dtype=torch.float32), ref, tol=1e-5)
+    assert_rel_close(gemm(a, b_kn.t(), out_dtype=torch.float32), ref, tol=1e-5)  # [N, K] view, column-major
+    at = _rand(k, m, dtype=torch.float16, device=device, seed=3).t()  # a transposed view
+    out_big = empty_poisoned(m, 2 * n, dtype=torch.float32, device=device)
+    c = gemm(at, b_kn, b_layout="kn", out=out_big[:, 1::2])
+    assert_rel_close(c, gemm_ref(at, b_kn, b_layout="kn"), tol=1e-5)
+    assert torch.isnan(out_big[:, 0::2]).all()  # nothing written outside the output's elements
+
+
+@pytest.mark.parametrize("sa_kind", ["none", "tensor", "row"])
+@pytest.mark.parametrize("sb_kind", ["none", "tensor", "col"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_scaled(device, dtype, sa_kind, sb_kind):
+    m, n, k = 19, 33, 50
+    a, b = _rand(m, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device, seed=1)
+    g = torch.Generator().manual_seed(5)
+    sa = {"none": None, "tensor": torch.rand(1, generator=g) + 0.5, "row": torch.rand(m, generator=g) + 0.5}[sa_kind]
+    sb = {"none": None, "tensor": torch.rand((), generator=g) + 0.5, "col": torch.rand(n, generator=g) + 0.5}[sb_kind]
+    sa, sb = (None if s is None else s.to(device) for s in (sa, sb))
+    bias = _rand(n, dtype=torch.bfloat16, device=device, seed=2)
+    c = gemm(a, b, scale_a=sa, scale_b=sb, bias=bias, activation="silu", out=_out(m, n, torch.bfloat16, device))
+    assert c.dtype == torch.bfloat16
+    assert_rel_close(c, gemm_ref(a, b, scale_a=sa, scale_b=sb, bias=bias, activation="silu"))
+    c32 = gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    assert_rel_close(c32, gemm_ref(a, b, scale_a=sa, scale_b=sb), tol=1e-5)
+
+
+def test_int8_raw_product_is_exact(device):
+    m, n, k = 9, 21, 70
+    a, b = _rand(m, k, dtype=torch.int8, device=device), _rand(n, k, dtype=torch.int8, device=device, seed=1)
+    c = gemm(a, b, out_dtype=torch.int32, out=_out(m, n, torch.int32, device))
+    assert c.dtype == torch.int32
+    assert torch.equal(c.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
+def test_default_output_dtypes(device):
+    a16 = _rand(3, 16, dtype=torch.float16, device=device)
+    assert gemm(a16, a16).dtype == torch.float16
+    a8 = _rand(3, 16, dtype=torch.float8_e4m3fn, device=device)
+    assert gemm(a8, a8).dtype == torch.bfloat16
+    i8 = _rand(3, 16, dtype=torch.int8, device=device)
+    assert gemm(i8, i8).dtype == torch.bfloat16
+
+
+def test_empty_and_zero_k(device):
+    a = torch.empty(0, 16, dtype=torch.float16, device=device)
+    b = _rand(5, 16, dtype=torch.float16, device=device)
+    assert gemm(a, b).shape == (0, 5)
+    assert gemm(b, a).shape == (5, 0)
+    # K = 0: the product is zero, the epilogue still applies
+    a0 = torch.empty(4, 0, dtype=torch.float16, device=device)
+    b0 = torch.empty(6, 0, dtype=torch.float16, device=device)
+    bias = _rand(6, dtype=torch.float32, device=device)
+    c = gemm(a0, b0, bias=bias, activation="relu", out=_out(4, 6, torch.float32, device))
+    assert torch.equal(c.cpu(), torch.relu(bias.cpu()).expand(4, 6))
+    assert torch.equal(gemm(a0, b0, out_dtype=torch.float32).cpu(), torch.zeros(4, 6))
+
+
+def test_bad_input_is_named(device):
+    a = _rand(4, 16, dtype=torch.float16, device=device)
+    b = _rand(8, 16, dtype=torch.float16, device=device)
+    with pytest.raises(DTypeError, match="b: expected dtype fp16"):
+        gemm(a, b.float())
+    with pytest.raises(DTypeError, match="a: expected dtype"):
+        gemm(a.float(), b.float())
+    with pytest.raises(ShapeError, match=r"b: expected \[N, 16\]"):
+        gemm(a, b[:, :15])
+    with pytest.raises(ShapeError, match=r"b: expected \[16, N\]"):
+        gemm(a, b, b_layout="kn")
+    with pytest.raises(ArgumentError, match="b_layout"):
+        gemm(a, b, b_layout="tn")
+    with pytest.raises(ShapeError, match="bias: expected"):
+        gemm(a, b, bias=torch.zeros(7, device=device))
+    with pytest.raises(ShapeError, match="scale_a: expected one value"):
+        gemm(a, b, scale_a=torch.ones(3, device=device))
+    with pytest.raises(DTypeError, match="scale_b: expected dtype fp32"):
+        gemm(a, b, scale_b=torch.ones(8, dtype=torch.float16, device=device))
+    with pytest.raises(ShapeError, match=r"out: expected \[4, 8\]"):
+        gemm(a, b, out=torch.empty(4, 7, dtype=torch.float16, device=device))
+    with pytest.raises(DTypeError, match="out: expected dtype"):
+        gemm(a, b, out_dtype=torch.float32, out=torch.empty(4, 8, dtype=torch.float16, device=device))
+    with pytest.raises(DTypeError, match="out_dtype"):
+        gemm(a, b, out_dtype=torch.int32)
+    i8 = _rand(4, 16, dtype=torch.int8, device=device)
+    with pytest.raises(ArgumentError, match="raw int8 product"):
+        gemm(i8, i8, out_dtype=torch.int32, scale_a=torch.ones(1, device=device))
+    with pytest.raises(ArgumentError, match="activation"):
+        gemm(a, b, activation="tanh")
+    with pytest.raises(DeviceError, match="b:"):
+        gemm(a, b.to("meta"))
+    with pytest.raises(ArgumentError, match="config"):
+        gemm(a, b, config=GemmConfig(8, 16, 16))
+
+
+def test_default_configs_are_valid():
+    """The heuristic's configs pass the validity predicate for every regime and dtype (sm_90 and CPU)."""
+    for arch in (flydsl.arch.SM90, flydsl.arch.INTERPRETER):
+        for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8):
+            for m in (1, 7, 16, 17, 64, 65, 1024, 8192):
+                for n, k in ((16, 16), (4096, 4096), (1000, 4097)):
+                    cfg = default_config(m, n, k, dtype, arch)
+                    assert config_valid(cfg, dtype, arch), (arch.name, dtype, m, n, k, cfg)
+    big = default_config(8192, 8192, 8192, torch.bfloat16, flydsl.arch.SM90)
+    assert (big.block_m, big.block_n, big.block_k, big.group_m) == (128, 128, 64, 8)
+    assert default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).block_m == 16
+
+
+# ---------------------------------------------------------------- GPU: bf16 and the issue's shapes
+
+GPU_SHAPES = [(1, 1000, 1023), (7, 4097, 1000), (127, 1023, 4097), (1024, 1000, 1023), (256, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_shapes(device, m, n, k, dtype):
+    a, b = _rand(m, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device, seed=1)
+    bias = _rand(n, dtype=dtype, device=device, seed=2)
+    c = gemm(a, b, bias=bias, activation="gelu", out=_out(m, n, dtype, device))
+    assert_rel_close(c, gemm_ref(a, b, bias=bias, activation="gelu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_gpu_scaled_shapes(device, m, n, k, dtype):
+    a, b = _rand(m, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device, seed=1)
+    sa = torch.rand(m, device=device) + 0.5
+    sb = torch.rand(n, device=device) + 0.5
+    c = gemm(a, b, scale_a=sa, scale_b=sb, out=_out(m, n, torch.bfloat16, device))
+    assert_rel_close(c, gemm_ref(a, b, scale_a=sa, scale_b=sb))
