@@ -161,6 +161,49 @@ def test_bad_input_is_named(device):
         gemm(a, b, config=GemmConfig(8, 16, 16))
 
 
+# The persistent TMA kernel in the interpreter: small tiles, ragged edges in M, N and K (descriptor loads
+# read zeros there, stores clip), both B layouts, every dtype, the full epilogue.
+TMA = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=True)
+TMA_SHAPES = [(7, 32, 48), (40, 48, 32), (33, 16, 16)]  # rows of 16-byte multiples for every dtype (TMA)
+
+
+@pytest.mark.parametrize("m,n,k", TMA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_tma_kernel(device, m, n, k, dtype, b_layout):
+    from fly_gemm._kernels.persistent import tma_eligible
+
+    a = _rand(m, k, dtype=dtype, device=device)
+    b = _rand(n, k, dtype=dtype, device=device, seed=1)
+    b = b if b_layout == "nk" else b.t().contiguous()
+    sa = torch.rand(m, device=device) + 0.5
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    out = _out(m, n, torch.float32, device)
+    assert tma_eligible(a, b, out) == (device.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    c = gemm(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh", out=out, config=TMA)
+    assert_rel_close(c, gemm_ref(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh"), tol=1e-5)
+    if dtype == torch.int8:
+        raw = gemm(a, b, b_layout=b_layout, out_dtype=torch.int32, config=TMA, out=_out(m, n, torch.int32, device))
+        assert torch.equal(raw.cpu().long(), gemm_ref(a, b, b_layout=b_layout).cpu().long())
+
+
+def test_tma_falls_back_where_tma_cannot_address(device):
+    """Rows not a multiple of 16 bytes, a strided last dim, K = 0: the tiled kernel serves them."""
+    from fly_gemm._kernels.persistent import tma_eligible
+
+    a = _rand(9, 20, dtype=torch.float16, device=device)  # 40-byte rows
+    b = _rand(16, 20, dtype=torch.float16, device=device, seed=1)
+    out = _out(9, 16, torch.float16, device)
+    assert not tma_eligible(a, b, out)
+    assert_rel_close(gemm(a, b, config=TMA, out=out), gemm_ref(a, b))
+    a2 = _rand(9, 32, dtype=torch.float16, device=device)[:, ::2]  # 16 columns, stride 2
+    assert not tma_eligible(a2, b[:, :16], out)
+    assert_rel_close(gemm(a2, b[:, :16].contiguous(), config=TMA), gemm_ref(a2, b[:, :16]))
+    a0 = torch.empty(4, 0, dtype=torch.float16, device=device)
+    b0 = torch.empty(8, 0, dtype=torch.float16, device=device)
+    assert torch.equal(gemm(a0, b0, config=TMA, out_dtype=torch.float32).cpu(), torch.zeros(4, 8))
+
+
 def test_default_configs_are_valid():
     """The heuristic's configs pass the validity predicate for every regime and dtype (sm_90 and CPU)."""
     for arch in (flydsl.arch.SM90, flydsl.arch.INTERPRETER):
@@ -171,7 +214,9 @@ def test_default_configs_are_valid():
                     assert config_valid(cfg, dtype, arch), (arch.name, dtype, m, n, k, cfg)
     big = default_config(8192, 8192, 8192, torch.bfloat16, flydsl.arch.SM90)
     assert (big.block_m, big.block_n, big.block_k, big.group_m) == (128, 128, 64, 8)
-    assert default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).block_m == 16
+    assert big.tma  # Hopper: the persistent TMA kernel for every M past the decode sizes
+    small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
+    assert small.block_m == 16 and not small.tma
 
 
 # ---------------------------------------------------------------- GPU: bf16 and the issue's shapes

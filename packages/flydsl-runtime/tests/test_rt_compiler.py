@@ -255,3 +255,36 @@ def test_programs_per_sm_reads_the_compiled_kernel():
 def test_on_current_device(device):
     t = torch.zeros(2, device=device)
     assert flyc.on_current_device(t) == (device.type == "cuda")
+
+
+def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
+    """Device-side tensor descriptors need Triton's scratch allocator, kept in a context variable: each
+    thread gets ours on first use, and an allocator the caller installed stays."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    def in_fresh_thread(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join()
+        return out[0]
+
+    def install_and_get():
+        flyc.ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    assert in_fresh_thread(install_and_get) is flyc._torch_scratch
+    buf = flyc._torch_scratch(256, 128, None)
+    assert buf.numel() == 256 and buf.dtype == torch.int8
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    def keep_callers():
+        triton.set_allocator(mine)
+        flyc.ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    assert in_fresh_thread(keep_callers) is mine

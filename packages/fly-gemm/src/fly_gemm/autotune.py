@@ -10,6 +10,7 @@ takes tiles of 16-64 rows so that no program computes mostly padding.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,26 +33,35 @@ class GemmConfig:
     group_m: int = 8  # row-tiles a group of programs walks before moving right (L2 reuse of B)
     num_warps: int = 4
     num_stages: int = 3  # software-pipeline depth of the K loop (shared-memory buffers)
+    # The persistent TMA kernel (sm_90+, operands TMA can address; others take the tiled kernel) and
+    # its tile-loop options: fuse the tile loop with the K loop, let Triton specialize warp groups.
+    tma: bool = False
+    flatten: bool = False
+    warp_specialize: bool = False
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype) -> int:
-    """Shared memory the K loop's buffers take: A and B tiles, one pair per stage (an upper bound)."""
-    return (cfg.block_m + cfg.block_n) * cfg.block_k * in_dtype.itemsize * cfg.num_stages
+def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype, out_itemsize: int = 4) -> int:
+    """Shared memory a config takes: an A and a B tile per pipeline stage, and for the TMA kernel the C
+    tile its descriptor store goes through (sm_90, ``tools``-style offline compiles of the TMA kernel:
+    128 x 128 x 64 bf16 at 4 stages takes 4 x 32 KB + 32 KB)."""
+    loads = (cfg.block_m + cfg.block_n) * cfg.block_k * in_dtype.itemsize * cfg.num_stages
+    return loads + (cfg.block_m * cfg.block_n * out_itemsize if cfg.tma else 0)
 
 
-def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
+def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch, out_itemsize: int = 4) -> bool:
     """The one validity predicate of the space (heuristic, tuner, tests): power-of-two tiles of at least
-    16 (the dot's minimum), at most 8 warps a 128 x 128 tile can use, shared memory within the arch's."""
+    16 (the dot's minimum), a warp count Triton takes, shared memory within the arch's (for an output of
+    ``out_itemsize`` bytes an element; 4, the default, bounds every output dtype)."""
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
     if any(t < _DOT_MIN or t & (t - 1) for t in tiles) or cfg.group_m < 1:
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
         return False
-    return smem_bytes(cfg, in_dtype) <= arch.smem_per_block
+    return smem_bytes(cfg, in_dtype, out_itemsize) <= arch.smem_per_block
 
 
 def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> GemmConfig:
@@ -66,7 +76,8 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
         block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
         cfg = GemmConfig(block_m, 64, block_k * 2 if wide else 128, group_m=1, num_warps=4, num_stages=stages)
     else:
-        cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages)
+        cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
+                         tma=arch.is_hopper)  # fmt: skip
     while not config_valid(cfg, in_dtype, arch) and cfg.num_stages > 1:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages - 1)
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg

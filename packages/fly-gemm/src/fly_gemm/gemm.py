@@ -1,7 +1,8 @@
 """``gemm``: C = A @ B^T with scales, bias and activation fused, for fp16, bf16, fp8 e4m3 and int8.
 
 In the order of the family's files: the kernels live in :mod:`._kernels`
-(``tiled``: the pointer-based kernel that serves every shape and stride),
+(``persistent``: the TMA kernel of Hopper, for operands TMA can address;
+``tiled``: the pointer-based kernel that serves every shape, stride and GPU),
 then the config choice (:mod:`.autotune`), then the host API below: argument
 checks (every bad input is named before anything launches), output
 allocation and dispatch.
@@ -16,6 +17,7 @@ from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl_common.device import activation_code
 
+from ._kernels.persistent import launch_persistent, tma_eligible
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_valid, default_config
 
@@ -116,7 +118,10 @@ def gemm(
             raise ShapeError(f"out: expected [{m}, {n}], got {describe(out)}")
     arch = flydsl.arch.current(device)
     cfg = config or default_config(m, n, k, a.dtype, arch)
-    if not config_valid(cfg, a.dtype, arch):
+    if not config_valid(cfg, a.dtype, arch, out.element_size()):
         raise ArgumentError(f"config: {cfg} is not a valid launch config for {dtype_name(a.dtype)} on {arch.name}")
-    launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
+    if cfg.tma and tma_eligible(a, b, out):
+        launch_persistent(a, b, out, bias, sa, sb, act, b_layout == "kn", cfg)
+    else:  # every other shape, stride and GPU: the pointer-based kernel
+        launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
     return out

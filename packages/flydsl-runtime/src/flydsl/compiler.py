@@ -48,7 +48,7 @@ from .errors import ArgumentError, DeviceError
 
 __all__ = [
     "kernel", "func", "jit", "launch", "bind", "Bound", "programs_per_sm", "on_current_device", "cdiv",
-    "next_power_of_2", "interpreting",
+    "next_power_of_2", "interpreting", "ensure_scratch_allocator",
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -476,3 +476,30 @@ def programs_per_sm(kernel, *args, **meta) -> int:
         by_smem = smem // (compiled.metadata.shared + 1024)
         count = lean.occupancy[key] = max(1, min(by_regs, by_threads, by_smem, 32))
     return count
+
+
+# ------------------------------------------------------------ scratch memory
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's scratch allocator, from torch's caching allocator (on the current GPU, or the host when
+    interpreting). torch's blocks are 512-byte aligned, past any alignment Triton asks for."""
+    del alignment, stream
+    device = "cpu" if interpreting() else "cuda"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_scratch_allocator() -> None:
+    """Install :func:`_torch_scratch` as Triton's scratch allocator in this thread's context if none is set.
+
+    Kernels that build tensor descriptors on the device (``fx.make_tensor_descriptor``) need global
+    scratch memory for them. Triton keeps its allocator in a context variable, so every thread starts
+    without one (autograd runs the backward on threads of its own): launchers of such kernels call this
+    before each launch (a context-variable read once installed). An allocator the caller set is kept.
+    """
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "_NULL_ALLOCATOR", None)
+    if current is None or null is None or current.get() is null:
+        triton.set_allocator(_torch_scratch)

@@ -7,40 +7,20 @@ strides in place (a transposed or sliced A or B costs no copy and needs no
 alignment). Programs take tiles in grouped order (``fx.grouped_tile``): the
 GROUP_M row-tiles of a group share their B tiles through L2.
 
-Accumulators: fp32 for fp16/bf16/fp8 e4m3 inputs, int32 for int8. The
-epilogue runs in fp32 on the accumulator before the one downcast::
-
-    c = act(acc * scale_a[m] * scale_b[n] + bias[n])
-
-with each scale per-tensor (one value), per-row / per-column, or absent. A raw
-int8 product (``RAW_INT``) stores the int32 accumulator itself.
+Accumulators: fp32 for fp16/bf16/fp8 e4m3 inputs, int32 for int8; the
+epilogue (:mod:`.epilogue`: scales, bias, activation) runs in fp32 before the
+one downcast. A raw int8 product (``RAW_INT``) stores the int32 accumulator.
 """
 
 from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import activation, row_offset
+from flydsl_common.device import row_offset
 
-__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "launch_tiled"]
+from .epilogue import epilogue, scale_mode
 
-SCALE_NONE = 0  # no scale
-SCALE_TENSOR = 1  # one value for the whole operand
-SCALE_VECTOR = 2  # one value a row of A (scale_a[M]) or a column of C (scale_b[N])
-
-
-@flyc.func
-def _scaled(acc, s_ptr, idx, ok, MODE: fx.constexpr, AXIS: fx.constexpr):
-    """acc times the scale of its rows (AXIS 0: per row of A) or columns (AXIS 1: per column of C)."""
-    if MODE == 1:
-        acc = acc * fx.load(s_ptr).to(fx.float32)
-    elif MODE == 2:
-        s = fx.load(s_ptr + idx, mask=ok, other=0.0).to(fx.float32)
-        if AXIS == 0:
-            acc = acc * s[:, None]
-        else:
-            acc = acc * s[None, :]
-    return acc
+__all__ = ["launch_tiled"]
 
 
 # fmt: off
@@ -82,18 +62,8 @@ def _gemm_tiled_kernel(
     if RAW_INT:
         fx.store(c_ptrs, acc, mask=c_ok)
     else:
-        out = _scaled(acc.to(fx.float32), sa_ptr, rm, m_ok, SCALE_A, 0)
-        out = _scaled(out, sb_ptr, rn, n_ok, SCALE_B, 1)
-        if HAS_BIAS:
-            out += fx.load(bias_ptr + rn, mask=n_ok, other=0.0).to(fx.float32)[None, :]
-        out = activation(out, ACT)
+        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
         fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
-
-
-def _scale_mode(s) -> int:
-    if s is None:
-        return SCALE_NONE
-    return SCALE_TENSOR if s.numel() == 1 else SCALE_VECTOR
 
 
 @flyc.jit(skip_empty=False)
@@ -109,14 +79,14 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     n = b_nk.shape[0]
     if m == 0 or n == 0:
         return
-    int_acc = a.dtype.is_floating_point is False
+    int_acc = not a.dtype.is_floating_point
     grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n),)
     # fmt: off
     flyc.launch(
         _gemm_tiled_kernel, grid,
         a, b_nk, c, bias, scale_a, scale_b,
         m, n, k, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
-        SCALE_A=_scale_mode(scale_a), SCALE_B=_scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
+        SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
         INT_ACC=int_acc, RAW_INT=not c.dtype.is_floating_point,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         **cfg.launch_options(),

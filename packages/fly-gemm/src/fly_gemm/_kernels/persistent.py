@@ -1,0 +1,123 @@
+"""The persistent TMA GEMM (Hopper): ``C = epilogue(A @ B^T)`` with tensor descriptors.
+
+A grid of at most one program an SM walks the output tiles in grouped order
+(``fx.grouped_tile``: GROUP_M row-tiles share their B tiles through L2),
+a grid's width apart. Each tile's K loop loads A and B blocks through tensor
+descriptors (the copy engine moves them into shared memory; out-of-bounds
+rows and columns read as zeros, so ragged M, N and K need no masks) and feeds
+the tensor cores; the epilogue (:mod:`.epilogue`) runs in fp32 and the tile is
+stored through a descriptor (clipped at the edges).
+
+TMA needs every stride but the last to be a multiple of 16 bytes and the last
+to be 1: the host (:func:`tma_eligible`) sends anything else to the tiled
+kernel, since a descriptor over a misaligned row reads wrong data without an
+error. B may be ``[N, K]`` (K-major: what Hopper's 8-bit tensor cores take
+directly) or ``[K, N]`` (``B_KN``).
+
+Options of the tile loop (``GemmConfig``): ``flatten`` fuses it with the K
+loop so the next tile's loads start during this tile's last steps;
+``warp_specialize`` lets Triton split loads and math across warp groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+from .epilogue import epilogue, scale_mode
+
+__all__ = ["tma_eligible", "launch_persistent"]
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _gemm_tma_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
+    M, N, K, stride_am, stride_b, stride_cm,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
+    INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, B_KN: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
+    FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr,
+):
+    # fmt: on
+    a_desc = fx.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_KN:
+        b_desc = fx.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        b_desc = fx.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = fx.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = fx.cdiv(M, BLOCK_M)
+    num_pid_n = fx.cdiv(N, BLOCK_N)
+    k_steps = fx.cdiv(K, BLOCK_K)
+    for tile in fx.range(fx.program_id(0), num_pid_m * num_pid_n, fx.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pid_m, pid_n = fx.grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
+        for ki in range(k_steps):
+            a = a_desc.load([m0, ki * BLOCK_K])
+            if B_KN:
+                b = b_desc.load([ki * BLOCK_K, n0])
+            else:
+                b = fx.trans(b_desc.load([n0, ki * BLOCK_K]))
+            if INT_ACC:
+                acc += fx.dot(a, b, out_dtype=fx.int32)
+            else:
+                acc = fx.dot(a, b, acc)
+        if RAW_INT:
+            c_desc.store([m0, n0], acc)
+        else:
+            rm = m0 + fx.arange(0, BLOCK_M)
+            rn = n0 + fx.arange(0, BLOCK_N)
+            out = epilogue(acc, rm, rn, rm < M, rn < N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+            c_desc.store([m0, n0], out.to(c_ptr.dtype.element_ty))
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """A 2-D operand TMA can address: unit last stride, 16-byte aligned base, row stride and row bytes (the
+    last so that no descriptor store touches the bytes past a row's end)."""
+    size = t.element_size()
+    return (
+        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+        and (t.shape[1] * size) % 16 == 0
+    )  # fmt: skip
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the persistent TMA kernel may take these operands (``b`` as given: ``[N, K]`` or
+    ``[K, N]``): a CUDA GPU with tensor-memory access (sm_90+), or the interpreter; K > 0; every operand
+    :func:`_tma_rows`."""
+    arch = flydsl.arch.current(a.device)
+    if not (arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))):
+        return False
+    return a.shape[1] > 0 and all(_tma_rows(t) for t in (a, b, c))
+
+
+@flyc.jit(skip_empty=False)
+def launch_persistent(a, b, c, bias, scale_a, scale_b, act: int, b_kn: bool, cfg, stream=None):
+    """Launch the persistent TMA kernel: ``c[M, N] = epilogue(a[M, K] @ B^T)`` with ``b`` as ``[N, K]`` or,
+    with ``b_kn``, ``[K, N]``. The operands must be :func:`tma_eligible`. Arguments as
+    :func:`fly_gemm._kernels.tiled.launch_tiled`."""
+    m, k = a.shape
+    n = c.shape[1]
+    if m == 0 or n == 0:
+        return
+    tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
+    programs = max(1, min(tiles, flydsl.arch.current(a.device).sm_count))
+    flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
+    # fmt: off
+    flyc.launch(
+        _gemm_tma_kernel, (programs,),
+        a, b, c, bias, scale_a, scale_b,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0),
+        SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
+        INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, B_KN=bool(b_kn),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        **cfg.launch_options(),
+    )
+    # fmt: on
