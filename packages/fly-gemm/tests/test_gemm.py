@@ -204,6 +204,23 @@ def test_tma_falls_back_where_tma_cannot_address(device):
     assert torch.equal(gemm(a0, b0, config=TMA, out_dtype=torch.float32).cpu(), torch.zeros(4, 8))
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
+def test_split_k(device, dtype, split_k):
+    """K split over a second grid axis, partials added in order by a second kernel: same results, every
+    epilogue, and the int8 product exact; more splits than K steps, and a ragged last split."""
+    m, n, k = 5, 40, 150  # 5 steps of 32: splits of 2, 2, 1 steps (split_k 3), at most 5 splits
+    a, b = _rand(m, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device, seed=1)
+    cfg = GemmConfig(16, 32, 32, group_m=1, num_stages=1, split_k=split_k)
+    sb = torch.rand(n, device=device) + 0.5
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    c = gemm(a, b, scale_b=sb, bias=bias, activation="relu", config=cfg, out=_out(m, n, torch.float32, device))
+    assert_rel_close(c, gemm_ref(a, b, scale_b=sb, bias=bias, activation="relu"), tol=1e-5)
+    if dtype == torch.int8:
+        raw = gemm(a, b, out_dtype=torch.int32, config=cfg, out=_out(m, n, torch.int32, device))
+        assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
 def test_default_configs_are_valid():
     """The heuristic's configs pass the validity predicate for every regime and dtype (sm_90 and CPU)."""
     for arch in (flydsl.arch.SM90, flydsl.arch.INTERPRETER):
@@ -217,6 +234,11 @@ def test_default_configs_are_valid():
     assert big.tma  # Hopper: the persistent TMA kernel for every M past the decode sizes
     small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
     assert small.block_m == 16 and not small.tma
+    # decode sizes: 64 tiles of 64 columns, 32 K steps of 128 -> 8 splits of 4 steps (512 programs; 4
+    # splits would give 256, short of two an SM on 132 SMs)
+    assert small.split_k == 8
+    assert default_config(1, 4096, 256, torch.bfloat16, flydsl.arch.SM90).split_k == 1  # too few K steps
+    assert default_config(2048, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).split_k == 1
 
 
 # ---------------------------------------------------------------- GPU: bf16 and the issue's shapes

@@ -38,6 +38,9 @@ class GemmConfig:
     tma: bool = False
     flatten: bool = False
     warp_specialize: bool = False
+    # Splits of K (tiled kernel): decode-size M has too few C tiles to occupy the GPU, so K is split and
+    # the partial sums added by a second kernel (deterministic).
+    split_k: int = 1
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
@@ -59,9 +62,20 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
     if any(t < _DOT_MIN or t & (t - 1) for t in tiles) or cfg.group_m < 1:
         return False
-    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
+        return False
+    if cfg.tma and cfg.split_k > 1:  # the TMA kernel has no split-K
         return False
     return smem_bytes(cfg, in_dtype, out_itemsize) <= arch.smem_per_block
+
+
+def _split_k(tiles: int, k_steps: int, arch: flydsl.arch.Arch) -> int:
+    """Splits of K that give about two programs an SM, each split keeping at least 4 K steps (so the
+    pipeline fills and the partial sums stay small against the weights read)."""
+    split = 1
+    while tiles * split < 2 * arch.sm_count and k_steps // (2 * split) >= 4:
+        split *= 2
+    return split
 
 
 def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> GemmConfig:
@@ -74,7 +88,9 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     stages = 4 if arch.backend == "cuda" else 2
     if m <= 64:  # decode-size batches: a tile of M rows, wide in N (the weights stream)
         block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
-        cfg = GemmConfig(block_m, 64, block_k * 2 if wide else 128, group_m=1, num_warps=4, num_stages=stages)
+        block_k = block_k * 2 if wide else 128
+        cfg = GemmConfig(block_m, 64, block_k, group_m=1, num_warps=4, num_stages=stages,
+                         split_k=_split_k(flyc.cdiv(m, block_m) * flyc.cdiv(n, 64), flyc.cdiv(k, block_k), arch))
     else:
         cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
                          tma=arch.is_hopper)  # fmt: skip

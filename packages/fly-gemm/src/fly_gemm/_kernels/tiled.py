@@ -9,10 +9,17 @@ GROUP_M row-tiles of a group share their B tiles through L2.
 
 Accumulators: fp32 for fp16/bf16/fp8 e4m3 inputs, int32 for int8; the
 epilogue (:mod:`.epilogue`: scales, bias, activation) runs in fp32 before the
-one downcast. A raw int8 product (``RAW_INT``) stores the int32 accumulator.
+one downcast. A raw int8 product stores the int32 accumulator (``RAW``).
+
+Split-K (decode-size M, too few C tiles to occupy the GPU): a second grid
+axis splits K; each split stores its partial sums and
+``_splitk_reduce_kernel`` adds them in a fixed order (deterministic, no
+float atomics; exact for int32) and runs the epilogue.
 """
 
 from __future__ import annotations
+
+import torch
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
@@ -27,27 +34,33 @@ __all__ = ["launch_tiled"]
 @flyc.kernel(do_not_specialize=["M"])
 def _gemm_tiled_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
-    M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    M, N, K, split_steps, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
-    INT_ACC: fx.constexpr, RAW_INT: fx.constexpr,
+    INT_ACC: fx.constexpr, RAW: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
     # fmt: on
+    # Program (tile, s): the C tile in grouped order, over split s of K (split_steps K steps each). The
+    # split's start as a multiple of the constexpr BLOCK_K keeps the loads' alignment provable (without
+    # it the compiler can neither vectorize nor pipeline them).
     pid_m, pid_n = fx.grouped_tile(fx.program_id(0), fx.cdiv(M, BLOCK_M), fx.cdiv(N, BLOCK_N), GROUP_M)
+    split = fx.program_id(1)
+    k_begin = split * split_steps * BLOCK_K
+    k_end = fx.minimum(K, k_begin + split_steps * BLOCK_K)
     rm = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + fx.arange(0, BLOCK_N)
     rk = fx.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
     # int64 offsets: M x K and N x K past 2^31 elements address correctly
-    a_ptrs = a_ptr + row_offset(rm, stride_am)[:, None] + row_offset(rk, stride_ak)[None, :]
+    a_ptrs = a_ptr + row_offset(rm, stride_am)[:, None] + row_offset(k_begin + rk, stride_ak)[None, :]
     # B's tile as [N, K], transposed for the dot: K-major operands, which Hopper's 8-bit wgmma requires
-    b_ptrs = b_ptr + row_offset(rn, stride_bn)[:, None] + row_offset(rk, stride_bk)[None, :]
+    b_ptrs = b_ptr + row_offset(rn, stride_bn)[:, None] + row_offset(k_begin + rk, stride_bk)[None, :]
     a_step = row_offset(BLOCK_K, stride_ak)
     b_step = row_offset(BLOCK_K, stride_bk)
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = rk < k_end - k0
         a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = fx.trans(fx.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
         if INT_ACC:
@@ -57,13 +70,43 @@ def _gemm_tiled_kernel(
         a_ptrs += a_step
         b_ptrs += b_step
 
-    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    c_ptrs = c_ptr + row_offset(split, stride_cs)  # stride_cs: 0 without split-K
+    c_ptrs = c_ptrs + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
     c_ok = m_ok[:, None] & n_ok[None, :]
-    if RAW_INT:
+    if RAW:  # the int8 product as int32, or a split's partial sums
         fx.store(c_ptrs, acc, mask=c_ok)
     else:
         out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
         fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _splitk_reduce_kernel(
+    p_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, SPLITS, stride_cm, stride_cn,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+):
+    # fmt: on
+    # c = epilogue(sum over s of partials[s]), the splits added in order: deterministic, and exact for int32
+    rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
+    rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
+    acc = fx.load(p_ptrs, mask=ok, other=0)
+    for s in range(1, SPLITS):
+        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0)
+    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    if RAW:
+        fx.store(c_ptrs, acc, mask=ok)
+    else:
+        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+_REDUCE_TILE = (16, 128)  # the split-K reduction's tile (M rows are few where split-K pays)
 
 
 @flyc.jit(skip_empty=False)
@@ -74,21 +117,40 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     ``scale_a`` / ``scale_b``: fp32, one element or one a row / column (flattened), or None. ``act``: an
     ``ACT_*`` code of :mod:`flydsl_common.device`. ``cfg``: a :class:`fly_gemm.autotune.GemmConfig`.
     With K = 0 the epilogue runs on zeros (bias and activation still apply).
+
+    ``cfg.split_k > 1`` (decode-size M, where the C tiles are too few to occupy the GPU): each split of K
+    writes its partial sums (fp32, int32 for int8) to a workspace; a second kernel adds them in order and
+    runs the epilogue.
     """
     m, k = a.shape
     n = b_nk.shape[0]
     if m == 0 or n == 0:
         return
     int_acc = not a.dtype.is_floating_point
-    grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n),)
+    steps = max(1, flyc.cdiv(k, cfg.block_k))
+    split_steps = flyc.cdiv(steps, max(1, min(cfg.split_k, steps)))  # K steps a split
+    splits = flyc.cdiv(steps, split_steps)  # no empty split (K = 0: one, which runs the epilogue on zeros)
+    epi = dict(SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act)
+    raw_out = not c.dtype.is_floating_point
+    dst, stride_cm, stride_cn, stride_cs = c, c.stride(0), c.stride(1), 0
+    if splits > 1:
+        dst = torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=c.device)
+        stride_cm, stride_cn, stride_cs = n, 1, m * n
+    grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n), splits)
     # fmt: off
     flyc.launch(
         _gemm_tiled_kernel, grid,
-        a, b_nk, c, bias, scale_a, scale_b,
-        m, n, k, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
-        SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
-        INT_ACC=int_acc, RAW_INT=not c.dtype.is_floating_point,
+        a, b_nk, dst, bias, scale_a, scale_b,
+        m, n, k, split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), stride_cm, stride_cn, stride_cs,
+        **epi, INT_ACC=int_acc, RAW=raw_out or splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         **cfg.launch_options(),
     )
+    if splits > 1:
+        bm, bn = _REDUCE_TILE
+        flyc.launch(
+            _splitk_reduce_kernel, (flyc.cdiv(m, bm), flyc.cdiv(n, bn)),
+            dst, c, bias, scale_a, scale_b, m, n, splits, c.stride(0), c.stride(1),
+            **epi, RAW=raw_out, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        )
     # fmt: on
