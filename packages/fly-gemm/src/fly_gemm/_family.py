@@ -1,15 +1,41 @@
 """Registration of fly-gemm with the ``flydsl`` CLI (entry point ``flydsl.families: gemm``).
 
-Cheap to import: it describes the family only. When kernels land, their demo
-cases, tunables and benchmarks are added here and import kernels lazily,
-inside the callables.
+Cheap to import: kernels are imported inside the callables.
 """
 
 from __future__ import annotations
 
-from flydsl.families import Family
+from flydsl.families import DemoCase, DemoRun, Family
 
 from ._version import __version__
+
+
+def _gemm_case(device) -> DemoRun:
+    import torch
+    import torch.nn.functional as F
+
+    from .gemm import gemm
+    from .reference import gemm_ref
+
+    gpu = device.type == "cuda"
+    m, n, k = (1024, 4096, 4096) if gpu else (48, 40, 32)
+    dt = torch.bfloat16 if gpu else torch.float16  # the interpreter's bf16 dot is wrong
+    a, b = torch.randn(m, k, device=device, dtype=dt), torch.randn(n, k, device=device, dtype=dt)
+    bias = torch.randn(n, device=device, dtype=dt)
+    return DemoRun(lambda: gemm(a, b, bias=bias, activation="gelu"),
+                   lambda: gemm_ref(a, b, bias=bias, activation="gelu"),
+                   lambda: F.gelu(F.linear(a, b, bias)), "F.gelu(F.linear)", 2e-2)  # fmt: skip
+
+
+def _demo_cases():
+    return [DemoCase("gemm + bias + gelu", _gemm_case)]
+
+
+def _bench(argv) -> int:
+    from .bench import main
+
+    return main(list(argv))
+
 
 FAMILY = Family(
     name="gemm",
@@ -17,4 +43,6 @@ FAMILY = Family(
     module="fly_gemm",
     version=__version__,
     description="dense / scaled GEMM with fused epilogues, MoE",
+    demo_cases=_demo_cases,
+    bench=_bench,
 )
