@@ -2,13 +2,16 @@
 
 ``gemm(a, b, ...)``: C = A @ B^T for fp16, bf16, fp8 e4m3 and int8, with
 per-tensor / per-row / per-column scales, bias and activation fused into the
-kernel's epilogue. :class:`GemmConfig` is the launch configuration. See the
-package README for the API table and its status.
+kernel's epilogue; ``linear(x, weight, bias, activation)`` on N-D inputs and
+the ``FlyLinear`` module (autograd for fp16 / bf16). :class:`GemmConfig` is the
+launch configuration. See the package README for the API table and status.
 """
 
 from ._version import __version__
 from .autotune import GemmConfig
 from .gemm import gemm
+from .linear import linear
+from .modules import FlyLinear
 from .reference import gemm_ref
 
-__all__ = ["__version__", "gemm", "gemm_ref", "GemmConfig"]
+__all__ = ["__version__", "gemm", "linear", "FlyLinear", "gemm_ref", "GemmConfig"]

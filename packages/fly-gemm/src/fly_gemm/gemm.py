@@ -53,42 +53,8 @@ def _out_dtype(in_dtype, out_dtype, out, scaled: bool, epilogue: bool) -> torch.
     raise DTypeError(f"out_dtype: expected one of {allowed} for {dtype_name(in_dtype)} inputs, got {out_dtype}")
 
 
-def gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    out_dtype: torch.dtype | None = None,
-    scale_a: torch.Tensor | None = None,
-    scale_b: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    b_layout: str = "nk",
-    config: GemmConfig | None = None,
-) -> torch.Tensor:
-    """``C = act((A @ B^T) * scale_a * scale_b + bias)``, accumulated in fp32 (int32 for int8).
-
-    Args:
-        a: ``[M, K]``, fp16 / bf16 / fp8 e4m3 / int8; any strides (read in place).
-        b: same dtype as ``a``; ``[N, K]`` (``b_layout="nk"``, the default: C = A @ B^T) or ``[K, N]``
-            (``b_layout="kn"``: C = A @ B); any strides.
-        bias: optional ``[N]``, any float dtype, added in fp32.
-        activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf form), after the bias.
-        out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, bf16 for fp8 and
-            int8), or int32 for the raw int8 product (no scales, bias or activation).
-        scale_a: fp32, one value or ``[M]`` (per row of A); scale_b: fp32, one value or ``[N]`` (per column
-            of C). Applied to the accumulator in fp32; the usual fp8 / int8 dequantization scales.
-        out: optional ``[M, N]`` output to write (any strides).
-        config: a :class:`~fly_gemm.autotune.GemmConfig` to launch with (default: chosen for the shape).
-
-    Returns:
-        ``[M, N]`` in ``out_dtype`` (``out`` when given). M = 0 or N = 0 give an empty result; K = 0
-        gives ``act(bias)`` (or zeros).
-
-    Example::
-
-        c = gemm(x, w, bias=b, activation="gelu_tanh")   # x [M, K], w [N, K] bf16 -> [M, N] bf16
-    """
+def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, config):
+    """Check, allocate and launch (the body of :func:`gemm` and of its custom op)."""
     check_tensor("a", a, dtypes=IN_DTYPES, ndim=2)
     if b_layout not in B_LAYOUTS:
         raise ArgumentError(f"b_layout: expected one of {list(B_LAYOUTS)}, got {b_layout!r}")
@@ -125,3 +91,125 @@ def gemm(
     else:  # every other shape, stride and GPU: the pointer-based kernel
         launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
     return out
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    b_layout: str = "nk",
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``C = act((A @ B^T) * scale_a * scale_b + bias)``, accumulated in fp32 (int32 for int8).
+
+    Args:
+        a: ``[M, K]``, fp16 / bf16 / fp8 e4m3 / int8; any strides (read in place).
+        b: same dtype as ``a``; ``[N, K]`` (``b_layout="nk"``, the default: C = A @ B^T) or ``[K, N]``
+            (``b_layout="kn"``: C = A @ B); any strides.
+        bias: optional ``[N]``, any float dtype, added in fp32.
+        activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf form), after the bias.
+        out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, bf16 for fp8 and
+            int8), or int32 for the raw int8 product (no scales, bias or activation).
+        scale_a: fp32, one value or ``[M]`` (per row of A); scale_b: fp32, one value or ``[N]`` (per column
+            of C). Applied to the accumulator in fp32; the usual fp8 / int8 dequantization scales.
+        out: optional ``[M, N]`` output to write (any strides).
+        config: a :class:`~fly_gemm.autotune.GemmConfig` to launch with (default: chosen for the shape).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype`` (``out`` when given). M = 0 or N = 0 give an empty result; K = 0
+        gives ``act(bias)`` (or zeros).
+
+    Example::
+
+        c = gemm(x, w, bias=b, activation="gelu_tanh")   # x [M, K], w [N, K] bf16 -> [M, N] bf16
+    """
+    if out is None and config is None and (
+        torch.compiler.is_compiling() or _grad_needed(a, b, bias, scale_a, scale_b)
+    ):
+        # traced code and autograd go through the custom op (fake implementation, registered backward)
+        return torch.ops.fly_gemm.gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout)
+    return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, config)
+
+
+# ------------------------------------------------------------------ custom op and autograd
+
+
+def _grad_needed(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@torch.library.custom_op("fly_gemm::gemm", mutates_args=())
+def _gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out_dtype: torch.dtype | None,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    b_layout: str,
+) -> torch.Tensor:
+    return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, None, b_layout, None)
+
+
+@_gemm_op.register_fake
+def _(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout):
+    n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    scaled = scale_a is not None or scale_b is not None
+    dtype = _out_dtype(a.dtype, out_dtype, None, scaled, bias is not None or activation is not None)
+    return a.new_empty(a.shape[0], n, dtype=dtype)
+
+
+# The activations in torch, differentiated by autograd in the backward (names as activation_code takes them).
+_TORCH_ACTIVATIONS = {
+    None: lambda z: z,
+    "none": lambda z: z,
+    "relu": torch.relu,
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,
+    "gelu_erf": torch.nn.functional.gelu,
+}
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout = inputs
+    if a.dtype.itemsize != 2 or scale_a is not None or scale_b is not None:
+        given = dtype_name(a.dtype) + (" with scales" if scale_a is not None or scale_b is not None else "")
+        raise DTypeError(f"gemm backward: gradients are computed for fp16 / bf16 inputs without scales, got {given}")
+    ctx.save_for_backward(a, b, bias)
+    ctx.activation = None if activation is None else str(activation).lower()
+    ctx.b_layout = b_layout
+
+
+def _backward(ctx, grad):
+    """dA = G @ B, dB = G^T @ A (in B's layout), dbias = sum of G over rows, through the same kernels; G is
+    the output gradient times the activation's derivative at the pre-activation, recomputed in fp32."""
+    a, b, bias = ctx.saved_tensors
+    op = torch.ops.fly_gemm.gemm  # the op, not its body: the backward is traced too (torch.compile)
+    g = grad
+    if ctx.activation is not None:
+        z = op(a, b, bias, None, torch.float32, None, None, ctx.b_layout)
+        with torch.enable_grad():
+            z.requires_grad_(True)
+            (g,) = torch.autograd.grad(_TORCH_ACTIVATIONS[ctx.activation](z), z, grad.float())
+    g16 = g.to(a.dtype)
+    b_nk = b if ctx.b_layout == "nk" else b.t()
+    da = db = dbias = None
+    if ctx.needs_input_grad[0]:
+        da = op(g16, b_nk, None, None, a.dtype, None, None, "kn")  # [M, N] @ [N, K]
+    if ctx.needs_input_grad[1]:
+        db_nk = op(g16.t(), a, None, None, b.dtype, None, None, "kn")  # [N, M] @ [M, K]
+        db = db_nk if ctx.b_layout == "nk" else db_nk.t()
+    if bias is not None and ctx.needs_input_grad[2]:
+        dbias = g.float().sum(0).to(bias.dtype)
+    return da, db, dbias, None, None, None, None, None
+
+
+torch.library.register_autograd("fly_gemm::gemm", _backward, setup_context=_setup_context)

@@ -1,0 +1,122 @@
+"""Torch integration of fly-gemm: the custom op (opcheck, torch.compile fullgraph), autograd of gemm and
+linear against torch autograd in fp64, FlyLinear as an nn.Linear drop-in, CUDA graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fly_gemm import FlyLinear, gemm, gemm_ref, linear
+from flydsl.errors import ArgumentError, DTypeError
+from flydsl.testing import assert_rel_close
+
+ACTIVATIONS = [None, "relu", "silu", "gelu_tanh", "gelu"]
+_TORCH_ACT = {None: lambda z: z, "relu": F.relu, "silu": F.silu, "gelu": F.gelu,
+              "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}  # fmt: skip
+
+
+def _rand(*shape, device, dtype=torch.float16, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _grads_ref(fn, tensors, upstream):
+    leaves = [t.detach().double().requires_grad_() for t in tensors]
+    fn(*leaves).backward(upstream.double())
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_gemm_autograd(device, activation, b_layout):
+    m, n, k = 19, 40, 33
+    a = _rand(m, k, device=device).requires_grad_()
+    b = _rand(n, k, device=device, seed=1) if b_layout == "nk" else _rand(k, n, device=device, seed=1)
+    b.requires_grad_()
+    bias = _rand(n, device=device, seed=2, dtype=torch.float32).requires_grad_()
+    dy = _rand(m, n, device=device, seed=3)
+    y = gemm(a, b, bias=bias, activation=activation, b_layout=b_layout)
+    assert_rel_close(y, gemm_ref(a, b, bias=bias, activation=activation, b_layout=b_layout))
+    y.backward(dy)
+
+    def ref(a_, b_, bias_):
+        b_nk = b_ if b_layout == "nk" else b_.t()
+        return _TORCH_ACT[activation](a_ @ b_nk.t() + bias_)
+
+    for got, want, name in zip((a.grad, b.grad, bias.grad), _grads_ref(ref, (a, b, bias), dy), ("a", "b", "bias"),
+                               strict=True):  # fmt: skip
+        assert got.dtype == (torch.float32 if name == "bias" else torch.float16)
+        assert_rel_close(got, want, tol=2e-3, name=name)  # g rounded to fp16 before the GEMMs
+
+
+def test_gemm_backward_refuses_what_it_cannot_differentiate(device):
+    a = _rand(4, 16, device=device, dtype=torch.float8_e4m3fn)
+    sa = torch.ones(1, device=device, requires_grad=True)
+    with pytest.raises(DTypeError, match="gemm backward"):
+        gemm(a, a, scale_a=sa)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_linear_nd_and_module(device, activation):
+    x = _rand(2, 3, 5, 48, device=device).requires_grad_()
+    layer = FlyLinear(48, 24, activation=activation, device=device, dtype=torch.float16)
+    assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+    y = layer(x)
+    assert y.shape == (2, 3, 5, 24) and y.dtype == torch.float16
+    want = _TORCH_ACT[activation](F.linear(x.double(), layer.weight.double(), layer.bias.double()))
+    assert_rel_close(y, want)
+    dy = _rand(2, 3, 5, 24, device=device, seed=4)
+    y.backward(dy)
+    ref = _grads_ref(lambda a, w, b: _TORCH_ACT[activation](F.linear(a, w, b)), (x, layer.weight, layer.bias), dy)
+    for got, want in zip((x.grad, layer.weight.grad, layer.bias.grad), ref, strict=True):
+        assert_rel_close(got, want, tol=2e-3)
+    # strided leading dims (no collapse to one stride): one copy, same result
+    xt = _rand(5, 3, 48, device=device, seed=6).transpose(0, 1)
+    want_t = _TORCH_ACT[activation](F.linear(xt.double(), layer.weight.double(), layer.bias.double()))
+    assert_rel_close(linear(xt, layer.weight, layer.bias, activation), want_t)
+    with pytest.raises(ArgumentError, match="activation"):
+        FlyLinear(4, 4, activation="tanh")
+
+
+def test_linear_fp32_runs_torch(device):
+    x, w = _rand(3, 8, device=device, dtype=torch.float32), _rand(5, 8, device=device, seed=1, dtype=torch.float32)
+    assert_rel_close(linear(x, w, None, "relu"), F.relu(x.double() @ w.double().t()), tol=1e-6)
+
+
+def test_custom_op_passes_opcheck(device):
+    a, b = _rand(7, 32, device=device), _rand(24, 32, device=device, seed=1)
+    bias = _rand(24, device=device, seed=2)
+    torch.library.opcheck(torch.ops.fly_gemm.gemm.default, (a, b, bias, "gelu", None, None, None, "nk"))
+    torch.library.opcheck(torch.ops.fly_gemm.gemm.default, (a, b.t(), None, None, torch.float32, None, None, "kn"))
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    x = _rand(6, 32, device=device).requires_grad_()
+    w = _rand(16, 32, device=device, seed=1).requires_grad_()
+
+    @torch.compile(fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
+    def f(a, b):
+        return linear(a, b, None, "relu") * 2.0
+
+    y = f(x, w)
+    assert_rel_close(y, 2.0 * F.relu(x.double() @ w.double().t()))
+    y.sum().backward()
+    gx, gw = _grads_ref(lambda a, b: 2.0 * F.relu(a @ b.t()), (x, w), torch.ones(6, 16))
+    assert_rel_close(x.grad, gx, tol=2e-3)
+    assert_rel_close(w.grad, gw, tol=2e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture(device):
+    a, b = _rand(256, 1024, device=device, dtype=torch.bfloat16), _rand(512, 1024, device=device, seed=1,
+                                                                          dtype=torch.bfloat16)  # fmt: skip
+    gemm(a, b)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = gemm(a, b)
+    a.copy_(_rand(256, 1024, device=device, dtype=torch.bfloat16, seed=9))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(c, gemm_ref(a, b))
