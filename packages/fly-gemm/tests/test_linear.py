@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fly_gemm import FlyLinear, gemm, gemm_ref, linear
+from fly_gemm import FlyLinear, PackedWeight, gemm, gemm_ref, linear, prepack
 from flydsl.errors import ArgumentError, DTypeError
 from flydsl.testing import assert_rel_close
+from flydsl_common.reference import quantize_per_token_ref
 
 ACTIVATIONS = [None, "relu", "silu", "gelu_tanh", "gelu"]
 _TORCH_ACT = {None: lambda z: z, "relu": F.relu, "silu": F.silu, "gelu": F.gelu,
@@ -120,3 +121,61 @@ def test_cuda_graph_capture(device):
     graph.replay()
     torch.cuda.synchronize()
     assert_rel_close(c, gemm_ref(a, b))
+
+
+# ---------------------------------------------------------------- prepacked weights
+
+
+@pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_prepack(device, quant, b_layout):
+    """A prepacked weight gives the GEMM of what it holds: the 16-bit weight, or its per-channel quantized
+    codes with a 16-bit activation quantized per row on the fly (checked against the fp64 product of the
+    same quantized operands, and against the unquantized product within the quantization's error)."""
+    x = _rand(9, 64, device=device)
+    w = _rand(48, 64, device=device, seed=1)
+    packed = prepack(w if b_layout == "nk" else w.t().contiguous(), b_layout=b_layout, quant=quant)
+    assert isinstance(packed, PackedWeight) and packed.shape == (48, 64) and packed.weight.is_contiguous()
+    bias = _rand(48, device=device, seed=2)
+    y = gemm(x, packed, bias=bias, activation="silu", out_dtype=torch.float32)
+    if quant is None:
+        assert_rel_close(y, gemm_ref(x, w, bias=bias, activation="silu"), tol=1e-5)
+        return
+    qx, sx = quantize_per_token_ref(x, quant)
+    qw, sw = quantize_per_token_ref(w, quant)
+    assert torch.equal(packed.weight.cpu().view(torch.uint8), qw.cpu().view(torch.uint8))
+    assert_rel_close(y, gemm_ref(qx, qw, scale_a=sx, scale_b=sw, bias=bias, activation="silu"), tol=1e-5)
+    # and near the unquantized product: fp8 e4m3 keeps 3 mantissa bits, int8 about 7 of a row's range
+    tol = 0.08 if quant == torch.float8_e4m3fn else 0.02
+    assert_rel_close(y, gemm_ref(x, w, bias=bias, activation="silu"), tol=tol)
+
+
+def test_prepack_bad_input_is_named(device):
+    w = _rand(8, 16, device=device)
+    with pytest.raises(DTypeError, match="quant"):
+        prepack(w, quant=torch.float16)
+    with pytest.raises(ArgumentError, match="b_layout"):
+        prepack(w, b_layout="mn")
+    packed = prepack(w, quant=torch.int8)
+    x = _rand(4, 16, device=device)
+    with pytest.raises(ArgumentError, match="scale_b"):
+        gemm(x, packed, scale_b=torch.ones(8, device=device))
+    with pytest.raises(ArgumentError, match="scale_a"):
+        gemm(x, packed, scale_a=torch.ones(4, device=device))
+    with pytest.raises(ArgumentError, match="b_layout"):
+        gemm(x, packed, b_layout="kn")
+    with pytest.raises(DTypeError, match="x: a PackedWeight"):
+        linear(x.float(), packed)
+
+
+def test_fly_linear_prepack_serves_inference(device):
+    layer = FlyLinear(64, 32, activation="relu", device=device, dtype=torch.float16)
+    x = _rand(3, 7, 64, device=device)
+    want = F.relu(F.linear(x.double(), layer.weight.double(), layer.bias.double()))
+    layer.prepack(quant=torch.int8)
+    with torch.no_grad():
+        assert_rel_close(layer(x), want, tol=0.02)
+    with pytest.raises(ArgumentError, match="inference only"):
+        layer(x)
+    layer.unpack()
+    assert_rel_close(layer(x), want)

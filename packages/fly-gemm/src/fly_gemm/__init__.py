@@ -12,6 +12,7 @@ from .autotune import GemmConfig
 from .gemm import gemm
 from .linear import linear
 from .modules import FlyLinear
+from .prepack import PackedWeight, prepack
 from .reference import gemm_ref
 
-__all__ = ["__version__", "gemm", "linear", "FlyLinear", "gemm_ref", "GemmConfig"]
+__all__ = ["__version__", "gemm", "linear", "FlyLinear", "prepack", "PackedWeight", "gemm_ref", "GemmConfig"]

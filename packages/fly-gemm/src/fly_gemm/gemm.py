@@ -16,10 +16,12 @@ import flydsl.arch
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl_common.device import activation_code
+from flydsl_common.quant import quantize_per_token
 
 from ._kernels.persistent import launch_persistent, tma_eligible
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_valid, default_config
+from .prepack import PackedWeight
 
 __all__ = ["gemm", "IN_DTYPES", "B_LAYOUTS"]
 
@@ -111,7 +113,9 @@ def gemm(
     Args:
         a: ``[M, K]``, fp16 / bf16 / fp8 e4m3 / int8; any strides (read in place).
         b: same dtype as ``a``; ``[N, K]`` (``b_layout="nk"``, the default: C = A @ B^T) or ``[K, N]``
-            (``b_layout="kn"``: C = A @ B); any strides.
+            (``b_layout="kn"``: C = A @ B); any strides. Or a :class:`~fly_gemm.PackedWeight` from
+            :func:`~fly_gemm.prepack` (its scale is scale_b; a 16-bit ``a`` against a quantized weight is
+            quantized per row on the fly).
         bias: optional ``[N]``, any float dtype, added in fp32.
         activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf form), after the bias.
         out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, bf16 for fp8 and
@@ -129,12 +133,30 @@ def gemm(
 
         c = gemm(x, w, bias=b, activation="gelu_tanh")   # x [M, K], w [N, K] bf16 -> [M, N] bf16
     """
+    if isinstance(b, PackedWeight):
+        a, b, scale_a, scale_b, b_layout = _unpack(a, b, scale_a, scale_b, b_layout)
     if out is None and config is None and (
         torch.compiler.is_compiling() or _grad_needed(a, b, bias, scale_a, scale_b)
     ):
         # traced code and autograd go through the custom op (fake implementation, registered backward)
         return torch.ops.fly_gemm.gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout)
     return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, config)
+
+
+def _unpack(a, packed: PackedWeight, scale_a, scale_b, b_layout):
+    """(a, b, scale_a, scale_b, b_layout) for a :class:`PackedWeight` B: its ``[N, K]`` weight and scale; a
+    16-bit ``a`` against a quantized weight is quantized per row here (dynamic per-token scales)."""
+    if b_layout != "nk":
+        raise ArgumentError("b_layout: a PackedWeight is [N, K] already; leave b_layout at 'nk'")
+    if scale_b is not None:
+        raise ArgumentError("scale_b: a PackedWeight carries its own scale; pass none")
+    w = packed.weight
+    if packed.quantized and isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16):
+        if scale_a is not None:
+            raise ArgumentError("scale_a: a 16-bit a is quantized per row against a quantized PackedWeight; "
+                                "pass a quantized a to give its scale")  # fmt: skip
+        a, scale_a = quantize_per_token(a, w.dtype)
+    return a, w, scale_a, packed.scale, "nk"
 
 
 # ------------------------------------------------------------------ custom op and autograd

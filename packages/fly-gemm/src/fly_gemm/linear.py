@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flydsl.checks import check_tensor
+from flydsl.checks import check_tensor, describe
+from flydsl.errors import DTypeError
 from flydsl_common.rows import as_rows
 
 from .gemm import _TORCH_ACTIVATIONS, gemm
+from .prepack import PackedWeight
 
 __all__ = ["linear"]
 
@@ -19,9 +21,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(x @ weight^T + bias)`` over the last dimension of ``x``, as ``F.linear`` then the activation.
 
     Args:
-        x: ``[..., K]``; weight: ``[N, K]``; bias: optional ``[N]``. fp16 / bf16 run the fused GEMM kernel
-            (leading dimensions are viewed as rows without a copy when they collapse); other dtypes
-            (fp32, fp64) run ``F.linear`` and the activation in torch.
+        x: ``[..., K]``; weight: ``[N, K]`` or a :class:`~fly_gemm.PackedWeight`; bias: optional ``[N]``.
+            fp16 / bf16 run the fused GEMM kernel (leading dimensions are viewed as rows without a copy
+            when they collapse); other dtypes (fp32, fp64) run ``F.linear`` and the activation in torch.
         activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``, fused into the epilogue.
 
     Returns:
@@ -29,8 +31,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         through the same kernels).
     """
     check_tensor("x", x, min_ndim=1)
-    check_tensor("weight", weight, ndim=2)
+    if not isinstance(weight, PackedWeight):
+        check_tensor("weight", weight, ndim=2)
     if x.dtype not in _KERNEL_DTYPES:
+        if isinstance(weight, PackedWeight):
+            raise DTypeError(f"x: a PackedWeight runs the fp16 / bf16 kernels, got {describe(x)}")
         z = F.linear(x, weight, bias)
         return _TORCH_ACTIVATIONS[None if activation is None else str(activation).lower()](z)
     rows = as_rows(x)
