@@ -9,10 +9,14 @@ launch configuration. See the package README for the API table and status.
 
 from ._version import __version__
 from .autotune import GemmConfig
+from .builders import compile_preshuffle_gemm
 from .gemm import gemm
 from .linear import linear
 from .modules import FlyLinear
 from .prepack import PackedWeight, prepack
 from .reference import gemm_ref
 
-__all__ = ["__version__", "gemm", "linear", "FlyLinear", "prepack", "PackedWeight", "gemm_ref", "GemmConfig"]
+__all__ = [
+    "__version__", "gemm", "linear", "FlyLinear", "prepack", "PackedWeight", "compile_preshuffle_gemm", "gemm_ref",
+    "GemmConfig",
+]  # fmt: skip
