@@ -27,6 +27,12 @@ def _gemm_case(device) -> DemoRun:
                    lambda: F.gelu(F.linear(a, b, bias)), "F.gelu(F.linear)", 2e-2)  # fmt: skip
 
 
+def _tunables():
+    from .autotune import TUNABLE
+
+    return [TUNABLE]
+
+
 def _demo_cases():
     return [DemoCase("gemm + bias + gelu", _gemm_case)]
 
@@ -43,6 +49,7 @@ FAMILY = Family(
     module="fly_gemm",
     version=__version__,
     description="dense / scaled GEMM with fused epilogues, MoE",
+    tunables=_tunables,
     demo_cases=_demo_cases,
     bench=_bench,
 )

@@ -1,11 +1,13 @@
-"""Launch configurations of fly-gemm: :class:`GemmConfig`, its default heuristic and validity predicate.
+"""Launch configurations of fly-gemm: :class:`GemmConfig`, its default heuristic and validity predicate,
+and the tuning adopter (:data:`TUNABLE`, :func:`config_for`).
 
 The default is a pure function of (M, N, K, input dtype, arch), unit-tested on
-the CPU; the tuning adopter (searched winners, shipped sm_90 artifacts) builds
-on it. Tile shapes follow the published Hopper practice (128 x 128 tiles,
-BLOCK_K 64 for 16-bit inputs and 128 for 8-bit ones, 3-4 pipeline stages,
-grouped tile order with GROUP_M = 8) until measured on the H200; small M
-takes tiles of 16-64 rows so that no program computes mostly padding.
+the CPU; a call is served the searched winner, the artifact shipped in
+``fly_gemm/artifacts/`` (``flydsl tune gemm`` on the H200) or the default.
+Tile shapes follow the published Hopper practice (128 x 128 tiles, BLOCK_K 64
+for 16-bit inputs and 128 for 8-bit ones, 3-4 pipeline stages, grouped tile
+order with GROUP_M = 8) until measured on the H200; small M takes tiles of
+16-64 rows so that no program computes mostly padding.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 
-__all__ = ["GemmConfig", "default_config", "config_valid", "smem_bytes"]
+__all__ = [
+    "GemmConfig", "default_config", "config_valid", "smem_bytes", "TUNABLE", "config_for", "tuning_key",
+    "candidates", "clear_memo",
+]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 
@@ -97,3 +102,161 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     while not config_valid(cfg, in_dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+# ------------------------------------------------------------------ tuning adopter
+#
+# Key: {"m_bucket": next power of two of M (capped at 8192), "n", "k", "dtype", "out", "epilogue"} and the
+# arch. N and K are exact (weights have few shapes), M is bucketed (batch sizes vary call to call).
+
+_M_CAP = 8192
+# The offline tuning set (`flydsl tune gemm`): LLM projections (N, K) at decode and prefill batch sizes.
+TUNE_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))
+TUNE_M = (1, 16, 64, 256, 1024, 4096, 8192)
+TUNE_DTYPES = ("bf16", "fp8")
+
+
+def tuning_key(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype, epilogue: str) -> dict:
+    """The bucketed key of one GEMM; ``epilogue`` is "none", "bias" or "bias_<activation>" (its register
+    cost can change the best tile)."""
+    from flydsl.checks import dtype_name
+
+    bucket = min(flyc.next_power_of_2(max(m, 1)), _M_CAP)
+    return {"m_bucket": bucket, "n": n, "k": k, "dtype": dtype_name(in_dtype), "out": dtype_name(out_dtype),
+            "epilogue": epilogue}  # fmt: skip
+
+
+def _arch(name: str) -> flydsl.arch.Arch:
+    if name == "cpu":
+        return flydsl.arch.INTERPRETER
+    here = flydsl.arch.current()
+    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
+
+
+def _key_dtype(key) -> torch.dtype:
+    from flydsl.checks import parse_dtype
+
+    return parse_dtype("dtype", key["dtype"])
+
+
+def _default(key, arch: str) -> GemmConfig:
+    return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), _arch(arch))
+
+
+def candidates(key, arch: str) -> list[GemmConfig]:
+    """A bounded space per key (about 8-20 configs): decode-size M over tile widths, K steps and splits of
+    K (tiled kernel); larger M over Hopper's tile shapes, stages and the TMA kernel's tile-loop options."""
+    m, n, k = key["m_bucket"], key["n"], key["k"]
+    dtype = _key_dtype(key)
+    a = _arch(arch)
+    out: list[GemmConfig] = []
+    if a.is_interpreter:
+        return [_default(key, arch), GemmConfig(16, 16, 16, num_stages=1)]
+    bk = 128 if dtype.itemsize == 1 else 64
+    if m <= 64:
+        block_m = max(_DOT_MIN, m)
+        for block_n in (32, 64, 128):
+            for block_k in (bk, 2 * bk):
+                tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
+                split = _split_k(tiles, flyc.cdiv(k, block_k), a)
+                for s in sorted({1, split, max(1, split // 2)}):
+                    out.append(GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=4, split_k=s))
+    else:
+        hopper = a.is_hopper
+        for block_m, block_n, warps in ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4)):
+            for stages in (3, 4):
+                out.append(GemmConfig(block_m, block_n, bk, group_m=8, num_warps=warps, num_stages=stages, tma=hopper))
+        if hopper:
+            out += [GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=True),
+                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, warp_specialize=True),
+                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4)]  # fmt: skip
+    return [c for c in dict.fromkeys(out) if config_valid(c, dtype, a)]
+
+
+def _valid(cfg: GemmConfig, key, arch: str) -> bool:
+    return config_valid(cfg, _key_dtype(key), _arch(arch))
+
+
+def _tune_keys(arch: str) -> list[dict]:
+    keys = []
+    for dt in TUNE_DTYPES:
+        dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[dt]
+        for n, k in TUNE_NK:
+            for m in TUNE_M:
+                keys.append(tuning_key(m, n, k, dtype, torch.bfloat16, "none"))
+    return keys
+
+
+def _make_task(key, device):
+    """The offline search task of a key: random operands of its shape (M = the bucket), per-row x
+    per-column scales for 8-bit inputs, the fp64 reference."""
+    from flydsl.autotune import SearchTask
+    from flydsl.checks import parse_dtype
+    from flydsl.testing import tolerance
+
+    from .gemm import _gemm
+    from .reference import gemm_ref
+
+    m, n, k = key["m_bucket"], key["n"], key["k"]
+    dtype, out = _key_dtype(key), parse_dtype("out", key["out"])
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype)
+    sa = sb = None
+    if dtype.itemsize == 1:
+        sa, sb = torch.rand(m, device=device) + 0.5, torch.rand(n, device=device) + 0.5
+    bias, act = None, None
+    if key["epilogue"] != "none":
+        bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+        act = None if key["epilogue"] == "bias" else key["epilogue"][len("bias_"):]
+    c = torch.empty(m, n, device=device, dtype=out)
+    return SearchTask(
+        run=lambda cfg: _gemm(a, b, bias, act, out, sa, sb, c, "nk", cfg),
+        reference=lambda: gemm_ref(a, b, bias=bias, activation=act, scale_a=sa, scale_b=sb),
+        rtol=tolerance(out) if out != torch.float32 else 1e-4,
+    )
+
+
+def _make_tunable():
+    from pathlib import Path
+
+    from flydsl.autotune import Tunable
+
+    return Tunable(
+        name="gemm",
+        config_type=GemmConfig,
+        default=_default,
+        candidates=candidates,
+        is_valid=_valid,
+        artifact_dir=Path(__file__).parent / "artifacts",
+        max_candidates=24,
+        tune_keys=_tune_keys,
+        make_task=_make_task,
+    )
+
+
+TUNABLE = _make_tunable()
+_FAST: dict = {}  # (m bucket, n, k, dtypes, epilogue, device) -> config: one dict lookup a call
+
+
+def config_for(m, n, k, in_dtype, out_dtype, epilogue: str, device, *, task=None) -> GemmConfig:
+    """The launch config of a GEMM call: searched winner, shipped artifact or :func:`default_config`
+    (``FLYDSL_AUTOTUNE=1`` searches with ``task()``)."""
+    from flydsl import env
+
+    fast_key = (min(flyc.next_power_of_2(max(m, 1)), _M_CAP), n, k, in_dtype, out_dtype, epilogue, device)
+    search = bool(env.get("FLYDSL_AUTOTUNE"))
+    if not search:
+        cfg = _FAST.get(fast_key)
+        if cfg is not None:
+            return cfg
+    key = tuning_key(m, n, k, in_dtype, out_dtype, epilogue)
+    cfg = TUNABLE.select(key, flydsl.arch.name(device), task=task)
+    if not search:
+        _FAST[fast_key] = cfg
+    return cfg
+
+
+def clear_memo() -> None:
+    """Forget every resolved config of this process (tests; after tuning)."""
+    _FAST.clear()
+    TUNABLE.clear_memo()

@@ -13,21 +13,30 @@ from __future__ import annotations
 import torch
 
 import flydsl.arch
+from flydsl.autotune import SearchTask
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
+from flydsl.testing import tolerance
 from flydsl_common.device import activation_code
 from flydsl_common.quant import quantize_per_token
 
 from ._kernels.persistent import launch_persistent, tma_eligible
 from ._kernels.tiled import launch_tiled
-from .autotune import GemmConfig, config_valid, default_config
+from .autotune import GemmConfig, config_for, config_valid
 from .prepack import PackedWeight
+from .reference import gemm_ref
 
 __all__ = ["gemm", "IN_DTYPES", "B_LAYOUTS"]
 
 IN_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 _FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 B_LAYOUTS = ("nk", "kn")  # b given as [N, K] (the seed's convention, C = A @ B^T) or as [K, N]
+
+
+def _act_name(activation) -> str:
+    """The canonical name of an activation for tuning keys ("gelu_erf" and "gelu" are one)."""
+    name = str(activation).lower()
+    return "gelu" if name == "gelu_erf" else name
 
 
 def _check_scale(name: str, s, length: int, what: str, device):
@@ -85,7 +94,19 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
         if tuple(out.shape) != (m, n):
             raise ShapeError(f"out: expected [{m}, {n}], got {describe(out)}")
     arch = flydsl.arch.current(device)
-    cfg = config or default_config(m, n, k, a.dtype, arch)
+    if config is None:
+        epilogue = ("bias" if bias is not None else "none") + ("" if act == 0 else f"_{_act_name(activation)}")
+
+        def task():  # the search task of this call (FLYDSL_AUTOTUNE=1): its own operands, the fp64 reference
+            return SearchTask(
+                run=lambda cfg: _gemm(a, b, bias, activation, dtype, scale_a, scale_b, out, b_layout, cfg),
+                reference=lambda: gemm_ref(a, b, bias=bias, activation=activation, scale_a=scale_a,
+                                           scale_b=scale_b, b_layout=b_layout),  # fmt: skip
+                rtol=tolerance(dtype) if dtype.is_floating_point and dtype != torch.float32 else 1e-4,
+            )
+
+        config = config_for(m, n, k, a.dtype, dtype, epilogue, device, task=task)
+    cfg = config
     if not config_valid(cfg, a.dtype, arch, out.element_size()):
         raise ArgumentError(f"config: {cfg} is not a valid launch config for {dtype_name(a.dtype)} on {arch.name}")
     if cfg.tma and tma_eligible(a, b, out):

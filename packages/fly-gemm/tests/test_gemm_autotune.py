@@ -1,0 +1,66 @@
+"""fly-gemm's tuning adopter: keys, candidate space, offline task and `flydsl tune gemm` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+from fly_gemm.autotune import (
+    TUNABLE,
+    GemmConfig,
+    candidates,
+    clear_memo,
+    config_for,
+    config_valid,
+    default_config,
+    tuning_key,
+)
+from flydsl.autotune import ArtifactFile
+from flydsl.checks import parse_dtype
+
+
+def test_keys_bucket_m_and_name_the_epilogue():
+    key = tuning_key(300, 4096, 14336, torch.bfloat16, torch.bfloat16, "bias_gelu")
+    assert key == {"m_bucket": 512, "n": 4096, "k": 14336, "dtype": "bf16", "out": "bf16", "epilogue": "bias_gelu"}
+    assert tuning_key(100000, 8, 8, torch.int8, torch.int32, "none")["m_bucket"] == 8192  # capped
+
+
+def test_candidate_space_is_valid_bounded_and_holds_the_default():
+    for key in TUNABLE.tune_keys("sm_90"):
+        cands = candidates(key, "sm_90")
+        dtype = parse_dtype("dtype", key["dtype"])
+        assert 1 <= len(cands) <= TUNABLE.max_candidates
+        assert all(config_valid(c, dtype, flydsl.arch.SM90) for c in cands)
+        default = default_config(key["m_bucket"], key["n"], key["k"], dtype, flydsl.arch.SM90)
+        assert default == TUNABLE.default(key, "sm_90")
+        if key["m_bucket"] > 64:
+            assert any(c.tma for c in cands) and any(c.flatten for c in cands)
+        else:
+            assert any(c.split_k > 1 for c in cands)
+
+
+def test_calls_are_served_a_config_once_resolved(device):
+    clear_memo()
+    cfg = config_for(7, 32, 48, torch.float16, torch.float16, "none", device)
+    assert isinstance(cfg, GemmConfig)
+    assert config_for(5, 32, 48, torch.float16, torch.float16, "none", device) is cfg  # same bucket: memo
+
+
+def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatch):
+    """`flydsl tune gemm` -> artifact JSON -> served by the next lookup (a small key in the interpreter)."""
+    from flydsl import cli
+
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path / "cache"))
+    key = tuning_key(16, 32, 48, torch.float16, torch.float16, "bias_relu")
+    out = tmp_path / "artifacts"
+    argv = ["tune", "gemm", "--only", "gemm", "--key", json.dumps(key), "--out", str(out), "--allow-interpreter"]
+    assert cli.main(argv) == 0
+    data = json.loads((out / "gemm.json").read_text())
+    assert data["name"] == "gemm" and len(data["entries"]) == 1
+    arch = data["entries"][0]["arch"]
+    assert arch == flydsl.arch.name("cuda" if torch.cuda.is_available() and not flyc.interpreting() else "cpu")
+    served = ArtifactFile(out / "gemm.json", "gemm").lookup(arch, key)
+    assert served is not None and config_valid(GemmConfig(**served), torch.float16, flydsl.arch.current())
