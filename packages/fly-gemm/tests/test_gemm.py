@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flydsl.arch
 from fly_gemm import GemmConfig, gemm, gemm_ref
@@ -265,3 +267,24 @@ def test_gpu_scaled_shapes(device, m, n, k, dtype):
     sb = torch.rand(n, device=device) + 0.5
     c = gemm(a, b, scale_a=sa, scale_b=sb, out=_out(m, n, torch.bfloat16, device))
     assert_rel_close(c, gemm_ref(a, b, scale_a=sa, scale_b=sb))
+
+
+# ---------------------------------------------------------------- property-based shapes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(0, 100),
+    layout=st.sampled_from(["nk", "kn"]), dtype=st.sampled_from([torch.float16, torch.float8_e4m3fn, torch.int8]),
+    tma=st.booleans(), split_k=st.sampled_from([1, 3]),
+)  # fmt: skip
+def test_any_shape(device, m, n, k, layout, dtype, tma, split_k):
+    """Random M, N, K (K = 0 included), both layouts, every input dtype; the TMA kernel where it can address
+    the operands (else the tiled kernel), split-K otherwise: always the reference's result."""
+    a = _rand(m, k, dtype=dtype, device=device)
+    b = _rand(n, k, dtype=dtype, device=device, seed=1)
+    b = b if layout == "nk" else b.t().contiguous()
+    cfg = GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=tma, split_k=1 if tma else split_k)
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    c = gemm(a, b, b_layout=layout, bias=bias, activation="silu", config=cfg, out=_out(m, n, torch.float32, device))
+    assert_rel_close(c, gemm_ref(a, b, b_layout=layout, bias=bias, activation="silu"), tol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fly_gemm import FlyLinear, PackedWeight, gemm, gemm_ref, linear, prepack
+from fly_gemm import FlyLinear, GemmConfig, PackedWeight, gemm, gemm_ref, linear, prepack
 from flydsl.errors import ArgumentError, DTypeError
 from flydsl.testing import assert_rel_close
 from flydsl_common.reference import quantize_per_token_ref
@@ -49,6 +49,28 @@ def test_gemm_autograd(device, activation, b_layout):
                                strict=True):  # fmt: skip
         assert got.dtype == (torch.float32 if name == "bias" else torch.float16)
         assert_rel_close(got, want, tol=2e-3, name=name)  # g rounded to fp16 before the GEMMs
+
+
+def test_autograd_and_tracing_refuse_what_the_op_cannot_take(device):
+    a = _rand(4, 16, device=device).requires_grad_()
+    b = _rand(8, 16, device=device, seed=1)
+    with pytest.raises(ArgumentError, match="out: not supported when a gradient"):
+        gemm(a, b, out=torch.empty(4, 8, dtype=torch.float16, device=device))
+    with pytest.raises(ArgumentError, match="config: not taken"):
+        gemm(a, b, config=GemmConfig(16, 16, 16))
+
+
+def test_torch_compile_writes_out(device):
+    torch._dynamo.reset()
+    a, b = _rand(5, 32, device=device), _rand(8, 32, device=device, seed=1)
+    out = torch.empty(5, 8, dtype=torch.float32, device=device)
+
+    @torch.compile(fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
+    def f(x, w, o):
+        return gemm(x, w, out=o, out_dtype=torch.float32)
+
+    f(a, b, out)
+    assert_rel_close(out, gemm_ref(a, b), tol=1e-5)
 
 
 def test_gemm_backward_refuses_what_it_cannot_differentiate(device):

@@ -156,11 +156,15 @@ def gemm(
     """
     if isinstance(b, PackedWeight):
         a, b, scale_a, scale_b, b_layout = _unpack(a, b, scale_a, scale_b, b_layout)
-    if out is None and config is None and (
-        torch.compiler.is_compiling() or _grad_needed(a, b, bias, scale_a, scale_b)
-    ):
+    compiling = torch.compiler.is_compiling()
+    if compiling or _grad_needed(a, b, bias, scale_a, scale_b):
         # traced code and autograd go through the custom op (fake implementation, registered backward)
-        return torch.ops.fly_gemm.gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout)
+        if config is not None:
+            raise ArgumentError("config: not taken under torch.compile or autograd (the op serves its tuned config)")
+        if out is not None and not compiling:
+            raise ArgumentError("out: not supported when a gradient is needed (autograd allocates the output)")
+        c = torch.ops.fly_gemm.gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout)
+        return c if out is None else out.copy_(c)
     return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, config)
 
 
