@@ -28,6 +28,15 @@ def test_keys_bucket_m_and_name_the_epilogue():
     assert tuning_key(100000, 8, 8, torch.int8, torch.int32, "none")["m_bucket"] == 8192  # capped
 
 
+def test_epilogue_names_round_trip():
+    from fly_gemm.autotune import parse_epilogue
+
+    cases = {"none": (False, None), "bias": (True, None), "bias_gelu": (True, "gelu"), "silu": (False, "silu"),
+             "bias_gelu_tanh": (True, "gelu_tanh"), "gelu_tanh": (False, "gelu_tanh")}  # fmt: skip
+    for name, want in cases.items():
+        assert parse_epilogue(name) == want
+
+
 def test_candidate_space_is_valid_bounded_and_holds_the_default():
     for key in TUNABLE.tune_keys("sm_90"):
         cands = candidates(key, "sm_90")

@@ -116,9 +116,18 @@ TUNE_M = (1, 16, 64, 256, 1024, 4096, 8192)
 TUNE_DTYPES = ("bf16", "fp8")
 
 
+def parse_epilogue(epilogue: str) -> tuple[bool, str | None]:
+    """(bias, activation) of a key's epilogue: "none", "bias", "bias_<act>" or "<act>" (the seed's names)."""
+    if epilogue in ("none", "bias"):
+        return epilogue == "bias", None
+    if epilogue.startswith("bias_"):
+        return True, epilogue[len("bias_") :]
+    return False, epilogue
+
+
 def tuning_key(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype, epilogue: str) -> dict:
-    """The bucketed key of one GEMM; ``epilogue`` is "none", "bias" or "bias_<activation>" (its register
-    cost can change the best tile)."""
+    """The bucketed key of one GEMM; ``epilogue`` is "none", "bias", "bias_<activation>" or "<activation>"
+    (its register cost can change the best tile)."""
     from flydsl.checks import dtype_name
 
     bucket = min(flyc.next_power_of_2(max(m, 1)), _M_CAP)
@@ -204,10 +213,8 @@ def _make_task(key, device):
     sa = sb = None
     if dtype.itemsize == 1:
         sa, sb = torch.rand(m, device=device) + 0.5, torch.rand(n, device=device) + 0.5
-    bias, act = None, None
-    if key["epilogue"] != "none":
-        bias = torch.randn(n, device=device, dtype=torch.bfloat16)
-        act = None if key["epilogue"] == "bias" else key["epilogue"][len("bias_"):]
+    has_bias, act = parse_epilogue(key["epilogue"])
+    bias = torch.randn(n, device=device, dtype=torch.bfloat16) if has_bias else None
     c = torch.empty(m, n, device=device, dtype=out)
     return SearchTask(
         run=lambda cfg: _gemm(a, b, bias, act, out, sa, sb, c, "nk", cfg),

@@ -95,7 +95,7 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
             raise ShapeError(f"out: expected [{m}, {n}], got {describe(out)}")
     arch = flydsl.arch.current(device)
     if config is None:
-        epilogue = ("bias" if bias is not None else "none") + ("" if act == 0 else f"_{_act_name(activation)}")
+        epilogue = "_".join(["bias"] * (bias is not None) + [_act_name(activation)] * (act != 0)) or "none"
 
         def task():  # the search task of this call (FLYDSL_AUTOTUNE=1): its own operands, the fp64 reference
             return SearchTask(
