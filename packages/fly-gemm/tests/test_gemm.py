@@ -236,10 +236,13 @@ def test_default_configs_are_valid():
     assert big.tma  # Hopper: the persistent TMA kernel for every M past the decode sizes
     small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
     assert small.block_m == 16 and not small.tma
-    # decode sizes: 64 tiles of 64 columns, 32 K steps of 128 -> 8 splits of 4 steps (512 programs; 4
-    # splits would give 256, short of two an SM on 132 SMs)
-    assert small.split_k == 8
-    assert default_config(1, 4096, 256, torch.bfloat16, flydsl.arch.SM90).split_k == 1  # too few K steps
+    # decode sizes: column tiles narrow enough for two programs an SM, one kernel (no split-K) where N allows
+    assert (small.block_n, small.split_k) == (16, 1)  # 256 tiles of 16 columns
+    wide = default_config(1, 14336, 4096, torch.bfloat16, flydsl.arch.SM90)
+    assert (wide.block_n, wide.split_k) == (64, 1)  # 224 tiles
+    narrow = default_config(1, 1024, 4096, torch.bfloat16, flydsl.arch.SM90)
+    assert narrow.block_n == 16 and narrow.split_k == 4  # 64 tiles: K split in 4
+    assert default_config(1, 1024, 256, torch.bfloat16, flydsl.arch.SM90).split_k == 1  # too few K steps
     assert default_config(2048, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).split_k == 1
 
 

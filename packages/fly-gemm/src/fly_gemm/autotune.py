@@ -74,11 +74,25 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     return smem_bytes(cfg, in_dtype, out_itemsize) <= arch.smem_per_block
 
 
+# Programs a decode-size GEMM aims for, an SM: enough bytes of the weights in flight on every SM.
+_DECODE_PROGRAMS_PER_SM = 1.5
+
+
+def _decode_block_n(row_tiles: int, n: int, arch: flydsl.arch.Arch) -> int:
+    """The widest column tile (128 down to 16) that still gives the decode target of programs without
+    splitting K: one kernel, no partial sums (split-K adds a second launch, a few us against an 8-30 us
+    read of the weights). Narrow N falls through to 16 and to split-K."""
+    for block_n in (128, 64, 32, 16):
+        if row_tiles * flyc.cdiv(n, block_n) >= _DECODE_PROGRAMS_PER_SM * arch.sm_count:
+            return block_n
+    return 16
+
+
 def _split_k(tiles: int, k_steps: int, arch: flydsl.arch.Arch) -> int:
-    """Splits of K that give about two programs an SM, each split keeping at least 4 K steps (so the
-    pipeline fills and the partial sums stay small against the weights read)."""
+    """Splits of K that reach the decode target of programs, each split keeping at least 4 K steps (so
+    the pipeline fills and the partial sums stay small against the weights read)."""
     split = 1
-    while tiles * split < 2 * arch.sm_count and k_steps // (2 * split) >= 4:
+    while tiles * split < _DECODE_PROGRAMS_PER_SM * arch.sm_count and k_steps // (2 * split) >= 4:
         split *= 2
     return split
 
@@ -91,11 +105,13 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     wide = in_dtype.itemsize == 1  # fp8 / int8: twice the K per byte
     block_k = 128 if wide else 64
     stages = 4 if arch.backend == "cuda" else 2
-    if m <= 64:  # decode-size batches: a tile of M rows, wide in N (the weights stream)
+    if m <= 64:  # decode-size batches: a tile of M rows; the weights stream through narrow column tiles
         block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
         block_k = block_k * 2 if wide else 128
-        cfg = GemmConfig(block_m, 64, block_k, group_m=1, num_warps=4, num_stages=stages,
-                         split_k=_split_k(flyc.cdiv(m, block_m) * flyc.cdiv(n, 64), flyc.cdiv(k, block_k), arch))
+        block_n = _decode_block_n(flyc.cdiv(m, block_m), n, arch)
+        tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
+        cfg = GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=stages,
+                         split_k=_split_k(tiles, flyc.cdiv(k, block_k), arch))  # fmt: skip
     else:
         cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
                          tma=arch.is_hopper)  # fmt: skip
@@ -164,7 +180,7 @@ def candidates(key, arch: str) -> list[GemmConfig]:
     bk = 128 if dtype.itemsize == 1 else 64
     if m <= 64:
         block_m = max(_DOT_MIN, m)
-        for block_n in (32, 64, 128):
+        for block_n in (16, 32, 64, 128):
             for block_k in (bk, 2 * bk):
                 tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
                 split = _split_k(tiles, flyc.cdiv(k, block_k), a)

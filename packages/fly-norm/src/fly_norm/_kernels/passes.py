@@ -186,11 +186,11 @@ def lane_stats(
     LayerNorm: lane p of the block sees the k_p elements h[p], h[p + BLOCK_N], ... and sums d = h - h[p]
     and d^2 about its own first element, so the loop starts without a reduction (a barrier the chunk
     loads cannot pass); the lanes' (k_p, mean_p, M2_p) are merged once after it, pairwise (Chan) in
-    one reduction, about the row's first element. A lane's M2_p = sum d^2 - (sum d)^2 / k_p loses about (mean_p - h[p])^2 / var_p
-    units of rounding, and any one element lies within sqrt(k_p) standard deviations of its lane's
-    mean, so the loss stays within k_p = N / BLOCK_N units (|mean| >> std costs nothing), at 4
-    operations an element. (A per-lane Welford update measured 71% of copy at 32K columns on the
-    H200, PERF.md v5.)
+    one reduction, about the row's first element. A lane's M2_p = sum d^2 - (sum d)^2 / k_p loses
+    about (mean_p - h[p])^2 / var_p units of rounding, and any one element lies within sqrt(k_p)
+    standard deviations of its lane's mean, so the loss stays within k_p = N / BLOCK_N units
+    (|mean| >> std costs nothing), at 4 operations an element. (A per-lane Welford update measured 71%
+    of copy at 32K columns on the H200, PERF.md v5.)
     """
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or of d^2 (LayerNorm)
     acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d; RMS with UMAX: max |u|
