@@ -106,8 +106,10 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     block_k = 128 if wide else 64
     stages = 4 if arch.backend == "cuda" else 2
     if m <= 64:  # decode-size batches: a tile of M rows; the weights stream through narrow column tiles
+        # 16 KB of weights a stage (256 columns of 16 bits, 512 of 8): with three stages in flight and
+        # 1.5 programs an SM, ~70 KB an SM, past the ~32 KB that 4.2 TB/s at ~1 us latency needs over 132 SMs
         block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
-        block_k = block_k * 2 if wide else 128
+        block_k = block_k * 4
         block_n = _decode_block_n(flyc.cdiv(m, block_m), n, arch)
         tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
         cfg = GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=stages,
@@ -181,7 +183,7 @@ def candidates(key, arch: str) -> list[GemmConfig]:
     if m <= 64:
         block_m = max(_DOT_MIN, m)
         for block_n in (16, 32, 64, 128):
-            for block_k in (bk, 2 * bk):
+            for block_k in (2 * bk, 4 * bk):
                 tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
                 split = _split_k(tiles, flyc.cdiv(k, block_k), a)
                 for s in sorted({1, split, max(1, split // 2)}):
