@@ -169,10 +169,14 @@ TMA = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=True)
 TMA_SHAPES = [(7, 32, 48), (40, 48, 32), (33, 16, 16)]  # rows of 16-byte multiples for every dtype (TMA)
 
 
+TMA_SUBTILE = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=True, epilogue_subtile=True)
+
+
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
-def test_tma_kernel(device, m, n, k, dtype, b_layout):
+@pytest.mark.parametrize("cfg", [TMA, TMA_SUBTILE], ids=["tile", "subtile"])
+def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
     from fly_gemm._kernels.persistent import tma_eligible
 
     a = _rand(m, k, dtype=dtype, device=device)
@@ -182,10 +186,10 @@ def test_tma_kernel(device, m, n, k, dtype, b_layout):
     bias = _rand(n, dtype=torch.float32, device=device, seed=2)
     out = _out(m, n, torch.float32, device)
     assert tma_eligible(a, b, out) == (device.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
-    c = gemm(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh", out=out, config=TMA)
+    c = gemm(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh", out=out, config=cfg)
     assert_rel_close(c, gemm_ref(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh"), tol=1e-5)
     if dtype == torch.int8:
-        raw = gemm(a, b, b_layout=b_layout, out_dtype=torch.int32, config=TMA, out=_out(m, n, torch.int32, device))
+        raw = gemm(a, b, b_layout=b_layout, out_dtype=torch.int32, config=cfg, out=_out(m, n, torch.int32, device))
         assert torch.equal(raw.cpu().long(), gemm_ref(a, b, b_layout=b_layout).cpu().long())
 
 

@@ -42,11 +42,12 @@ def test_candidate_space_is_valid_bounded_and_holds_the_default():
         cands = candidates(key, "sm_90")
         dtype = parse_dtype("dtype", key["dtype"])
         assert 1 <= len(cands) <= TUNABLE.max_candidates
-        assert all(config_valid(c, dtype, flydsl.arch.SM90) for c in cands)
+        assert all(config_valid(c, dtype, flydsl.arch.SM90, 2) for c in cands)  # bf16 outputs
         default = default_config(key["m_bucket"], key["n"], key["k"], dtype, flydsl.arch.SM90)
         assert default == TUNABLE.default(key, "sm_90")
         if key["m_bucket"] > 64:
             assert any(c.tma for c in cands) and any(c.flatten for c in cands)
+            assert any(c.epilogue_subtile and c.block_n == 256 and c.num_stages == 4 for c in cands)
         else:  # split-K is tried where the widest column tiles leave SMs idle (1.5 programs an SM wanted)
             assert any(c.split_k > 1 for c in cands) == (key["n"] // 128 < 1.5 * flydsl.arch.SM90.sm_count)
 

@@ -43,6 +43,7 @@ class GemmConfig:
     tma: bool = False
     flatten: bool = False
     warp_specialize: bool = False
+    epilogue_subtile: bool = False  # TMA kernel: store C in two column halves (half the store buffer)
     # Splits of K (tiled kernel): decode-size M has too few C tiles to occupy the GPU, so K is split and
     # the partial sums added by a second kernel (deterministic).
     split_k: int = 1
@@ -57,7 +58,8 @@ def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype, out_itemsize: int = 4) ->
     tile its descriptor store goes through (sm_90, ``tools``-style offline compiles of the TMA kernel:
     128 x 128 x 64 bf16 at 4 stages takes 4 x 32 KB + 32 KB)."""
     loads = (cfg.block_m + cfg.block_n) * cfg.block_k * in_dtype.itemsize * cfg.num_stages
-    return loads + (cfg.block_m * cfg.block_n * out_itemsize if cfg.tma else 0)
+    store_n = cfg.block_n // 2 if cfg.epilogue_subtile else cfg.block_n
+    return loads + (cfg.block_m * store_n * out_itemsize if cfg.tma else 0)
 
 
 def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch, out_itemsize: int = 4) -> bool:
@@ -70,6 +72,8 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
     if cfg.tma and cfg.split_k > 1:  # the TMA kernel has no split-K
+        return False
+    if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
     return smem_bytes(cfg, in_dtype, out_itemsize) <= arch.smem_per_block
 
@@ -166,6 +170,12 @@ def _key_dtype(key) -> torch.dtype:
     return parse_dtype("dtype", key["dtype"])
 
 
+def _key_out_size(key) -> int:
+    from flydsl.checks import parse_dtype
+
+    return parse_dtype("out", key["out"]).itemsize
+
+
 def _default(key, arch: str) -> GemmConfig:
     return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), _arch(arch))
 
@@ -194,14 +204,15 @@ def candidates(key, arch: str) -> list[GemmConfig]:
             for stages in (3, 4):
                 out.append(GemmConfig(block_m, block_n, bk, group_m=8, num_warps=warps, num_stages=stages, tma=hopper))
         if hopper:
-            out += [GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=True),
+            out += [GemmConfig(128, 256, bk, group_m=8, num_warps=8, num_stages=4, tma=True, epilogue_subtile=True),
+                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=True),
                     GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, warp_specialize=True),
                     GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4)]  # fmt: skip
-    return [c for c in dict.fromkeys(out) if config_valid(c, dtype, a)]
+    return [c for c in dict.fromkeys(out) if config_valid(c, dtype, a, _key_out_size(key))]
 
 
 def _valid(cfg: GemmConfig, key, arch: str) -> bool:
-    return config_valid(cfg, _key_dtype(key), _arch(arch))
+    return config_valid(cfg, _key_dtype(key), _arch(arch), _key_out_size(key))
 
 
 def _tune_keys(arch: str) -> list[dict]:

@@ -16,7 +16,10 @@ directly) or ``[K, N]`` (``B_KN``).
 
 Options of the tile loop (``GemmConfig``): ``flatten`` fuses it with the K
 loop so the next tile's loads start during this tile's last steps;
-``warp_specialize`` lets Triton split loads and math across warp groups.
+``warp_specialize`` lets Triton split loads and math across warp groups;
+``epilogue_subtile`` stores the tile in two column halves through a buffer
+of half the size, which leaves shared memory for another pipeline stage
+(128 x 256 tiles at 4 stages).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _gemm_tma_kernel(
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
     INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, B_KN: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
-    FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr,
+    FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr, SUBTILE: fx.constexpr,
 ):
     # fmt: on
     a_desc = fx.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -48,7 +51,8 @@ def _gemm_tma_kernel(
         b_desc = fx.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
     else:
         b_desc = fx.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-    c_desc = fx.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    C_N: fx.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N  # the columns of one store
+    c_desc = fx.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, C_N])
     num_pid_m = fx.cdiv(M, BLOCK_M)
     num_pid_n = fx.cdiv(N, BLOCK_N)
     k_steps = fx.cdiv(K, BLOCK_K)
@@ -68,13 +72,31 @@ def _gemm_tma_kernel(
                 acc += fx.dot(a, b, out_dtype=fx.int32)
             else:
                 acc = fx.dot(a, b, acc)
-        if RAW_INT:
-            c_desc.store([m0, n0], acc)
+        if SUBTILE:  # the tile's two column halves, stored one after the other through a half-size buffer
+            halves = fx.split(fx.permute(fx.reshape(acc, (BLOCK_M, 2, C_N)), (0, 2, 1)))
+            _store_tile(c_desc, halves[0], m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT,
+                        RAW_INT, BLOCK_M, C_N)  # fmt: skip
+            _store_tile(c_desc, halves[1], m0, n0 + C_N, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS,
+                        ACT, RAW_INT, BLOCK_M, C_N)  # fmt: skip
         else:
-            rm = m0 + fx.arange(0, BLOCK_M)
-            rn = n0 + fx.arange(0, BLOCK_N)
-            out = epilogue(acc, rm, rn, rm < M, rn < N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-            c_desc.store([m0, n0], out.to(c_ptr.dtype.element_ty))
+            _store_tile(c_desc, acc, m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW_INT,
+                        BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@flyc.func
+def _store_tile(
+    c_desc, acc, m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW_INT: fx.constexpr,
+    TILE_M: fx.constexpr, TILE_N: fx.constexpr,
+):  # fmt: skip
+    """The epilogue of a [TILE_M, TILE_N] accumulator at (m0, n0), stored through the descriptor (clipped)."""
+    if RAW_INT:
+        c_desc.store([m0, n0], acc)
+    else:
+        rm = m0 + fx.arange(0, TILE_M)
+        rn = n0 + fx.arange(0, TILE_N)
+        out = epilogue(acc, rm, rn, rm < M, rn < N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+        c_desc.store([m0, n0], out.to(c_desc.dtype))
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -117,7 +139,7 @@ def launch_persistent(a, b, c, bias, scale_a, scale_b, act: int, b_kn: bool, cfg
         SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
         INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile,
         **cfg.launch_options(),
     )
     # fmt: on
