@@ -227,6 +227,24 @@ def test_split_k(device, dtype, split_k):
         assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 11])  # 11 > block_m: a second grid axis over M
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
+def test_gemv_kernel(device, m, dtype):
+    """The CUDA-core decode kernel: per-lane products reduced once, every epilogue, strided A, raw int8."""
+    n, k = 40, 150
+    a = _rand(m, 2 * k, dtype=dtype, device=device)[:, ::2]  # column stride 2
+    b = _rand(n, k, dtype=dtype, device=device, seed=1)
+    cfg = GemmConfig(8, 16, 32, group_m=1, num_stages=1, gemv=True)
+    sa, sb = torch.rand(m, device=device) + 0.5, torch.rand(1, device=device) + 0.5
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    c = gemm(a, b, scale_a=sa, scale_b=sb, bias=bias, activation="gelu_tanh", config=cfg,
+             out=_out(m, n, torch.float32, device))  # fmt: skip
+    assert_rel_close(c, gemm_ref(a, b, scale_a=sa, scale_b=sb, bias=bias, activation="gelu_tanh"), tol=1e-5)
+    if dtype == torch.int8:
+        raw = gemm(a, b, out_dtype=torch.int32, config=cfg, out=_out(m, n, torch.int32, device))
+        assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
 def test_default_configs_are_valid():
     """The heuristic's configs pass the validity predicate for every regime and dtype (sm_90 and CPU)."""
     for arch in (flydsl.arch.SM90, flydsl.arch.INTERPRETER):
@@ -248,6 +266,11 @@ def test_default_configs_are_valid():
     assert narrow.block_n == 16 and narrow.split_k == 4  # 64 tiles: K split in 4
     assert default_config(1, 1024, 256, torch.bfloat16, flydsl.arch.SM90).split_k == 1  # too few K steps
     assert default_config(2048, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).split_k == 1
+    # the CUDA-core decode kernel: rows of A up to 8, per-lane accumulators within 64 registers a thread
+    assert config_valid(GemmConfig(1, 16, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(16, 16, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(8, 32, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(8, 16, 16), torch.bfloat16, flydsl.arch.SM90)  # a dot needs 16
 
 
 # ---------------------------------------------------------------- GPU: bf16 and the issue's shapes

@@ -44,6 +44,8 @@ class GemmConfig:
     flatten: bool = False
     warp_specialize: bool = False
     epilogue_subtile: bool = False  # TMA kernel: store C in two column halves (half the store buffer)
+    # The CUDA-core decode kernel (_kernels/gemv.py): block_m rows of A (1-8) against block_n rows of B.
+    gemv: bool = False
     # Splits of K (tiled kernel): decode-size M has too few C tiles to occupy the GPU, so K is split and
     # the partial sums added by a second kernel (deterministic).
     split_k: int = 1
@@ -67,7 +69,13 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     16 (the dot's minimum), a warp count Triton takes, shared memory within the arch's (for an output of
     ``out_itemsize`` bytes an element; 4, the default, bounds every output dtype)."""
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
-    if any(t < _DOT_MIN or t & (t - 1) for t in tiles) or cfg.group_m < 1:
+    if any(t < 1 or t & (t - 1) for t in tiles) or cfg.group_m < 1:
+        return False
+    if cfg.gemv:  # per-lane accumulators of block_m x block_n x block_k: at most 64 a thread
+        lanes = 32 * cfg.num_warps
+        return (not (cfg.tma or cfg.epilogue_subtile) and cfg.split_k == 1 and cfg.block_m <= 8
+                and cfg.block_m * cfg.block_n * cfg.block_k <= 64 * lanes)  # fmt: skip
+    if min(tiles) < _DOT_MIN:
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
@@ -190,6 +198,10 @@ def candidates(key, arch: str) -> list[GemmConfig]:
     if a.is_interpreter:
         return [_default(key, arch), GemmConfig(16, 16, 16, num_stages=1)]
     bk = 128 if dtype.itemsize == 1 else 64
+    if m <= 8:  # the CUDA-core decode kernel: 1-8 rows of A, 8-32 rows of B, 256-512 bytes of K a row
+        for block_n in (8, 16, 32):
+            for block_k in (256 // dtype.itemsize, 512 // dtype.itemsize):
+                out.append(GemmConfig(m, block_n, block_k, group_m=1, num_warps=4, num_stages=4, gemv=True))
     if m <= 64:
         block_m = max(_DOT_MIN, m)
         for block_n in (16, 32, 64, 128):

@@ -2,7 +2,8 @@
 
 In the order of the family's files: the kernels live in :mod:`._kernels`
 (``persistent``: the TMA kernel of Hopper, for operands TMA can address;
-``tiled``: the pointer-based kernel that serves every shape, stride and GPU),
+``tiled``: the pointer-based kernel that serves every shape, stride and GPU;
+``gemv``: CUDA cores for a few rows of A, when a config asks for it),
 then the config choice (:mod:`.autotune`), then the host API below: argument
 checks (every bad input is named before anything launches), output
 allocation and dispatch.
@@ -20,6 +21,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import activation_code
 from flydsl_common.quant import quantize_per_token
 
+from ._kernels.gemv import launch_gemv
 from ._kernels.persistent import launch_persistent, tma_eligible
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_for, config_valid
@@ -109,7 +111,9 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
     cfg = config
     if not config_valid(cfg, a.dtype, arch, out.element_size()):
         raise ArgumentError(f"config: {cfg} is not a valid launch config for {dtype_name(a.dtype)} on {arch.name}")
-    if cfg.tma and tma_eligible(a, b, out):
+    if cfg.gemv:
+        launch_gemv(a, b_nk, out, bias, sa, sb, act, cfg)
+    elif cfg.tma and tma_eligible(a, b, out):
         launch_persistent(a, b, out, bias, sa, sb, act, b_layout == "kn", cfg)
     else:  # every other shape, stride and GPU: the pointer-based kernel
         launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
