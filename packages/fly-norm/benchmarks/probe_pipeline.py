@@ -34,6 +34,10 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   autograd (as the benchmark) and the op's own launch (``backward_into``, as the tuner). The sixth
   session's search picked configs that it timed 5-9% faster than the defaults but that the benchmark
   measured up to 3x slower (rms_norm at 8K with a 64-register cap: tuned 207 us, benchmark 691 us).
+- ``bwd_l2``: a prototype rms_norm backward for rows past the register-resident widths with no
+  exchange between programs: each program walks its rows, re-reads each from L2 for dx, and keeps its
+  fp32 weight-gradient row in L2 (read, added to, written back a row at a time), against the library's
+  backward at 16K-64K.
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -146,6 +150,98 @@ def _quant_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, M, N, eps, BLOCK_M: fx.conste
         if not PREFETCH:
             x_nx = fx.load(x_ptr + row_offset(nxt, N)[:, None] + cols[None, :],
                            mask=(nxt < M)[:, None] & cmask[None, :], other=0.0)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _bwd_l2_kernel(h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, rows_per_program,
+                   BLOCK_N: fx.constexpr, N_FIXED: fx.constexpr):
+    # fmt: on
+    # r7 prototype (rms_norm backward, rows past the register-resident widths): one program walks its
+    # rows one at a time; pass 1 reads the row (evict_last) for c1 = mean(g * xhat), pass 2 re-reads it
+    # from L2, writes dx and adds dy * xhat into the program's fp32 weight-gradient row (read back from L2
+    # from the previous row; the first row writes it): no exchange between programs, the row and the
+    # partial row live in L2 (132 programs x (4 + 4) bytes x N: 17-34 MB at 16K-32K columns).
+    if N_FIXED != 0:
+        N = N_FIXED
+    pid = fx.program_id(0)
+    cols = fx.arange(0, BLOCK_N)
+    r0 = pid * rows_per_program
+    r1 = fx.minimum(r0 + rows_per_program, M)
+    part = dwp_ptr + row_offset(pid, N)
+    for row in range(r0, r1):
+        h_row = h_ptr + row_offset(row, N)
+        dy_row = dy_ptr + row_offset(row, N)
+        rstd = fx.load(rstd_ptr + row)
+        acc = fx.zeros([BLOCK_N], dtype=fx.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            cm = c < N
+            h = fx.load(h_row + c, mask=cm, other=0.0, eviction_policy="evict_last").to(fx.float32)
+            dy = fx.load(dy_row + c, mask=cm, other=0.0, eviction_policy="evict_last").to(fx.float32)
+            w = fx.load(w_ptr + c, mask=cm, other=0.0).to(fx.float32)
+            acc += dy * w * h
+        c1 = fx.sum(acc, axis=0) * rstd / N
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            cm = c < N
+            h = fx.load(h_row + c, mask=cm, other=0.0, eviction_policy="evict_first").to(fx.float32)
+            dy = fx.load(dy_row + c, mask=cm, other=0.0, eviction_policy="evict_first").to(fx.float32)
+            w = fx.load(w_ptr + c, mask=cm, other=0.0).to(fx.float32)
+            xhat = h * rstd
+            dx = (dy * w - xhat * c1) * rstd
+            fx.store(dx_ptr + row_offset(row, N) + c, dx.to(dx_ptr.dtype.element_ty), mask=cm)
+            prev = fx.load(part + c, mask=cm & (row > r0), other=0.0)
+            fx.store(part + c, prev + dy * xhat, mask=cm)
+
+
+def _bwd_l2_cases(copy: float) -> list[dict]:
+    """The ``bwd_l2`` part: the prototype above against the library's rms_norm backward (the tiled split
+    kernel at 16K-64K), both through the same weight-gradient column sum; gradients checked against it."""
+    from fly_norm import rms_norm
+    from fly_norm._kernels.norm import launch_sum_partials
+
+    out = []
+    for n in (16384, 32768, 65536):
+        m = (1 << 27) // n
+        x = torch.randn(m, n, dtype=_DT, device="cuda")
+        w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5)
+        dy = torch.randn(m, n, dtype=_DT, device="cuda")
+        rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-6)
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = rms_norm(xs, ws, 1e-6)
+        ref_dx, ref_dw = torch.autograd.grad(y, (xs, ws), dy, retain_graph=True)
+        nbytes = 2 * 3 * m * n + 2 * 2 * n + 4 * m
+        us = bench(lambda: torch.autograd.grad(y, (xs, ws), dy, retain_graph=True)).median_us
+        out.append(dict(N=n, op="rms_bwd_library", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy))
+        print(out[-1], flush=True)
+        dx = torch.empty_like(x)
+        dw = torch.empty(n, dtype=_DT, device="cuda")
+        for block_n, warps, per_sm in ((2048, 8, 1), (4096, 8, 1), (4096, 16, 1), (2048, 4, 2), (4096, 8, 2),
+                                       (8192, 16, 1)):  # fmt: skip
+            try:
+                programs = min(m, flydsl.arch.current().sm_count * per_sm)
+                per = flyc.cdiv(m, programs)
+                programs = flyc.cdiv(m, per)
+                dwp = torch.empty(programs, n, dtype=torch.float32, device="cuda")
+                meta = dict(BLOCK_N=block_n, N_FIXED=n, num_warps=warps)
+
+                def run():
+                    flyc.launch(_bwd_l2_kernel, (programs,), x, w, dy, rstd, dx, dwp, m, n, per, **meta)
+                    launch_sum_partials(dwp, dw)
+
+                run()
+                err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                          for a, b in ((dx, ref_dx), (dw, ref_dw)))  # fmt: skip
+                us = bench(run).median_us
+                row = dict(N=n, op="rms_bwd_l2", cfg=(block_n, warps, per_sm), us=us,
+                           frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_library=err)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                row = dict(N=n, op="rms_bwd_l2", cfg=(block_n, warps, per_sm), error=repr(e)[:300])
+            print(row, flush=True)
+            out.append(row)
+        torch.cuda.empty_cache()
+    return out
 
 
 def _copy_gbps(numel: int) -> float:
@@ -517,6 +613,8 @@ def main() -> None:
         rows += _quant_cases(copy)
     if "bwd_ab" in args.part:
         rows += _bwd_ab(copy)
+    if "bwd_l2" in args.part:
+        rows += _bwd_l2_cases(copy)
     if "bwd_op" in args.part:
         for n in (16384, 32768, 65536):
             for is_rms in (True, False):
