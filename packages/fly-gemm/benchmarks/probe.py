@@ -1,0 +1,119 @@
+"""Design probe of fly-gemm's kernels (not the benchmark): python probe.py [--out DIR] [--part NAME ...]
+
+Each part times a few configs of one kernel at a few shapes on the GPU, against the torch peer in the same
+run, after checking every config's output against the fp64 reference (a wrong config is reported, never
+timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``.
+
+- ``tma``: the persistent TMA kernel's options at large M (tile shape, stages, flatten, warp
+  specialization, epilogue subtiling) and the tiled kernel, bf16 and fp8, against cuBLAS /
+  ``torch._scaled_mm``;
+- ``decode``: M = 1 and 16 over the decode paths (narrow tensor-core tiles, split-K, the CUDA-core gemv
+  kernel), as a fraction of the copy bandwidth spent reading the weights, against cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+import flydsl  # noqa: F401 - compiled vs interpreted Triton first
+from fly_gemm import GemmConfig, gemm, gemm_ref
+from flydsl.autotune.timer import bench
+
+_TMA = [
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, tma=True, epilogue_subtile=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True, flatten=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True, warp_specialize=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, tma=True, epilogue_subtile=True, flatten=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),  # the tiled kernel at the same tile
+]
+_DECODE = [
+    GemmConfig(16, 16, 256, group_m=1, num_stages=4),
+    GemmConfig(16, 32, 256, group_m=1, num_stages=4),
+    GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=4),
+    GemmConfig(16, 16, 128, group_m=1, num_stages=4, split_k=2),
+    GemmConfig(1, 8, 256, group_m=1, num_stages=1, gemv=True),
+    GemmConfig(1, 16, 256, group_m=1, num_stages=1, gemv=True),
+    GemmConfig(1, 16, 128, group_m=1, num_stages=1, gemv=True),
+]
+
+
+def _copy_gbps() -> float:
+    src = torch.empty(1 << 28, dtype=torch.int32, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 8 * src.numel() / (bench(lambda: dst.copy_(src)).median_us * 1e-6) / 1e9
+
+
+def _operands(m, n, k, dtype):
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, k, device="cuda").to(dtype)
+    if dtype.itemsize != 1:
+        return a, b, (None, None)
+    return a, b, (torch.rand(m, device="cuda") + 0.5, torch.rand(n, device="cuda") + 0.5)
+
+
+def _peer(a, b, scales):
+    if a.dtype.itemsize == 1:
+        sa, sb = scales
+        return lambda: torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+    return lambda: torch.matmul(a, b.t())
+
+
+def _part(shapes, configs, copy, decode: bool) -> list[dict]:
+    out = []
+    for m, n, k, dtype in shapes:
+        a, b, (sa, sb) = _operands(m, n, k, dtype)
+        ref = gemm_ref(a, b, scale_a=sa, scale_b=sb)
+        peer_us = bench(_peer(a, b, (sa, sb))).median_us
+        flops, wbytes = 2 * m * n * k, n * k * dtype.itemsize
+        print(dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us), flush=True)
+        for cfg in configs:
+            row = dict(shape=(m, n, k), dtype=str(dtype), cfg=repr(cfg))
+            run = functools.partial(gemm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, config=cfg)
+            try:
+                c = run()
+                row["rel_err"] = ((c.double() - ref).norm() / ref.norm()).item()
+                if not row["rel_err"] <= 1e-2:
+                    raise AssertionError(f"relative error {row['rel_err']:.3e}")
+                us = bench(run).median_us
+                row.update(us=us, vs_peer=peer_us / us, tflops=flops / us / 1e6)
+                if decode:
+                    row["weight_bw_frac"] = wbytes / (us * 1e-6) / 1e9 / copy
+            except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                row["error"] = repr(e)[:300]
+            print(row, flush=True)
+            out.append(row)
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--part", nargs="*", default=["tma", "decode"])
+    args = ap.parse_args()
+    copy = _copy_gbps()
+    rows = [dict(copy_GBps=copy)]
+    print(rows[0], flush=True)
+    if "tma" in args.part:
+        shapes = [(8192, 8192, 8192, torch.bfloat16), (4096, 4096, 4096, torch.bfloat16),
+                  (8192, 8192, 8192, torch.float8_e4m3fn), (1024, 14336, 4096, torch.bfloat16)]  # fmt: skip
+        rows += _part(shapes, _TMA, copy, decode=False)
+    if "decode" in args.part:
+        shapes = [(1, 4096, 4096, torch.bfloat16), (1, 14336, 4096, torch.bfloat16), (16, 4096, 14336, torch.bfloat16),
+                  (1, 8192, 8192, torch.float8_e4m3fn)]  # fmt: skip
+        rows += _part(shapes, _DECODE, copy, decode=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe-gemm.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
