@@ -193,6 +193,22 @@ def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
         assert torch.equal(raw.cpu().long(), gemm_ref(a, b, b_layout=b_layout).cpu().long())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_tma_reads_a_transposed_a(device, dtype):
+    """A given as a transposed view of a row-major [K, M] tensor (the backward's G^T): the TMA kernel reads
+    its storage (A_KM), no copy."""
+    from fly_gemm._kernels.persistent import tma_operand_a
+
+    m, n, k = 48, 32, 64
+    a_store = _rand(k, m, dtype=dtype, device=device)
+    b = _rand(n, k, dtype=dtype, device=device, seed=1)
+    out = _out(m, n, torch.float32, device)
+    a_t, a_km = tma_operand_a(a_store.t(), b, out)
+    assert a_km and a_t.data_ptr() == a_store.data_ptr()
+    c = gemm(a_store.t(), b, config=TMA, out=out)
+    assert_rel_close(c, gemm_ref(a_store.t(), b), tol=1e-5)
+
+
 def test_tma_falls_back_where_tma_cannot_address(device):
     """Rows not a multiple of 16 bytes, a strided last dim, K = 0: the tiled kernel serves them."""
     from fly_gemm._kernels.persistent import tma_eligible

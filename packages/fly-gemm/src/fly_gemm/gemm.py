@@ -22,7 +22,7 @@ from flydsl_common.device import activation_code
 from flydsl_common.quant import quantize_per_token
 
 from ._kernels.gemv import launch_gemv
-from ._kernels.persistent import launch_persistent, tma_eligible
+from ._kernels.persistent import launch_persistent, tma_operand_a
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_for, config_valid
 from .prepack import PackedWeight
@@ -113,8 +113,8 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
         raise ArgumentError(f"config: {cfg} is not a valid launch config for {dtype_name(a.dtype)} on {arch.name}")
     if cfg.gemv:
         launch_gemv(a, b_nk, out, bias, sa, sb, act, cfg)
-    elif cfg.tma and tma_eligible(a, b, out):
-        launch_persistent(a, b, out, bias, sa, sb, act, b_layout == "kn", cfg)
+    elif cfg.tma and (tma_a := tma_operand_a(a, b, out)) is not None:
+        launch_persistent(*tma_a, b, out, bias, sa, sb, act, b_layout == "kn", cfg)
     else:  # every other shape, stride and GPU: the pointer-based kernel
         launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
     return out

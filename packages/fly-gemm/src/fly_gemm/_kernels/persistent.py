@@ -12,7 +12,8 @@ TMA needs every stride but the last to be a multiple of 16 bytes and the last
 to be 1: the host (:func:`tma_eligible`) sends anything else to the tiled
 kernel, since a descriptor over a misaligned row reads wrong data without an
 error. B may be ``[N, K]`` (K-major: what Hopper's 8-bit tensor cores take
-directly) or ``[K, N]`` (``B_KN``).
+directly) or ``[K, N]`` (``B_KN``); A ``[M, K]`` or, read through a
+transposed view, ``[K, M]`` (``A_KM``: the gradient G^T of a backward).
 
 Options of the tile loop (``GemmConfig``): ``flatten`` fuses it with the K
 loop so the next tile's loads start during this tile's last steps;
@@ -32,7 +33,7 @@ import flydsl.expr as fx
 
 from .epilogue import epilogue, scale_mode
 
-__all__ = ["tma_eligible", "launch_persistent"]
+__all__ = ["tma_operand_a", "tma_eligible", "launch_persistent"]
 
 
 # fmt: off
@@ -41,12 +42,15 @@ def _gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
     M, N, K, stride_am, stride_b, stride_cm,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
-    INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, B_KN: fx.constexpr,
+    INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, A_KM: fx.constexpr, B_KN: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
     FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr, SUBTILE: fx.constexpr,
 ):
     # fmt: on
-    a_desc = fx.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if A_KM:  # A stored as [K, M] (a transposed view, e.g. the gradient in dB = G^T A)
+        a_desc = fx.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_am, 1], block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = fx.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_KN:
         b_desc = fx.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
     else:
@@ -63,7 +67,10 @@ def _gemm_tma_kernel(
         n0 = pid_n * BLOCK_N
         acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
         for ki in range(k_steps):
-            a = a_desc.load([m0, ki * BLOCK_K])
+            if A_KM:
+                a = fx.trans(a_desc.load([ki * BLOCK_K, m0]))
+            else:
+                a = a_desc.load([m0, ki * BLOCK_K])
             if B_KN:
                 b = b_desc.load([ki * BLOCK_K, n0])
             else:
@@ -109,22 +116,32 @@ def _tma_rows(t: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def tma_eligible(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
-    """Whether the persistent TMA kernel may take these operands (``b`` as given: ``[N, K]`` or
-    ``[K, N]``): a CUDA GPU with tensor-memory access (sm_90+), or the interpreter; K > 0; every operand
-    :func:`_tma_rows`."""
+def tma_operand_a(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+    """``(a's storage, a_km)`` when the persistent TMA kernel may take these operands, else None: a CUDA GPU
+    with tensor-memory access (sm_90+) or the interpreter; K > 0; ``b`` (as given, ``[N, K]`` or
+    ``[K, N]``) and ``c`` :func:`_tma_rows`; ``a`` too, or its transpose (a ``[K, M]`` row-major storage:
+    ``a_km``)."""
     arch = flydsl.arch.current(a.device)
     if not (arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))):
-        return False
-    return a.shape[1] > 0 and all(_tma_rows(t) for t in (a, b, c))
+        return None
+    if a.shape[1] == 0 or not (_tma_rows(b) and _tma_rows(c)):
+        return None
+    if _tma_rows(a):
+        return a, False
+    return (a.t(), True) if _tma_rows(a.t()) else None
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the persistent TMA kernel may take these operands (:func:`tma_operand_a`)."""
+    return tma_operand_a(a, b, c) is not None
 
 
 @flyc.jit(skip_empty=False)
-def launch_persistent(a, b, c, bias, scale_a, scale_b, act: int, b_kn: bool, cfg, stream=None):
-    """Launch the persistent TMA kernel: ``c[M, N] = epilogue(a[M, K] @ B^T)`` with ``b`` as ``[N, K]`` or,
-    with ``b_kn``, ``[K, N]``. The operands must be :func:`tma_eligible`. Arguments as
-    :func:`fly_gemm._kernels.tiled.launch_tiled`."""
-    m, k = a.shape
+def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_kn: bool, cfg, stream=None):
+    """Launch the persistent TMA kernel: ``c[M, N] = epilogue(A[M, K] @ B^T)`` with ``a`` the storage of A
+    (``[M, K]``, or ``[K, M]`` with ``a_km``) and ``b`` as ``[N, K]`` or, with ``b_kn``, ``[K, N]``, as
+    :func:`tma_operand_a` gives them. Other arguments as :func:`fly_gemm._kernels.tiled.launch_tiled`."""
+    k, m = a.shape if a_km else a.shape[::-1]
     n = c.shape[1]
     if m == 0 or n == 0:
         return
@@ -137,7 +154,8 @@ def launch_persistent(a, b, c, bias, scale_a, scale_b, act: int, b_kn: bool, cfg
         a, b, c, bias, scale_a, scale_b,
         m, n, k, a.stride(0), b.stride(0), c.stride(0),
         SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
-        INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, B_KN=bool(b_kn),
+        INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, A_KM=bool(a_km),
+        B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile,
         **cfg.launch_options(),
