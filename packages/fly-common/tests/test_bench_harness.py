@@ -293,3 +293,14 @@ def test_common_bench_models():
     v = common_bench.vec_add_bench()
     assert [c.params["n"] for c in v.select_cases(quick=False)] == [1 << 20, 1 << 24, 1 << 28]
     assert v.bytes(Case("x", {"n": 10})) == 120
+
+
+def test_results_dir_finds_the_package_folder_of_the_source_tree(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from flydsl_common.bench import results_dir
+
+    here = Path(__file__).resolve()
+    assert results_dir("fly-common", here) == here.parents[1] / "benchmarks" / "results"
+    monkeypatch.chdir(tmp_path)
+    assert results_dir("no-such-package", here) == tmp_path / "bench-results"  # an installed copy

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for, results_dir
 
 from .gemm import gemm
 from .reference import gemm_ref
@@ -188,12 +188,7 @@ def benches() -> list[Bench]:
 
 
 def default_out_dir() -> Path:
-    """``packages/fly-gemm/benchmarks/results`` of the source tree this module runs from, else ``./bench-results``."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "packages" / "fly-gemm" / "benchmarks" / "results"
-        if candidate.parent.is_dir():
-            return candidate
-    return Path.cwd() / "bench-results"
+    return results_dir("fly-gemm", __file__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for, results_dir
 
 from . import reference as ref
 
@@ -267,12 +267,7 @@ def benches() -> list[Bench]:
 
 
 def default_out_dir() -> Path:
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "packages" / "fly-norm" / "benchmarks" / "results"
-        if candidate.parent.is_dir():
-            return candidate
-    return Path.cwd() / "bench-results"
+    return results_dir("fly-norm", __file__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ import torch
 from ..quant import quantize_per_tensor, quantize_per_token
 from ..reference import dequantize_ref, quantize_per_tensor_ref, quantize_per_token_ref, vec_add_ref
 from ..vec_add import vec_add
-from .harness import Bench, Case, CompiledPeer, Provider, main_for
+from .harness import Bench, Case, CompiledPeer, Provider, main_for, results_dir
 
 __all__ = ["benches", "default_out_dir", "main", "quant_bench", "vec_add_bench"]
 
@@ -212,10 +212,7 @@ def benches() -> list[Bench]:
 
 def default_out_dir() -> Path:
     """``packages/fly-common/benchmarks/results`` in a checkout, else ``./bench-results``."""
-    pkg_root = Path(__file__).resolve().parents[3]  # .../packages/fly-common (src/flydsl_common/bench/this)
-    if (pkg_root / "benchmarks").is_dir() and (pkg_root / "pyproject.toml").is_file():
-        return pkg_root / "benchmarks" / "results"
-    return Path.cwd() / "bench-results"
+    return results_dir("fly-common", __file__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

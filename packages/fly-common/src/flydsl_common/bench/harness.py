@@ -84,6 +84,7 @@ __all__ = [
     "gpu_slug",
     "main_for",
     "measure_ceilings",
+    "results_dir",
     "run",
     "timer_bench",
     "write_all",
@@ -554,6 +555,16 @@ def _names(values: list[str] | None) -> list[str] | None:
     if not values:
         return None
     return [n.strip() for v in values for n in v.split(",") if n.strip()]
+
+
+def results_dir(package: str, module_file: str | Path) -> Path:
+    """A package's results folder, ``packages/<package>/benchmarks/results`` of the source tree that
+    ``module_file`` (the calling module's ``__file__``) lives in; ``./bench-results`` for an installed copy."""
+    for parent in Path(module_file).resolve().parents:
+        benchmarks = parent / "packages" / package / "benchmarks"
+        if benchmarks.is_dir():
+            return benchmarks / "results"
+    return Path.cwd() / "bench-results"
 
 
 def main_for(
