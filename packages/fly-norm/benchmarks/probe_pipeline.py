@@ -152,6 +152,15 @@ def _quant_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, M, N, eps, BLOCK_M: fx.conste
                            mask=(nxt < M)[:, None] & cmask[None, :], other=0.0)
 
 
+@flyc.func
+def _bwd_l2_chunk(h_row, dy_row, w_ptr, c, N, EVICT: fx.constexpr):
+    """h, dy, w of columns c (fp32), c and its mask: the rows' loads with cache hint EVICT."""
+    cm = c < N
+    h = fx.load(h_row + c, mask=cm, other=0.0, eviction_policy=EVICT).to(fx.float32)
+    dy = fx.load(dy_row + c, mask=cm, other=0.0, eviction_policy=EVICT).to(fx.float32)
+    return h, dy, fx.load(w_ptr + c, mask=cm, other=0.0).to(fx.float32), c, cm
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _bwd_l2_kernel(h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, rows_per_program,
@@ -175,19 +184,11 @@ def _bwd_l2_kernel(h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, rows_p
         rstd = fx.load(rstd_ptr + row)
         acc = fx.zeros([BLOCK_N], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
-            c = start + cols
-            cm = c < N
-            h = fx.load(h_row + c, mask=cm, other=0.0, eviction_policy="evict_last").to(fx.float32)
-            dy = fx.load(dy_row + c, mask=cm, other=0.0, eviction_policy="evict_last").to(fx.float32)
-            w = fx.load(w_ptr + c, mask=cm, other=0.0).to(fx.float32)
+            h, dy, w, c, cm = _bwd_l2_chunk(h_row, dy_row, w_ptr, start + cols, N, "evict_last")
             acc += dy * w * h
         c1 = fx.sum(acc, axis=0) * rstd / N
         for start in range(0, N, BLOCK_N):
-            c = start + cols
-            cm = c < N
-            h = fx.load(h_row + c, mask=cm, other=0.0, eviction_policy="evict_first").to(fx.float32)
-            dy = fx.load(dy_row + c, mask=cm, other=0.0, eviction_policy="evict_first").to(fx.float32)
-            w = fx.load(w_ptr + c, mask=cm, other=0.0).to(fx.float32)
+            h, dy, w, c, cm = _bwd_l2_chunk(h_row, dy_row, w_ptr, start + cols, N, "evict_first")
             xhat = h * rstd
             dx = (dy * w - xhat * c1) * rstd
             fx.store(dx_ptr + row_offset(row, N) + c, dx.to(dx_ptr.dtype.element_ty), mask=cm)
