@@ -6,33 +6,44 @@ beside their kernels and may build on the ones here.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .device import FP8_E4M3_MAX, INT8_MAX
 
-__all__ = ["vec_add_ref", "activation_ref", "quantize_per_token_ref", "quantize_per_tensor_ref", "dequantize_ref"]
+__all__ = [
+    "vec_add_ref", "torch_activation", "activation_ref", "quantize_per_token_ref", "quantize_per_tensor_ref",
+    "dequantize_ref",
+]  # fmt: skip
 
 
 def vec_add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.double() + b.double()
 
 
+_TORCH_ACTIVATIONS = {
+    None: lambda x: x,
+    "none": lambda x: x,
+    "relu": torch.relu,
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,  # the exact (erf) form
+    "gelu_erf": torch.nn.functional.gelu,
+}
+
+
+def torch_activation(x: torch.Tensor, name: str | None) -> torch.Tensor:
+    """Activation ``name`` (as in flydsl_common.device.ACTIVATIONS, any case) in torch, in x's dtype and
+    differentiable: the form kernels' backward passes and torch fallbacks use."""
+    try:
+        fn = _TORCH_ACTIVATIONS[name if name is None else str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}") from None
+    return fn(x)
+
+
 def activation_ref(x: torch.Tensor, name: str | None) -> torch.Tensor:
     """Activation in float64 (names as in flydsl_common.device.ACTIVATIONS)."""
-    x = x.double()
-    if name in (None, "none"):
-        return x
-    if name == "relu":
-        return torch.relu(x)
-    if name == "silu":
-        return x * torch.sigmoid(x)
-    if name == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    if name in ("gelu", "gelu_erf"):
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    raise ValueError(f"unknown activation {name!r}")
+    return torch_activation(x.double(), name)
 
 
 def _qmax(dtype: torch.dtype) -> float:

@@ -20,6 +20,7 @@ from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl.testing import tolerance
 from flydsl_common.device import activation_code
 from flydsl_common.quant import quantize_per_token
+from flydsl_common.reference import torch_activation
 
 from ._kernels.gemv import launch_gemv
 from ._kernels.persistent import launch_persistent, tma_operand_a
@@ -217,25 +218,13 @@ def _(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout):
     return a.new_empty(a.shape[0], n, dtype=dtype)
 
 
-# The activations in torch, differentiated by autograd in the backward (names as activation_code takes them).
-_TORCH_ACTIVATIONS = {
-    None: lambda z: z,
-    "none": lambda z: z,
-    "relu": torch.relu,
-    "silu": torch.nn.functional.silu,
-    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-    "gelu": torch.nn.functional.gelu,
-    "gelu_erf": torch.nn.functional.gelu,
-}
-
-
 def _setup_context(ctx, inputs, output):
     a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout = inputs
     if a.dtype.itemsize != 2 or scale_a is not None or scale_b is not None:
         given = dtype_name(a.dtype) + (" with scales" if scale_a is not None or scale_b is not None else "")
         raise DTypeError(f"gemm backward: gradients are computed for fp16 / bf16 inputs without scales, got {given}")
     ctx.save_for_backward(a, b, bias)
-    ctx.activation = None if activation is None else str(activation).lower()
+    ctx.activation = activation
     ctx.b_layout = b_layout
 
 
@@ -249,7 +238,7 @@ def _backward(ctx, grad):
         z = op(a, b, bias, None, torch.float32, None, None, ctx.b_layout)
         with torch.enable_grad():
             z.requires_grad_(True)
-            (g,) = torch.autograd.grad(_TORCH_ACTIVATIONS[ctx.activation](z), z, grad.float())
+            (g,) = torch.autograd.grad(torch_activation(z, ctx.activation), z, grad.float())
     g16 = g.to(a.dtype)
     b_nk = b if ctx.b_layout == "nk" else b.t()
     da = db = dbias = None

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from flydsl.checks import check_tensor, describe
 from flydsl.errors import DTypeError
+from flydsl_common.reference import torch_activation
 from flydsl_common.rows import as_rows
 
-from .gemm import _TORCH_ACTIVATIONS, gemm
+from .gemm import gemm
 from .prepack import PackedWeight
 
 __all__ = ["linear"]
@@ -37,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if isinstance(weight, PackedWeight):
             raise DTypeError(f"x: a PackedWeight runs the fp16 / bf16 kernels, got {describe(x)}")
         z = F.linear(x, weight, bias)
-        return _TORCH_ACTIVATIONS[None if activation is None else str(activation).lower()](z)
+        return torch_activation(z, activation)
     rows = as_rows(x)
     y = gemm(rows, weight, bias=bias, activation=activation)
     return y.view(*x.shape[:-1], weight.shape[0])
