@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import flydsl.arch
 from fly_gemm import GemmConfig, gemm, gemm_ref
+from fly_gemm._kernels.persistent import tma_operand_a
 from fly_gemm.autotune import config_valid, default_config
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
@@ -177,7 +178,6 @@ TMA_SUBTILE = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=T
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
 @pytest.mark.parametrize("cfg", [TMA, TMA_SUBTILE], ids=["tile", "subtile"])
 def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
-    from fly_gemm._kernels.persistent import tma_eligible
 
     a = _rand(m, k, dtype=dtype, device=device)
     b = _rand(n, k, dtype=dtype, device=device, seed=1)
@@ -185,7 +185,8 @@ def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
     sa = torch.rand(m, device=device) + 0.5
     bias = _rand(n, dtype=torch.float32, device=device, seed=2)
     out = _out(m, n, torch.float32, device)
-    assert tma_eligible(a, b, out) == (device.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    tma_here = device.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    assert (tma_operand_a(a, b, out) is not None) == tma_here
     c = gemm(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh", out=out, config=cfg)
     assert_rel_close(c, gemm_ref(a, b, b_layout=b_layout, scale_a=sa, bias=bias, activation="gelu_tanh"), tol=1e-5)
     if dtype == torch.int8:
@@ -197,8 +198,6 @@ def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
 def test_tma_reads_a_transposed_a(device, dtype):
     """A given as a transposed view of a row-major [K, M] tensor (the backward's G^T): the TMA kernel reads
     its storage (A_KM), no copy."""
-    from fly_gemm._kernels.persistent import tma_operand_a
-
     m, n, k = 48, 32, 64
     a_store = _rand(k, m, dtype=dtype, device=device)
     b = _rand(n, k, dtype=dtype, device=device, seed=1)
@@ -211,15 +210,14 @@ def test_tma_reads_a_transposed_a(device, dtype):
 
 def test_tma_falls_back_where_tma_cannot_address(device):
     """Rows not a multiple of 16 bytes, a strided last dim, K = 0: the tiled kernel serves them."""
-    from fly_gemm._kernels.persistent import tma_eligible
 
     a = _rand(9, 20, dtype=torch.float16, device=device)  # 40-byte rows
     b = _rand(16, 20, dtype=torch.float16, device=device, seed=1)
     out = _out(9, 16, torch.float16, device)
-    assert not tma_eligible(a, b, out)
+    assert tma_operand_a(a, b, out) is None
     assert_rel_close(gemm(a, b, config=TMA, out=out), gemm_ref(a, b))
     a2 = _rand(9, 32, dtype=torch.float16, device=device)[:, ::2]  # 16 columns, stride 2
-    assert not tma_eligible(a2, b[:, :16], out)
+    assert tma_operand_a(a2, b[:, :16], out) is None
     assert_rel_close(gemm(a2, b[:, :16].contiguous(), config=TMA), gemm_ref(a2, b[:, :16]))
     a0 = torch.empty(4, 0, dtype=torch.float16, device=device)
     b0 = torch.empty(8, 0, dtype=torch.float16, device=device)

@@ -9,7 +9,7 @@ the tensor cores; the epilogue (:mod:`.epilogue`) runs in fp32 and the tile is
 stored through a descriptor (clipped at the edges).
 
 TMA needs every stride but the last to be a multiple of 16 bytes and the last
-to be 1: the host (:func:`tma_eligible`) sends anything else to the tiled
+to be 1: the host (:func:`tma_operand_a`) sends anything else to the tiled
 kernel, since a descriptor over a misaligned row reads wrong data without an
 error. B may be ``[N, K]`` (K-major: what Hopper's 8-bit tensor cores take
 directly) or ``[K, N]`` (``B_KN``); A ``[M, K]`` or, read through a
@@ -33,7 +33,7 @@ import flydsl.expr as fx
 
 from .epilogue import epilogue, scale_mode
 
-__all__ = ["tma_operand_a", "tma_eligible", "launch_persistent"]
+__all__ = ["tma_operand_a", "launch_persistent"]
 
 
 # fmt: off
@@ -129,11 +129,6 @@ def tma_operand_a(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
     if _tma_rows(a):
         return a, False
     return (a.t(), True) if _tma_rows(a.t()) else None
-
-
-def tma_eligible(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
-    """Whether the persistent TMA kernel may take these operands (:func:`tma_operand_a`)."""
-    return tma_operand_a(a, b, c) is not None
 
 
 @flyc.jit(skip_empty=False)
