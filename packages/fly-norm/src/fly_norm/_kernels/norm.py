@@ -125,14 +125,14 @@ def _norm_fwd_kernel(
             amax = umax * rstd
             fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
             fx.store(y_rows + cols[None, :], quantize(u * rstd[:, None], inverse_scale(amax, QMAX), QUANT), mask=mask)
-        elif IS_RMS:
-            mean = fx.zeros([BLOCK_M], dtype=fx.float32)
-            var = fx.sum(h * h, axis=1) / N
         else:
-            mean = fx.sum(h, axis=1) / N
-            d = fx.where(mask, h - mean[:, None], 0.0)
-            var = fx.sum(d * d, axis=1) / N
-        if not FACTORED:
+            if IS_RMS:
+                mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+                var = fx.sum(h * h, axis=1) / N
+            else:
+                mean = fx.sum(h, axis=1) / N
+                d = fx.where(mask, h - mean[:, None], 0.0)
+                var = fx.sum(d * d, axis=1) / N
             rstd = fx.rsqrt(var + eps)
             y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS,
                           HAS_SMOOTH)  # fmt: skip
