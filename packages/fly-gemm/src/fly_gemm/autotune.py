@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import env
+from flydsl.autotune import SearchTask, Tunable
+from flydsl.checks import dtype_name, parse_dtype
+from flydsl.testing import tolerance
+
+from .reference import gemm_ref
 
 __all__ = [
     "GemmConfig", "default_config", "config_valid", "smem_bytes", "TUNABLE", "config_for", "tuning_key",
@@ -158,8 +165,6 @@ def parse_epilogue(epilogue: str) -> tuple[bool, str | None]:
 def tuning_key(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype, epilogue: str) -> dict:
     """The bucketed key of one GEMM; ``epilogue`` is "none", "bias", "bias_<activation>" or "<activation>"
     (its register cost can change the best tile)."""
-    from flydsl.checks import dtype_name
-
     bucket = min(flyc.next_power_of_2(max(m, 1)), _M_CAP)
     return {"m_bucket": bucket, "n": n, "k": k, "dtype": dtype_name(in_dtype), "out": dtype_name(out_dtype),
             "epilogue": epilogue}  # fmt: skip
@@ -173,14 +178,10 @@ def _arch(name: str) -> flydsl.arch.Arch:
 
 
 def _key_dtype(key) -> torch.dtype:
-    from flydsl.checks import parse_dtype
-
     return parse_dtype("dtype", key["dtype"])
 
 
 def _key_out_size(key) -> int:
-    from flydsl.checks import parse_dtype
-
     return parse_dtype("out", key["out"]).itemsize
 
 
@@ -240,12 +241,7 @@ def _tune_keys(arch: str) -> list[dict]:
 def _make_task(key, device):
     """The offline search task of a key: random operands of its shape (M = the bucket), per-row x
     per-column scales for 8-bit inputs, the fp64 reference."""
-    from flydsl.autotune import SearchTask
-    from flydsl.checks import parse_dtype
-    from flydsl.testing import tolerance
-
-    from .gemm import _gemm
-    from .reference import gemm_ref
+    from .gemm import _gemm  # here: gemm imports this module
 
     m, n, k = key["m_bucket"], key["n"], key["k"]
     dtype, out = _key_dtype(key), parse_dtype("out", key["out"])
@@ -265,10 +261,6 @@ def _make_task(key, device):
 
 
 def _make_tunable():
-    from pathlib import Path
-
-    from flydsl.autotune import Tunable
-
     return Tunable(
         name="gemm",
         config_type=GemmConfig,
@@ -289,8 +281,6 @@ _FAST: dict = {}  # (m bucket, n, k, dtypes, epilogue, device) -> config: one di
 def config_for(m, n, k, in_dtype, out_dtype, epilogue: str, device, *, task=None) -> GemmConfig:
     """The launch config of a GEMM call: searched winner, shipped artifact or :func:`default_config`
     (``FLYDSL_AUTOTUNE=1`` searches with ``task()``)."""
-    from flydsl import env
-
     fast_key = (min(flyc.next_power_of_2(max(m, 1)), _M_CAP), n, k, in_dtype, out_dtype, epilogue, device)
     search = bool(env.get("FLYDSL_AUTOTUNE"))
     if not search:

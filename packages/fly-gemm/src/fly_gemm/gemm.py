@@ -26,14 +26,13 @@ from ._kernels.gemv import launch_gemv
 from ._kernels.persistent import launch_persistent, tma_operand_a
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_for, config_valid
-from .prepack import PackedWeight
+from .prepack import B_LAYOUTS, PackedWeight
 from .reference import gemm_ref
 
 __all__ = ["gemm", "IN_DTYPES", "B_LAYOUTS"]
 
 IN_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 _FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
-B_LAYOUTS = ("nk", "kn")  # b given as [N, K] (the seed's convention, C = A @ B^T) or as [K, N]
 
 
 def _act_name(activation) -> str:

@@ -18,9 +18,10 @@ from flydsl.checks import check_tensor, describe
 from flydsl.errors import ArgumentError, DTypeError
 from flydsl_common.quant import quantize_per_token
 
-__all__ = ["PackedWeight", "prepack"]
+__all__ = ["PackedWeight", "prepack", "B_LAYOUTS"]
 
 _QUANT = (torch.float8_e4m3fn, torch.int8)
+B_LAYOUTS = ("nk", "kn")  # b given as [N, K] (the seed's convention, C = A @ B^T) or as [K, N]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ def prepack(b: torch.Tensor, *, b_layout: str = "nk", quant: torch.dtype | None 
         y = gemm(x, w8)                               # x [M, K] bf16: quantized per row on the fly
     """
     check_tensor("b", b, ndim=2)
-    if b_layout not in ("nk", "kn"):
-        raise ArgumentError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
+    if b_layout not in B_LAYOUTS:
+        raise ArgumentError(f"b_layout: expected one of {list(B_LAYOUTS)}, got {b_layout!r}")
     w = (b if b_layout == "nk" else b.t()).contiguous()
     if quant is None:
         return PackedWeight(w)
