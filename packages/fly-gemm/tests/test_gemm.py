@@ -316,7 +316,7 @@ def test_gpu_scaled_shapes(device, m, n, k, dtype):
 # ---------------------------------------------------------------- property-based shapes
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(0, 100),
     layout=st.sampled_from(["nk", "kn"]), dtype=st.sampled_from([torch.float16, torch.float8_e4m3fn, torch.int8]),
@@ -331,4 +331,12 @@ def test_any_shape(device, m, n, k, layout, dtype, tma, split_k):
     cfg = GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=tma, split_k=1 if tma else split_k)
     bias = _rand(n, dtype=torch.float32, device=device, seed=2)
     c = gemm(a, b, b_layout=layout, bias=bias, activation="silu", config=cfg, out=_out(m, n, torch.float32, device))
-    assert_rel_close(c, gemm_ref(a, b, b_layout=layout, bias=bias, activation="silu"), tol=1e-5)
+    # Elementwise, as an fp32 dot product is accurate: the products are exact in fp32 for these inputs, so
+    # the pre-activation is off by at most (K + 1) fp32 roundings of sum |a b| + |bias|, which silu (slope
+    # below 1.1) passes on, plus silu's own fp32 evaluation (exp and a division: 2^-20 of its value). A
+    # norm-relative bound would be ill-conditioned for the outputs that cancel to near 0.
+    ref = gemm_ref(a, b, b_layout=layout, bias=bias, activation="silu")
+    size = gemm_ref(a.double().abs(), b.double().abs(), b_layout=layout, bias=bias.double().abs())
+    bound = 1.1 * (k + 1) * 2.0**-24 * size + 2.0**-20 * ref.abs() + 1e-30
+    err = (c.double().cpu() - ref.cpu()).abs()
+    assert torch.isfinite(c).all() and (err <= bound.cpu()).all(), f"max error / bound {(err / bound.cpu()).max()}"
