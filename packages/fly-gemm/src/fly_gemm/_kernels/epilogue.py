@@ -11,7 +11,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import activation
 
-__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "scale_mode", "epilogue"]
+__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "scale_mode", "epilogue_meta", "epilogue"]
 
 SCALE_NONE = 0  # no scale
 SCALE_TENSOR = 1  # one value for the whole operand
@@ -23,6 +23,11 @@ def scale_mode(s) -> int:
     if s is None:
         return SCALE_NONE
     return SCALE_TENSOR if s.numel() == 1 else SCALE_VECTOR
+
+
+def epilogue_meta(scale_a, scale_b, bias, act: int) -> dict:
+    """Host side: the epilogue's constexprs (SCALE_A, SCALE_B, HAS_BIAS, ACT) for a launch."""
+    return {"SCALE_A": scale_mode(scale_a), "SCALE_B": scale_mode(scale_b), "HAS_BIAS": bias is not None, "ACT": act}
 
 
 @flyc.func

@@ -15,7 +15,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .epilogue import epilogue, scale_mode
+from .epilogue import epilogue, epilogue_meta
 
 __all__ = ["launch_gemv"]
 
@@ -77,7 +77,7 @@ def launch_gemv(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None):
         _gemv_kernel, (flyc.cdiv(n, cfg.block_n), flyc.cdiv(m, cfg.block_m)),
         a, b_nk, c, bias, scale_a, scale_b,
         m, n, k, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
-        SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
+        **epilogue_meta(scale_a, scale_b, bias, act),
         INT_ACC=not a.dtype.is_floating_point, RAW=not c.dtype.is_floating_point,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         **cfg.launch_options(),

@@ -31,7 +31,7 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
-from .epilogue import epilogue, scale_mode
+from .epilogue import epilogue, epilogue_meta
 
 __all__ = ["tma_operand_a", "launch_persistent"]
 
@@ -148,7 +148,7 @@ def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_k
         _gemm_tma_kernel, (programs,),
         a, b, c, bias, scale_a, scale_b,
         m, n, k, a.stride(0), b.stride(0), c.stride(0),
-        SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act,
+        **epilogue_meta(scale_a, scale_b, bias, act),
         INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, A_KM=bool(a_km),
         B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

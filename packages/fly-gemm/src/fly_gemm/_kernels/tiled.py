@@ -25,7 +25,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .epilogue import epilogue, scale_mode
+from .epilogue import epilogue, epilogue_meta
 
 __all__ = ["launch_tiled"]
 
@@ -130,7 +130,7 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     steps = max(1, flyc.cdiv(k, cfg.block_k))
     split_steps = flyc.cdiv(steps, max(1, min(cfg.split_k, steps)))  # K steps a split
     splits = flyc.cdiv(steps, split_steps)  # no empty split (K = 0: one, which runs the epilogue on zeros)
-    epi = dict(SCALE_A=scale_mode(scale_a), SCALE_B=scale_mode(scale_b), HAS_BIAS=bias is not None, ACT=act)
+    epi = epilogue_meta(scale_a, scale_b, bias, act)
     raw_out = not c.dtype.is_floating_point
     dst, stride_cm, stride_cn, stride_cs = c, c.stride(0), c.stride(1), 0
     if splits > 1:
