@@ -165,12 +165,13 @@ def test_bad_input_is_named(device):
 
 
 # The persistent TMA kernel in the interpreter: small tiles, ragged edges in M, N and K (descriptor loads
-# read zeros there, stores clip), both B layouts, every dtype, the full epilogue.
-TMA = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=True)
+# read zeros there, stores clip; K = 16 and 48 leave a K tile part empty), both B layouts, every dtype, the
+# full epilogue.
+TMA = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True)
 TMA_SHAPES = [(7, 32, 48), (40, 48, 32), (33, 16, 16)]  # rows of 16-byte multiples for every dtype (TMA)
 
 
-TMA_SUBTILE = GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, tma=True, epilogue_subtile=True)
+TMA_SUBTILE = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, epilogue_subtile=True)
 
 
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
@@ -268,8 +269,12 @@ def test_default_configs_are_valid():
                     cfg = default_config(m, n, k, dtype, arch)
                     assert config_valid(cfg, dtype, arch), (arch.name, dtype, m, n, k, cfg)
     big = default_config(8192, 8192, 8192, torch.bfloat16, flydsl.arch.SM90)
-    assert (big.block_m, big.block_n, big.block_k, big.group_m) == (128, 128, 64, 8)
-    assert big.tma  # Hopper: the persistent TMA kernel for every M past the decode sizes
+    assert (big.block_m, big.block_n, big.block_k, big.group_m) == (128, 256, 64, 8)  # many tiles: 128 x 256
+    assert big.tma and big.epilogue_subtile  # Hopper: the persistent TMA kernel for every M past the decode sizes
+    mid = default_config(1024, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)  # 128 tiles of 128 x 256: too few
+    assert (mid.block_m, mid.block_n, mid.tma) == (128, 128, True)
+    fp8 = default_config(8192, 8192, 8192, torch.float8_e4m3fn, flydsl.arch.SM90)
+    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.tma) == (128, 128, 128, True)
     small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
     assert small.block_m == 16 and not small.tma
     # decode sizes: column tiles narrow enough for two programs an SM, one kernel (no split-K) where N allows
@@ -285,6 +290,9 @@ def test_default_configs_are_valid():
     assert not config_valid(GemmConfig(16, 16, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
     assert not config_valid(GemmConfig(8, 32, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
     assert not config_valid(GemmConfig(8, 16, 16), torch.bfloat16, flydsl.arch.SM90)  # a dot needs 16
+    assert config_valid(GemmConfig(16, 16, 16), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(16, 16, 16), torch.float8_e4m3fn, flydsl.arch.SM90)  # 8-bit K >= 32
+    assert config_valid(GemmConfig(16, 16, 32), torch.int8, flydsl.arch.SM90)
 
 
 # ---------------------------------------------------------------- GPU: bf16 and the shapes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -18,7 +19,7 @@ from fly_gemm.autotune import (
     default_config,
     tuning_key,
 )
-from flydsl.autotune import ArtifactFile
+from flydsl.autotune import ArtifactFile, LocalCache
 from flydsl.checks import parse_dtype
 
 
@@ -60,6 +61,20 @@ def test_calls_are_served_a_config_once_resolved(device):
     assert config_for(5, 32, 48, torch.float16, torch.float16, "none", device) is cfg  # same bucket: memo
 
 
+def test_a_fused_epilogue_takes_the_plain_gemms_config(tmp_path, monkeypatch, device):
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    plain = tuning_key(16, 32, 48, torch.float16, torch.float16, "none")
+    cfg = GemmConfig(16, 16, 32, num_stages=1)
+    LocalCache().save("gemm", flydsl.arch.name(device), plain, dataclasses.asdict(cfg), time_us=1.0,
+                      default_time_us=None, candidates=1)  # fmt: skip
+    try:
+        assert config_for(16, 32, 48, torch.float16, torch.float16, "bias_gelu_erf", device) == cfg
+        assert config_for(16, 32, 48, torch.float16, torch.float32, "bias_gelu_erf", device) != cfg  # fp32 out
+    finally:
+        clear_memo()
+
+
 def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatch):
     """`flydsl tune gemm` -> artifact JSON -> served by the next lookup (a small key in the interpreter)."""
     from flydsl import cli
@@ -75,3 +90,13 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
     assert arch == flydsl.arch.name("cuda" if torch.cuda.is_available() and not flyc.interpreting() else "cpu")
     served = ArtifactFile(out / "gemm.json", "gemm").lookup(arch, key)
     assert served is not None and config_valid(GemmConfig(**served), torch.float16, flydsl.arch.current())
+
+    # --missing skips the key already written, --match keeps the keys holding its items
+    other = tuning_key(16, 32, 48, torch.float16, torch.float16, "none")
+    keys = ["--key", json.dumps(key), "--key", json.dumps(other)]
+    argv = ["tune", "gemm", "--only", "gemm", *keys, "--out", str(out), "--allow-interpreter", "--missing"]
+    assert cli.main([*argv, "--match", '{"epilogue": "gelu_erf"}']) == 0  # matches nothing: nothing tuned
+    assert len(json.loads((out / "gemm.json").read_text())["entries"]) == 1
+    assert cli.main([*argv, "--match", '{"epilogue": "none"}', "--match", '{"epilogue": "bias_relu"}']) == 0
+    entries = json.loads((out / "gemm.json").read_text())["entries"]
+    assert sorted(e["key"]["epilogue"] for e in entries) == ["bias_relu", "none"]

@@ -126,7 +126,7 @@ def test_torch_compile_fullgraph(device):
     y = f(x, w)
     assert_rel_close(y, 2.0 * F.relu(x.double() @ w.double().t()))
     y.sum().backward()
-    gx, gw = _grads_ref(lambda a, b: 2.0 * F.relu(a @ b.t()), (x, w), torch.ones(6, 16))
+    gx, gw = _grads_ref(lambda a, b: 2.0 * F.relu(a @ b.t()), (x, w), torch.ones(6, 16, device=device))
     assert_rel_close(x.grad, gx, tol=2e-3)
     assert_rel_close(w.grad, gw, tol=2e-3)
 

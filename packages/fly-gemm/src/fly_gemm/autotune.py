@@ -33,6 +33,7 @@ __all__ = [
 ]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
+_DOT_MIN_K_8BIT = 32  # and K at least 32 for 8-bit operands (Triton's NVIDIA backend rejects less)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype, out_itemsize: int = 4) ->
 
 def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch, out_itemsize: int = 4) -> bool:
     """The one validity predicate of the space (heuristic, tuner, tests): power-of-two tiles of at least
-    16 (the dot's minimum), a warp count Triton takes, shared memory within the arch's (for an output of
-    ``out_itemsize`` bytes an element; 4, the default, bounds every output dtype)."""
+    16 (the dot's minimum; K at least 32 for 8-bit operands), a warp count Triton takes, shared memory
+    within the arch's (for an output of ``out_itemsize`` bytes an element; 4, the default, bounds every
+    output dtype)."""
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
     if any(t < 1 or t & (t - 1) for t in tiles) or cfg.group_m < 1:
         return False
@@ -82,7 +84,7 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         lanes = 32 * cfg.num_warps
         return (not (cfg.tma or cfg.epilogue_subtile) and cfg.split_k == 1 and cfg.block_m <= 8
                 and cfg.block_m * cfg.block_n * cfg.block_k <= 64 * lanes)  # fmt: skip
-    if min(tiles) < _DOT_MIN:
+    if min(tiles) < _DOT_MIN or (in_dtype.itemsize == 1 and cfg.block_k < _DOT_MIN_K_8BIT):
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
@@ -133,6 +135,11 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
         tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
         cfg = GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=stages,
                          split_k=_split_k(tiles, flyc.cdiv(k, block_k), arch))  # fmt: skip
+    elif arch.is_hopper and not wide and flyc.cdiv(m, 128) * flyc.cdiv(n, 256) >= 2 * arch.sm_count:
+        # many tiles: 128 x 256 (a third less operand traffic a flop than 128 x 128), the epilogue stored in
+        # two halves so 4 stages fit; on the H200 1.03-1.04x cuBLAS at 4096^3 and 8192^3, 128 x 128 0.95-0.98x
+        cfg = GemmConfig(128, 256, block_k, group_m=8, num_warps=8, num_stages=stages, tma=True,
+                         epilogue_subtile=True, flatten=True)  # fmt: skip
     else:
         cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
                          tma=arch.is_hopper)  # fmt: skip
@@ -149,7 +156,7 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
 _M_CAP = 8192
 # The offline tuning set (`flydsl tune gemm`): LLM projections (N, K) at decode and prefill batch sizes.
 TUNE_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))
-TUNE_M = (1, 16, 64, 256, 1024, 4096, 8192)
+TUNE_M = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 TUNE_DTYPES = ("bf16", "fp8")
 
 
@@ -186,6 +193,10 @@ def _key_out_size(key) -> int:
 
 
 def _default(key, arch: str) -> GemmConfig:
+    """A fused epilogue adds register work, not operand traffic: its key takes the plain GEMM's config of
+    the same shape (searched, cached, shipped or default), so the tuned LLM shapes serve every epilogue."""
+    if key["epilogue"] != "none":
+        return TUNABLE.explain({**key, "epilogue": "none"}, arch)[0]
     return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), _arch(arch))
 
 
@@ -213,14 +224,22 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                     out.append(GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=4, split_k=s))
     else:
         hopper = a.is_hopper
-        for block_m, block_n, warps in ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4)):
+        shapes = [(128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4)]
+        if m <= 512:  # few row tiles: narrower tiles fill more of the SMs
+            shapes += [(64, 256, 4), (64, 64, 4)]
+        for block_m, block_n, warps in shapes:
             for stages in (3, 4):
                 out.append(GemmConfig(block_m, block_n, bk, group_m=8, num_warps=warps, num_stages=stages, tma=hopper))
-        if hopper:
-            out += [GemmConfig(128, 256, bk, group_m=8, num_warps=8, num_stages=4, tma=True, epilogue_subtile=True),
-                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=True),
-                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4, tma=True, warp_specialize=True),
-                    GemmConfig(128, 128, bk, group_m=8, num_warps=8, num_stages=4)]  # fmt: skip
+        wide = dict(group_m=8, num_warps=8, num_stages=4)
+        if hopper:  # the TMA kernel's tile-loop options; 128 x 256 x 64 is the 8-bit tile that fits 4 stages
+            out += [GemmConfig(128, 256, bk, tma=True, epilogue_subtile=True, **wide),
+                    GemmConfig(128, 256, bk, tma=True, epilogue_subtile=True, flatten=True, **wide),
+                    GemmConfig(128, 256, 64, tma=True, epilogue_subtile=True, flatten=True, **wide),
+                    GemmConfig(128, 128, bk, tma=True, flatten=True, **wide),
+                    GemmConfig(128, 128, bk, tma=True, warp_specialize=True, **wide)]  # fmt: skip
+        out.append(GemmConfig(128, 128, bk, **wide))  # the tiled kernel
+        if m <= 512:
+            out.append(GemmConfig(128, 128, bk, split_k=2, **wide))
     return [c for c in dict.fromkeys(out) if config_valid(c, dtype, a, _key_out_size(key))]
 
 

@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 
 from . import __version__, _backend, cache, env
 from .families import DemoResult, Family, discover
@@ -115,9 +116,22 @@ def cmd_cache(args) -> int:
 # --------------------------------------------------------------------- tune
 
 
-def cmd_tune(args) -> int:
-    from pathlib import Path
+def _select_keys(keys, match, missing, tunable, arch_name, out):
+    """The keys ``--match`` (every item of each JSON object given, any object) and ``--missing`` (no entry
+    for this arch in the artifact being written) leave."""
+    from .autotune.store import ArtifactFile
 
+    if match:
+        wanted = [json.loads(m) for m in match]
+        keys = [k for k in keys if any(all(k.get(f) == v for f, v in w.items()) for w in wanted)]
+    if missing:
+        path = out if out is not None else Path(tunable.artifact_dir or ".") / f"{tunable.name}.json"
+        art = ArtifactFile(path, tunable.name)
+        keys = [k for k in keys if art.lookup(arch_name, k) is None]
+    return keys
+
+
+def cmd_tune(args) -> int:
     from . import arch
     from .autotune import tune_artifact
 
@@ -136,10 +150,11 @@ def cmd_tune(args) -> int:
             continue
         for t in tunables:
             keys = [json.loads(k) for k in args.key] if args.key else list(t.tune_keys(a.name))
+            out = Path(args.out) / f"{t.name}.json" if args.out else None
+            keys = _select_keys(keys, args.match, args.missing, t, a.name, out)
             if not keys:
                 print(f"{fam.name}/{t.name}: no tuning keys for {a.name}")
                 continue
-            out = Path(args.out) / f"{t.name}.json" if args.out else None
             path = tune_artifact(t, keys, a.name, "cuda" if not a.is_interpreter else "cpu", out_path=out)
             print(f"{fam.name}/{t.name}: {len(keys)} keys -> {path}")
             total += 1
@@ -229,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--only", action="append", default=[], help="tunable name (repeatable)")
     s.add_argument("--key", action="append", default=[],
                    help="tuning key as JSON (repeatable); default: the family's list")
+    s.add_argument("--match", action="append", default=[],
+                   help='only keys holding every item of this JSON object, e.g. \'{"dtype": "bf16"}\' '
+                        "(repeatable: any of them)")
+    s.add_argument("--missing", action="store_true", help="only keys the artifact being written has no entry for")
     s.add_argument("--out", default=None, help="folder for the artifacts (default: inside the family package)")
     s.add_argument("--allow-interpreter", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_tune)
