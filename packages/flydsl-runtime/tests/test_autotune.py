@@ -255,6 +255,28 @@ def test_wrong_candidate_is_dropped_and_never_timed(tmp_path, bad_output):
     assert Cfg(64) not in dict(result.timings)
 
 
+def test_view_maps_outputs_and_reference_outside_the_timed_calls(tmp_path):
+    """With ``view`` the comparison is on view(output) vs view(reference); the timed callable is run alone."""
+    tun = make_tunable(tmp_path)
+    kernel = FakeKernel({DEFAULT: 10.0, Cfg(256): 9.0, Cfg(512): 9.5}, wrong={Cfg(64)})
+    viewed, timed_outputs = [], []
+
+    def view(out):  # the second element's sum drops out: only x * 2 is compared
+        viewed.append(out)
+        return out[0] + 1.0
+
+    def bench(fn):
+        timed_outputs.append(fn())
+        return kernel.times[kernel.ran[-1]]
+
+    task = SearchTask(run=kernel.run, reference=kernel.reference, rtol=1e-6, bench=bench, view=view)
+    result = tun.search(KEY, ARCH, task, persist=False)
+    assert result.config == Cfg(256)
+    assert [c for c, _ in result.rejected] == [Cfg(64)]  # wrong after the view too
+    assert len(viewed) == 1 + len(kernel.ran) - len(timed_outputs)  # the reference + each checked run
+    assert all(isinstance(o, tuple) for o in timed_outputs)  # timing saw run's raw output, never the view
+
+
 def test_wrong_candidate_would_have_been_fastest(tmp_path, caplog):
     tun = make_tunable(tmp_path)
     kernel = FakeKernel({DEFAULT: 10.0, Cfg(64): 0.1, Cfg(256): 9.0, Cfg(512): 9.5}, wrong={Cfg(64)})

@@ -56,7 +56,10 @@ class SearchTask:
     (computed in float64). ``bench`` times a zero-argument callable and returns
     microseconds (default: :func:`flydsl.autotune.timer.bench`'s median);
     ``prepare`` runs before each candidate's checked run (e.g. to re-poison
-    the output buffers so unwritten elements fail).
+    the output buffers so unwritten elements fail). ``view``, when given, maps
+    both run's output and the reference to what is compared (e.g. quantized
+    values times their scales); it runs outside the timed calls, so only
+    ``run`` is timed.
     """
 
     run: Callable[[Any], Any]
@@ -64,6 +67,7 @@ class SearchTask:
     rtol: float
     bench: Callable[[Callable[[], Any]], float] | None = None
     prepare: Callable[[], None] | None = None
+    view: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,8 @@ class Tunable:
         default = self.default(key, arch)
         configs = self._candidate_list(key, arch)
         reference = task.reference()
+        view = task.view if task.view is not None else (lambda out: out)
+        reference = view(reference)
         time_fn = task.bench if task.bench is not None else (lambda fn: timer.bench(fn).median_us)
         if progress is None:
             progress = env.get("FLYDSL_PROGRESS")
@@ -365,7 +371,7 @@ class Tunable:
             if task.prepare is not None:
                 task.prepare()
             try:
-                out = task.run(config)
+                out = view(task.run(config))
                 reason = _mismatch(out, reference, task.rtol)
             except Exception as exc:  # noqa: BLE001 - any failure of a candidate only disqualifies it
                 reason = f"raised {type(exc).__name__}: {exc}"
