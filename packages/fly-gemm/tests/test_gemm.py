@@ -174,12 +174,26 @@ TMA_SHAPES = [(7, 32, 48), (40, 48, 32), (33, 16, 16)]  # rows of 16-byte multip
 TMA_SUBTILE = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, epilogue_subtile=True)
 
 
+# Split-K in the TMA kernel: K = 48 in 2 splits of 1 step; K = 160 (5 steps of 32) in splits of 2, 2, 1.
+TMA_SPLIT = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, split_k=3)
+
+
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
 @pytest.mark.parametrize("cfg", [TMA, TMA_SUBTILE], ids=["tile", "subtile"])
 def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
+    _check_tma(device, m, n, k, dtype, b_layout, cfg)
 
+
+@pytest.mark.parametrize("m,n,k", [(7, 32, 48), (9, 48, 160)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_tma_split_k(device, m, n, k, dtype, b_layout):
+    _check_tma(device, m, n, k, dtype, b_layout, TMA_SPLIT)
+
+
+def _check_tma(device, m, n, k, dtype, b_layout, cfg):
     a = _rand(m, k, dtype=dtype, device=device)
     b = _rand(n, k, dtype=dtype, device=device, seed=1)
     b = b if b_layout == "nk" else b.t().contiguous()
@@ -332,11 +346,11 @@ def test_gpu_scaled_shapes(device, m, n, k, dtype):
 )  # fmt: skip
 def test_any_shape(device, m, n, k, layout, dtype, tma, split_k):
     """Random M, N, K (K = 0 included), both layouts, every input dtype; the TMA kernel where it can address
-    the operands (else the tiled kernel), split-K otherwise: always the reference's result."""
+    the operands (else the tiled kernel), with or without split-K: always the reference's result."""
     a = _rand(m, k, dtype=dtype, device=device)
     b = _rand(n, k, dtype=dtype, device=device, seed=1)
     b = b if layout == "nk" else b.t().contiguous()
-    cfg = GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=tma, split_k=1 if tma else split_k)
+    cfg = GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=tma, split_k=split_k)
     bias = _rand(n, dtype=torch.float32, device=device, seed=2)
     c = gemm(a, b, b_layout=layout, bias=bias, activation="silu", config=cfg, out=_out(m, n, torch.float32, device))
     # Elementwise, as an fp32 dot product is accurate: the products are exact in fp32 for these inputs, so

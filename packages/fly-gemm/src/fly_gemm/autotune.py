@@ -88,7 +88,7 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
-    if cfg.tma and cfg.split_k > 1:  # the TMA kernel has no split-K
+    if cfg.tma and cfg.split_k > 1 and cfg.epilogue_subtile:  # split-K stores partial sums, not the tile
         return False
     if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
@@ -237,6 +237,8 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                     GemmConfig(128, 256, 64, tma=True, epilogue_subtile=True, flatten=True, **wide),
                     GemmConfig(128, 128, bk, tma=True, flatten=True, **wide),
                     GemmConfig(128, 128, bk, tma=True, warp_specialize=True, **wide)]  # fmt: skip
+            if m <= 512:  # few tiles against a long K: split K across the SMs
+                out += [GemmConfig(128, 128, bk, tma=True, split_k=s, **wide) for s in (2, 4)]
         out.append(GemmConfig(128, 128, bk, **wide))  # the tiled kernel
         if m <= 512:
             out.append(GemmConfig(128, 128, bk, split_k=2, **wide))

@@ -20,7 +20,9 @@ loop so the next tile's loads start during this tile's last steps;
 ``warp_specialize`` lets Triton split loads and math across warp groups;
 ``epilogue_subtile`` stores the tile in two column halves through a buffer
 of half the size, which leaves shared memory for another pipeline stage
-(128 x 256 tiles at 4 stages).
+(128 x 256 tiles at 4 stages). ``split_k`` (few tiles against a long K, e.g.
+256 rows x 4096 columns x K 14336) makes the work units (split, tile): each
+writes its partial sums and :mod:`.splitk` adds them and runs the epilogue.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
+from .splitk import reduce_splits, split_plan, workspace
 
 __all__ = ["tma_operand_a", "launch_persistent"]
 
@@ -40,11 +44,11 @@ __all__ = ["tma_operand_a", "launch_persistent"]
 @flyc.kernel(do_not_specialize=["M"])
 def _gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
-    M, N, K, stride_am, stride_b, stride_cm,
+    M, N, K, split_steps, stride_am, stride_b, stride_cm,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
     INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, A_KM: fx.constexpr, B_KN: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
-    FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr, SUBTILE: fx.constexpr,
+    FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr, SUBTILE: fx.constexpr, SPLIT_K: fx.constexpr,
 ):
     # fmt: on
     if A_KM:  # A stored as [K, M] (a transposed view, e.g. the gradient in dB = G^T A)
@@ -56,17 +60,31 @@ def _gemm_tma_kernel(
     else:
         b_desc = fx.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
     C_N: fx.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N  # the columns of one store
-    c_desc = fx.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, C_N])
+    if not SPLIT_K:
+        c_desc = fx.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, C_N])
     num_pid_m = fx.cdiv(M, BLOCK_M)
     num_pid_n = fx.cdiv(N, BLOCK_N)
+    tiles = num_pid_m * num_pid_n
     k_steps = fx.cdiv(K, BLOCK_K)
-    for tile in fx.range(fx.program_id(0), num_pid_m * num_pid_n, fx.num_programs(0), flatten=FLATTEN,
+    splits = 1
+    if SPLIT_K:
+        splits = fx.cdiv(k_steps, split_steps)
+    for work in fx.range(fx.program_id(0), tiles * splits, fx.num_programs(0), flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        if SPLIT_K:  # work unit (split, tile), split-major: the programs running together share a split's A, B
+            split = work // tiles
+            tile = work - split * tiles
+            k_lo = split * split_steps
+            k_hi = fx.minimum(k_steps, k_lo + split_steps)
+        else:
+            tile = work
+            k_lo = 0
+            k_hi = k_steps
         pid_m, pid_n = fx.grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
-        for ki in range(k_steps):
+        for ki in range(k_lo, k_hi):
             if A_KM:
                 a = fx.trans(a_desc.load([ki * BLOCK_K, m0]))
             else:
@@ -79,7 +97,12 @@ def _gemm_tma_kernel(
                 acc += fx.dot(a, b, out_dtype=fx.int32)
             else:
                 acc = fx.dot(a, b, acc)
-        if SUBTILE:  # the tile's two column halves, stored one after the other through a half-size buffer
+        if SPLIT_K:  # this split's partial sums into workspace[split] (c_ptr); .splitk adds them up
+            rm = m0 + fx.arange(0, BLOCK_M)
+            rn = n0 + fx.arange(0, BLOCK_N)
+            p_ptrs = c_ptr + row_offset(split, M) * N + row_offset(rm, N)[:, None] + rn[None, :]
+            fx.store(p_ptrs, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        elif SUBTILE:  # the tile's two column halves, stored one after the other through a half-size buffer
             halves = fx.split(fx.permute(fx.reshape(acc, (BLOCK_M, 2, C_N)), (0, 2, 1)))
             _store_tile(c_desc, halves[0], m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT,
                         RAW_INT, BLOCK_M, C_N)  # fmt: skip
@@ -140,19 +163,23 @@ def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_k
     n = c.shape[1]
     if m == 0 or n == 0:
         return
-    tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
-    programs = max(1, min(tiles, flydsl.arch.current(a.device).sm_count))
+    split_steps, splits = split_plan(k, cfg)
+    dst = c if splits == 1 else workspace(splits, m, n, not a.dtype.is_floating_point, c.device)
+    work = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n) * splits
+    programs = max(1, min(work, flydsl.arch.current(a.device).sm_count))
     flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
     # fmt: off
     flyc.launch(
         _gemm_tma_kernel, (programs,),
-        a, b, c, bias, scale_a, scale_b,
-        m, n, k, a.stride(0), b.stride(0), c.stride(0),
+        a, b, dst, bias, scale_a, scale_b,
+        m, n, k, split_steps, a.stride(0), b.stride(0), dst.stride(-2),
         **epilogue_meta(scale_a, scale_b, bias, act),
         INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, A_KM=bool(a_km),
         B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile, SPLIT_K=splits > 1,
         **cfg.launch_options(),
     )
     # fmt: on
+    if splits > 1:
+        reduce_splits(dst, c, bias, scale_a, scale_b, act)

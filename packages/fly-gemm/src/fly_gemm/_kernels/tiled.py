@@ -12,20 +12,18 @@ epilogue (:mod:`.epilogue`: scales, bias, activation) runs in fp32 before the
 one downcast. A raw int8 product stores the int32 accumulator (``RAW``).
 
 Split-K (decode-size M, too few C tiles to occupy the GPU): a second grid
-axis splits K; each split stores its partial sums and
-``_splitk_reduce_kernel`` adds them in a fixed order (deterministic, no
-float atomics; exact for int32) and runs the epilogue.
+axis splits K; each split stores its partial sums and :mod:`.splitk` adds
+them in a fixed order and runs the epilogue.
 """
 
 from __future__ import annotations
-
-import torch
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
+from .splitk import reduce_splits, split_plan, workspace
 
 __all__ = ["launch_tiled"]
 
@@ -80,35 +78,6 @@ def _gemm_tiled_kernel(
         fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
-# fmt: off
-@flyc.kernel(do_not_specialize=["M"])
-def _splitk_reduce_kernel(
-    p_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, SPLITS, stride_cm, stride_cn,
-    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
-    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
-):
-    # fmt: on
-    # c = epilogue(sum over s of partials[s]), the splits added in order: deterministic, and exact for int32
-    rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
-    rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    ok = m_ok[:, None] & n_ok[None, :]
-    p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
-    acc = fx.load(p_ptrs, mask=ok, other=0)
-    for s in range(1, SPLITS):
-        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0)
-    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
-    if RAW:
-        fx.store(c_ptrs, acc, mask=ok)
-    else:
-        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
-
-
-_REDUCE_TILE = (16, 128)  # the split-K reduction's tile (M rows are few where split-K pays)
-
-
 @flyc.jit(skip_empty=False)
 def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None):
     """Launch the tiled kernel: ``c[M, N] = epilogue(a[M, K] @ b_nk[N, K]^T)`` through the given strides.
@@ -127,14 +96,12 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     if m == 0 or n == 0:
         return
     int_acc = not a.dtype.is_floating_point
-    steps = max(1, flyc.cdiv(k, cfg.block_k))
-    split_steps = flyc.cdiv(steps, max(1, min(cfg.split_k, steps)))  # K steps a split
-    splits = flyc.cdiv(steps, split_steps)  # no empty split (K = 0: one, which runs the epilogue on zeros)
+    split_steps, splits = split_plan(k, cfg)
     epi = epilogue_meta(scale_a, scale_b, bias, act)
     raw_out = not c.dtype.is_floating_point
     dst, stride_cm, stride_cn, stride_cs = c, c.stride(0), c.stride(1), 0
     if splits > 1:
-        dst = torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=c.device)
+        dst = workspace(splits, m, n, int_acc, c.device)
         stride_cm, stride_cn, stride_cs = n, 1, m * n
     grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n), splits)
     # fmt: off
@@ -146,11 +113,6 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         **cfg.launch_options(),
     )
-    if splits > 1:
-        bm, bn = _REDUCE_TILE
-        flyc.launch(
-            _splitk_reduce_kernel, (flyc.cdiv(m, bm), flyc.cdiv(n, bn)),
-            dst, c, bias, scale_a, scale_b, m, n, splits, c.stride(0), c.stride(1),
-            **epi, RAW=raw_out, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
-        )
     # fmt: on
+    if splits > 1:
+        reduce_splits(dst, c, bias, scale_a, scale_b, act)

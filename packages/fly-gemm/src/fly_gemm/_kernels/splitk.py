@@ -1,0 +1,72 @@
+"""Split-K for the GEMM kernels: how K is split, the partial sums' workspace, and their reduction.
+
+A GEMM with too few C tiles to occupy the GPU (decode-size M; a few hundred rows against a long K)
+splits K: each split writes its partial sums (fp32, int32 for int8) to ``workspace[split, M, N]``, and
+``_splitk_reduce_kernel`` adds them in split order (deterministic, no float atomics; exact for int32)
+and runs the epilogue (:mod:`.epilogue`) once on the sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import row_offset
+
+from .epilogue import epilogue, epilogue_meta
+
+__all__ = ["split_plan", "workspace", "reduce_splits"]
+
+_REDUCE_TILE = (16, 128)  # the reduction's tile (M rows are few where split-K pays)
+
+
+def split_plan(k: int, cfg) -> tuple[int, int]:
+    """``(split_steps, splits)``: K steps of ``cfg.block_k`` a split, and the splits (at most
+    ``cfg.split_k``, none empty; K = 0 is one split, which runs the epilogue on zeros)."""
+    steps = max(1, flyc.cdiv(k, cfg.block_k))
+    split_steps = flyc.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    return split_steps, flyc.cdiv(steps, split_steps)
+
+
+def workspace(splits: int, m: int, n: int, int_acc: bool, device) -> torch.Tensor:
+    """The partial sums' buffer ``[splits, M, N]`` (int32 for integer accumulators, else fp32)."""
+    return torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=device)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _splitk_reduce_kernel(
+    p_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, SPLITS, stride_cm, stride_cn,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+):
+    # fmt: on
+    # c = epilogue(sum over s of partials[s]), the splits added in order: deterministic, and exact for int32
+    rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
+    rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
+    acc = fx.load(p_ptrs, mask=ok, other=0)
+    for s in range(1, SPLITS):
+        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0)
+    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    if RAW:
+        fx.store(c_ptrs, acc, mask=ok)
+    else:
+        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def reduce_splits(partials: torch.Tensor, c: torch.Tensor, bias, scale_a, scale_b, act: int) -> None:
+    """``c = epilogue(sum over s of partials[s])``, the splits added in order."""
+    splits, m, n = partials.shape
+    bm, bn = _REDUCE_TILE
+    flyc.launch(
+        _splitk_reduce_kernel, (flyc.cdiv(m, bm), flyc.cdiv(n, bn)),
+        partials, c, bias, scale_a, scale_b, m, n, splits, c.stride(0), c.stride(1),
+        **epilogue_meta(scale_a, scale_b, bias, act), RAW=not c.dtype.is_floating_point, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=4,
+    )  # fmt: skip
