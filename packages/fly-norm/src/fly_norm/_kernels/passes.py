@@ -164,15 +164,6 @@ def _chunk_y(
 
 
 @flyc.func
-def _chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Merge two (count, mean, M2) summaries (Chan et al.): stable at any mean; an empty side is neutral."""
-    n = n_a + n_b
-    w_b = fx.where(n > 0, n_b / fx.where(n > 0, n, 1.0), 0.0)
-    delta = mean_b - mean_a
-    return n, mean_a + delta * w_b, m2_a + m2_b + delta * delta * n_a * w_b
-
-
-@flyc.func
 def lane_stats(
     x_rows, r_rows, h_rows, row_ok, cols, N, w_ptr, s_ptr, weight_offset,
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_SMOOTH: fx.constexpr,
@@ -185,12 +176,12 @@ def lane_stats(
 
     LayerNorm: lane p of the block sees the k_p elements h[p], h[p + BLOCK_N], ... and sums d = h - h[p]
     and d^2 about its own first element, so the loop starts without a reduction (a barrier the chunk
-    loads cannot pass); the lanes' (k_p, mean_p, M2_p) are merged once after it, pairwise (Chan) in
-    one reduction, about the row's first element. A lane's M2_p = sum d^2 - (sum d)^2 / k_p loses
-    about (mean_p - h[p])^2 / var_p units of rounding, and any one element lies within sqrt(k_p)
-    standard deviations of its lane's mean, so the loss stays within k_p = N / BLOCK_N units
-    (|mean| >> std costs nothing), at 4 operations an element. (A per-lane Welford update measured 71%
-    of copy at 32K columns on the H200, PERF.md v5.)
+    loads cannot pass); the lanes' (k_p, mean_p, M2_p) are merged once after it (Chan), about the
+    row's first element. A lane's M2_p = sum d^2 - (sum d)^2 / k_p loses about (mean_p - h[p])^2 / var_p
+    units of rounding, and any one element lies within sqrt(k_p) standard deviations of its lane's
+    mean, so the loss stays within k_p = N / BLOCK_N units (|mean| >> std costs nothing), at 4
+    operations an element. (A per-lane Welford update measured 71% of copy at 32K columns on the
+    H200, PERF.md v5.)
     """
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or of d^2 (LayerNorm)
     acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d; RMS with UMAX: max |u|
@@ -224,10 +215,11 @@ def lane_stats(
     kk = fx.where(valid, k[None, :], 1.0)
     first = fx.max(load_h(x_rows, r_rows, fx.zeros([1, 1], dtype=fx.int32), row_ok[:, None], HAS_RESIDUAL, ""), axis=1)
     lane_mean = fx.where(valid, (shift - first[:, None]) + acc1 / kk, 0.0)  # mean_p - h[0]
-    lane_m2 = fx.where(valid, acc - acc1 * (acc1 / kk), 0.0)
-    # The lanes' (k_p, mean_p, M2_p) merged pairwise (Chan) in one reduction: one exchange between warps
-    # where the row mean and then M2 about it took two back to back.
-    _, mean, m2 = fx.reduce((fx.where(valid, k[None, :], 0.0), lane_mean, lane_m2), 1, _chan_merge)
+    # The row mean, then M2 about it (two reductions back to back: a pairwise Chan merge in one tuple
+    # reduction had one exchange fewer but measured 13-14 points slower at 16K-32K on the H200, PERF v7b)
+    mean = fx.sum(kk * lane_mean, axis=1) / N  # - h[0]
+    dm = fx.where(valid, lane_mean - mean[:, None], 0.0)
+    m2 = fx.sum(fx.where(valid, acc - acc1 * (acc1 / kk), 0.0) + kk * dm * dm, axis=1)
     return first + mean, fx.maximum(m2, 0.0), zero
 
 
