@@ -39,12 +39,21 @@ def test_epilogue_names_round_trip():
 
 
 def test_candidate_space_is_valid_bounded_and_holds_the_default():
-    for key in TUNABLE.tune_keys("sm_90"):
+    keys = TUNABLE.tune_keys("sm_90")
+    assert len(keys) == len({json.dumps(k, sort_keys=True) for k in keys}) == 80 + 15 + 20
+    assert {(k["dtype"], k["out"], k["epilogue"]) for k in keys} == {
+        ("bf16", "bf16", "none"), ("fp8_e4m3", "bf16", "none"), ("bf16", "bf16", "bias_gelu"),
+        ("int8", "int32", "none")}  # fmt: skip
+    for key in keys:
         cands = candidates(key, "sm_90")
         dtype = parse_dtype("dtype", key["dtype"])
+        out_size = parse_dtype("out", key["out"]).itemsize
         assert 1 <= len(cands) <= TUNABLE.max_candidates
-        assert all(config_valid(c, dtype, flydsl.arch.SM90, 2) for c in cands)  # bf16 outputs
-        default = default_config(key["m_bucket"], key["n"], key["k"], dtype, flydsl.arch.SM90)
+        assert all(config_valid(c, dtype, flydsl.arch.SM90, out_size) for c in cands)
+        if key["epilogue"] == "none":
+            default = default_config(key["m_bucket"], key["n"], key["k"], dtype, flydsl.arch.SM90)
+        else:  # a fused epilogue's default is the plain GEMM's config of the shape
+            default = TUNABLE.explain({**key, "epilogue": "none"}, "sm_90")[0]
         assert default == TUNABLE.default(key, "sm_90")
         if key["m_bucket"] > 64:
             assert any(c.tma for c in cands) and any(c.flatten for c in cands)
