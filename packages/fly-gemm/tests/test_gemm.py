@@ -6,6 +6,8 @@ dot multiplies raw bit patterns); ``gpu`` tests add bf16 and the sizes the issue
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -172,6 +174,7 @@ TMA_SHAPES = [(7, 32, 48), (40, 48, 32), (33, 16, 16)]  # rows of 16-byte multip
 
 
 TMA_SUBTILE = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, epilogue_subtile=True)
+TMA_TWO = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, occupancy=2)  # 2 programs an SM
 
 
 # Split-K in the TMA kernel: K = 48 in 2 splits of 1 step; K = 160 (5 steps of 32) in splits of 2, 2, 1.
@@ -181,7 +184,7 @@ TMA_SPLIT = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=Tru
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
-@pytest.mark.parametrize("cfg", [TMA, TMA_SUBTILE], ids=["tile", "subtile"])
+@pytest.mark.parametrize("cfg", [TMA, TMA_SUBTILE, TMA_TWO], ids=["tile", "subtile", "two-an-sm"])
 def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
     _check_tma(device, m, n, k, dtype, b_layout, cfg)
 
@@ -305,6 +308,15 @@ def test_default_configs_are_valid():
     assert not config_valid(GemmConfig(8, 32, 256, gemv=True), torch.bfloat16, flydsl.arch.SM90)
     assert not config_valid(GemmConfig(8, 16, 16), torch.bfloat16, flydsl.arch.SM90)  # a dot needs 16
     assert config_valid(GemmConfig(16, 16, 16), torch.bfloat16, flydsl.arch.SM90)
+    # two programs an SM: the TMA kernel only, both within the SM's shared memory (bf16 out: 112 KB each)
+    two = GemmConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True, epilogue_subtile=True, occupancy=2)
+    assert config_valid(two, torch.bfloat16, flydsl.arch.SM90, 2)
+    assert two.launch_options()["maxnreg"] == 128  # 65536 registers over 2 x 256 threads
+    assert not config_valid(two, torch.bfloat16, flydsl.arch.SM90, 4)  # an fp32 C half: 128 KB each
+    assert not config_valid(dataclasses.replace(two, num_stages=4), torch.bfloat16, flydsl.arch.SM90, 2)
+    assert not config_valid(dataclasses.replace(two, tma=False, epilogue_subtile=False), torch.bfloat16,
+                            flydsl.arch.SM90, 2)  # fmt: skip
+    assert not config_valid(dataclasses.replace(two, occupancy=3), torch.bfloat16, flydsl.arch.SM90, 2)
     assert not config_valid(GemmConfig(16, 16, 16), torch.float8_e4m3fn, flydsl.arch.SM90)  # 8-bit K >= 32
     assert config_valid(GemmConfig(16, 16, 32), torch.int8, flydsl.arch.SM90)
 

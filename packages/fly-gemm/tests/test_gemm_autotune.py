@@ -58,6 +58,7 @@ def test_candidate_space_is_valid_bounded_and_holds_the_default():
         if key["m_bucket"] > 64:
             assert any(c.tma for c in cands) and any(c.flatten for c in cands)
             assert any(c.epilogue_subtile and c.block_n == 256 and c.num_stages == 4 for c in cands)
+            assert any(c.occupancy == 2 for c in cands) == (key["out"] != "int32")  # 4-byte C: too big twice
         else:  # split-K is tried where the widest column tiles leave SMs idle (1.5 programs an SM wanted)
             assert any(c.gemv for c in cands) == (key["m_bucket"] <= 8)
             assert any(c.split_k > 1 for c in cands) == (key["n"] // 128 < 1.5 * flydsl.arch.SM90.sm_count)

@@ -34,6 +34,9 @@ __all__ = [
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 _DOT_MIN_K_8BIT = 32  # and K at least 32 for 8-bit operands (Triton's NVIDIA backend rejects less)
+_REGISTERS_PER_SM = 65536  # NVIDIA sm_70 and later
+_SMEM_RESERVED = 1024  # shared memory the CUDA runtime reserves a program (sm_80+), outside smem_per_block
+_SMEM_SLACK = 256  # the pipeline's barriers and alignment, past smem_bytes (sm_90 compiles: 24-40 bytes)
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,20 @@ class GemmConfig:
     epilogue_subtile: bool = False  # TMA kernel: store C in two column halves (half the store buffer)
     # The CUDA-core decode kernel (_kernels/gemv.py): block_m rows of A (1-8) against block_n rows of B.
     gemv: bool = False
-    # Splits of K (tiled kernel): decode-size M has too few C tiles to occupy the GPU, so K is split and
-    # the partial sums added by a second kernel (deterministic).
+    # Splits of K: too few C tiles to occupy the GPU, so K is split and the partial sums added by a second
+    # kernel (deterministic).
     split_k: int = 1
+    # Persistent TMA kernel: programs an SM. At 2, one program's epilogue (e.g. an erf GELU, ~22
+    # instructions an element with the tensor cores idle) runs while the other's main loop keeps them
+    # busy; registers are capped so that both fit (128 a thread at 8 warps), shared memory must fit twice.
+    occupancy: int = 1
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.occupancy > 1:
+            opts["maxnreg"] = _REGISTERS_PER_SM // (self.occupancy * 32 * self.num_warps) // 8 * 8
+        return opts
 
 
 def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype, out_itemsize: int = 4) -> int:
@@ -92,7 +102,12 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
-    return smem_bytes(cfg, in_dtype, out_itemsize) <= arch.smem_per_block
+    smem = smem_bytes(cfg, in_dtype, out_itemsize)
+    if cfg.occupancy != 1:  # programs an SM: the TMA kernel's option, each within its share of the SM
+        per_sm = arch.smem_per_block + _SMEM_RESERVED
+        return (cfg.tma and cfg.occupancy == 2 and cfg.num_warps <= 8
+                and cfg.occupancy * (smem + _SMEM_SLACK + _SMEM_RESERVED) <= per_sm)  # fmt: skip
+    return smem <= arch.smem_per_block
 
 
 # Programs a decode-size GEMM aims for, an SM: enough bytes of the weights in flight on every SM.
@@ -244,6 +259,9 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                     GemmConfig(128, 128, bk, tma=True, warp_specialize=True, **wide)]  # fmt: skip
             if m <= 512:  # few tiles against a long K: split K across the SMs
                 out += [GemmConfig(128, 128, bk, tma=True, split_k=s, **wide) for s in (2, 4)]
+            # two programs an SM (3 stages, the epilogue in halves: 112 KB each)
+            two = dict(group_m=8, num_warps=8, num_stages=3, tma=True, epilogue_subtile=True, occupancy=2)
+            out += [GemmConfig(128, 128, bk, **two), GemmConfig(128, 128, bk, flatten=True, **two)]
         out.append(GemmConfig(128, 128, bk, **wide))  # the tiled kernel
         if m <= 512:
             out.append(GemmConfig(128, 128, bk, split_k=2, **wide))

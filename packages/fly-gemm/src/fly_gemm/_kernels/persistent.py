@@ -1,8 +1,9 @@
 """The persistent TMA GEMM (Hopper): ``C = epilogue(A @ B^T)`` with tensor descriptors.
 
-A grid of at most one program an SM walks the output tiles in grouped order
-(``fx.grouped_tile``: GROUP_M row-tiles share their B tiles through L2),
-a grid's width apart. Each tile's K loop loads A and B blocks through tensor
+A grid of at most one program an SM (two with ``occupancy``: one program's
+epilogue overlaps the other's main loop) walks the output tiles in grouped
+order (``fx.grouped_tile``: GROUP_M row-tiles share their B tiles through
+L2), a grid's width apart. Each tile's K loop loads A and B blocks through tensor
 descriptors (the copy engine moves them into shared memory; out-of-bounds
 rows and columns read as zeros, so ragged M, N and K need no masks) and feeds
 the tensor cores; the epilogue (:mod:`.epilogue`) runs in fp32 and the tile is
@@ -166,7 +167,7 @@ def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_k
     split_steps, splits = split_plan(k, cfg)
     dst = c if splits == 1 else workspace(splits, m, n, not a.dtype.is_floating_point, c.device)
     work = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n) * splits
-    programs = max(1, min(work, flydsl.arch.current(a.device).sm_count))
+    programs = max(1, min(work, cfg.occupancy * flydsl.arch.current(a.device).sm_count))
     flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
     # fmt: off
     flyc.launch(
