@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import flydsl.arch
 from fly_gemm import GemmConfig, gemm, gemm_ref
 from fly_gemm._kernels.persistent import tma_operand_a
+from fly_gemm._kernels.splitk import tile_counters
 from fly_gemm.autotune import config_valid, default_config
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
@@ -259,6 +260,27 @@ def test_split_k(device, dtype, split_k):
         assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_split_k_reduced_by_the_last_split(device, dtype, split_k):
+    """reduce_last: the tile's last split adds the partials in the same order as the second kernel does, so
+    the results are bitwise those of the two-kernel path, every call (the tile counters are left zeroed)."""
+    m, n, k = 37, 72, 150  # 3 x 3 tiles of 16 x 32
+    a, b = _rand(m, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device, seed=1)
+    two_kernels = GemmConfig(16, 32, 32, group_m=1, num_stages=1, split_k=split_k)
+    one_kernel = dataclasses.replace(two_kernels, reduce_last=True)
+    bias = _rand(n, dtype=torch.float32, device=device, seed=2)
+    want = gemm(a, b, bias=bias, activation="gelu", config=two_kernels, out=_out(m, n, torch.float32, device))
+    for _ in range(3):
+        got = gemm(a, b, bias=bias, activation="gelu", config=one_kernel, out=_out(m, n, torch.float32, device))
+        assert torch.equal(got, want)
+        assert not tile_counters(9, device).any()
+    assert_rel_close(want, gemm_ref(a, b, bias=bias, activation="gelu"), tol=1e-5)
+    if dtype == torch.int8:
+        raw = gemm(a, b, out_dtype=torch.int32, config=one_kernel, out=_out(m, n, torch.int32, device))
+        assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 11])  # 11 > block_m: a second grid axis over M
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 def test_gemv_kernel(device, m, dtype):
@@ -317,6 +339,11 @@ def test_default_configs_are_valid():
     assert not config_valid(dataclasses.replace(two, tma=False, epilogue_subtile=False), torch.bfloat16,
                             flydsl.arch.SM90, 2)  # fmt: skip
     assert not config_valid(dataclasses.replace(two, occupancy=3), torch.bfloat16, flydsl.arch.SM90, 2)
+    # the last split's reduction: the tiled kernel with split-K only
+    assert config_valid(GemmConfig(16, 64, 128, split_k=4, reduce_last=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(16, 64, 128, reduce_last=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(64, 64, 64, tma=True, split_k=2, reduce_last=True), torch.bfloat16,
+                            flydsl.arch.SM90)  # fmt: skip
     assert not config_valid(GemmConfig(16, 16, 16), torch.float8_e4m3fn, flydsl.arch.SM90)  # 8-bit K >= 32
     assert config_valid(GemmConfig(16, 16, 32), torch.int8, flydsl.arch.SM90)
 

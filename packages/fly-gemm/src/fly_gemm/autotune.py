@@ -60,6 +60,9 @@ class GemmConfig:
     # Splits of K: too few C tiles to occupy the GPU, so K is split and the partial sums added by a second
     # kernel (deterministic).
     split_k: int = 1
+    # Split-K in the tiled kernel: the tile's last split to finish adds the partial sums (one launch, no
+    # reduction kernel; splits counted in with an integer atomic, per-stream counters).
+    reduce_last: bool = False
     # Persistent TMA kernel: programs an SM. At 2, one program's epilogue (e.g. an erf GELU, ~22
     # instructions an element with the tensor cores idle) runs while the other's main loop keeps them
     # busy; registers are capped so that both fit (128 a thread at 8 warps), shared memory must fit twice.
@@ -92,13 +95,15 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.gemv:  # per-lane accumulators of block_m x block_n x block_k: at most 64 a thread
         lanes = 32 * cfg.num_warps
-        return (not (cfg.tma or cfg.epilogue_subtile) and cfg.split_k == 1 and cfg.block_m <= 8
+        return (not (cfg.tma or cfg.epilogue_subtile or cfg.reduce_last) and cfg.split_k == 1 and cfg.block_m <= 8
                 and cfg.block_m * cfg.block_n * cfg.block_k <= 64 * lanes)  # fmt: skip
     if min(tiles) < _DOT_MIN or (in_dtype.itemsize == 1 and cfg.block_k < _DOT_MIN_K_8BIT):
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
     if cfg.tma and cfg.split_k > 1 and cfg.epilogue_subtile:  # split-K stores partial sums, not the tile
+        return False
+    if cfg.reduce_last and (cfg.tma or cfg.split_k == 1):  # the tiled kernel's split-K option
         return False
     if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
@@ -242,6 +247,8 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                 split = _split_k(tiles, flyc.cdiv(k, block_k), a)
                 for s in sorted({1, split, max(1, split // 2)}):
                     out.append(GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=4, split_k=s))
+                    if s > 1:  # the same split reduced in the kernel: no second launch
+                        out.append(dataclasses.replace(out[-1], reduce_last=True))
     else:
         hopper = a.is_hopper
         shapes = [(128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4)]
@@ -310,7 +317,7 @@ def _make_tunable():
         candidates=candidates,
         is_valid=_valid,
         artifact_dir=Path(__file__).parent / "artifacts",
-        max_candidates=24,
+        max_candidates=40,
         tune_keys=_tune_keys,
         make_task=_make_task,
     )

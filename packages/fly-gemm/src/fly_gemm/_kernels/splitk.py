@@ -2,8 +2,9 @@
 
 A GEMM with too few C tiles to occupy the GPU (decode-size M; a few hundred rows against a long K)
 splits K: each split writes its partial sums (fp32, int32 for int8) to ``workspace[split, M, N]``, and
-``_splitk_reduce_kernel`` adds them in split order (deterministic, no float atomics; exact for int32)
-and runs the epilogue (:mod:`.epilogue`) once on the sum.
+they are added in split order (deterministic, no float atomics; exact for int32) before the epilogue
+(:mod:`.epilogue`) runs once on the sum: by ``_splitk_reduce_kernel``, a second launch, or (the tiled
+kernel's ``reduce_last``) by the tile's last split to finish, counted in with an integer atomic.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
 
-__all__ = ["split_plan", "workspace", "reduce_splits"]
+__all__ = ["split_plan", "workspace", "reduce_splits", "tile_counters", "add_splits_if_last"]
 
 _REDUCE_TILE = (16, 128)  # the reduction's tile (M rows are few where split-K pays)
 
@@ -34,6 +35,42 @@ def workspace(splits: int, m: int, n: int, int_acc: bool, device) -> torch.Tenso
     return torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=device)
 
 
+@flyc.func
+def add_splits(
+    p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+):  # fmt: skip
+    """``c[rm, rn] = epilogue(sum over s of partials[s, rm, rn])``, the splits added in order (deterministic,
+    and exact for int32); the partials are read from L2 (``.cg``: other SMs wrote them)."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
+    acc = fx.load(p_ptrs, mask=ok, other=0, cache_modifier=".cg")
+    for s in range(1, splits):
+        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0, cache_modifier=".cg")
+    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    if RAW:
+        fx.store(c_ptrs, acc, mask=ok)
+    else:
+        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@flyc.func
+def add_splits_if_last(
+    cnt_ptr, tile, p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr,
+    bias_ptr, SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
+    RAW: fx.constexpr,
+):  # fmt: skip
+    """Called by each split of a tile once its partial sums are stored: counts the split in, and the
+    tile's last split to arrive runs :func:`add_splits` and resets the count for the next call."""
+    fx.debug_barrier()  # every thread's partial sums stored before the release below
+    ticket = fx.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == splits - 1:
+        add_splits(p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
+                   SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
+        fx.store(cnt_ptr + tile, 0)
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _splitk_reduce_kernel(
@@ -42,22 +79,30 @@ def _splitk_reduce_kernel(
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
 ):
     # fmt: on
-    # c = epilogue(sum over s of partials[s]), the splits added in order: deterministic, and exact for int32
     rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
     rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    ok = m_ok[:, None] & n_ok[None, :]
-    p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
-    acc = fx.load(p_ptrs, mask=ok, other=0)
-    for s in range(1, SPLITS):
-        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0)
-    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
-    if RAW:
-        fx.store(c_ptrs, acc, mask=ok)
-    else:
-        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+    add_splits(p_ptr, M, N, SPLITS, rm, rn, rm < M, rn < N, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
+               SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def tile_counters(tiles: int, device) -> torch.Tensor | None:
+    """Zeroed int32 counters, one a C tile, for :func:`add_splits_if_last`: one buffer a (device, stream),
+    so that GEMMs running at once on two streams never share a count; the kernel leaves it zeroed (each
+    tile's last split resets its count). None while a CUDA graph is being captured and the stream's
+    buffer is too small (an allocation made in a capture belongs to the graph): reduce in a second kernel."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if cuda else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def reduce_splits(partials: torch.Tensor, c: torch.Tensor, bias, scale_a, scale_b, act: int) -> None:

@@ -13,7 +13,8 @@ one downcast. A raw int8 product stores the int32 accumulator (``RAW``).
 
 Split-K (decode-size M, too few C tiles to occupy the GPU): a second grid
 axis splits K; each split stores its partial sums and :mod:`.splitk` adds
-them in a fixed order and runs the epilogue.
+them in a fixed order and runs the epilogue (in a second kernel, or in the
+tile's last split to finish: ``reduce_last``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
-from .splitk import reduce_splits, split_plan, workspace
+from .splitk import add_splits_if_last, reduce_splits, split_plan, tile_counters, workspace
 
 __all__ = ["launch_tiled"]
 
@@ -31,10 +32,10 @@ __all__ = ["launch_tiled"]
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _gemm_tiled_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr,
-    M, N, K, split_steps, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, p_ptr, cnt_ptr,
+    M, N, K, split_steps, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
-    INT_ACC: fx.constexpr, RAW: fx.constexpr,
+    INT_ACC: fx.constexpr, RAW: fx.constexpr, SPLIT: fx.constexpr, REDUCE_LAST: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
     # fmt: on
@@ -68,14 +69,21 @@ def _gemm_tiled_kernel(
         a_ptrs += a_step
         b_ptrs += b_step
 
-    c_ptrs = c_ptr + row_offset(split, stride_cs)  # stride_cs: 0 without split-K
-    c_ptrs = c_ptrs + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
     c_ok = m_ok[:, None] & n_ok[None, :]
-    if RAW:  # the int8 product as int32, or a split's partial sums
-        fx.store(c_ptrs, acc, mask=c_ok)
+    if SPLIT:  # this split's partial sums into workspace[split] (p_ptr), then added up in order
+        p_ptrs = p_ptr + row_offset(split, M) * N + row_offset(rm, N)[:, None] + rn[None, :]
+        fx.store(p_ptrs, acc, mask=c_ok)
+        if REDUCE_LAST:  # by the tile's last split to finish (else by a second kernel)
+            add_splits_if_last(cnt_ptr, fx.program_id(0), p_ptr, M, N, fx.num_programs(1), rm, rn, m_ok, n_ok,
+                               c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS,
+                               ACT, RAW)  # fmt: skip
     else:
-        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
+        c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+        if RAW:  # the int8 product as int32
+            fx.store(c_ptrs, acc, mask=c_ok)
+        else:
+            out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+            fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
 @flyc.jit(skip_empty=False)
@@ -88,8 +96,8 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     With K = 0 the epilogue runs on zeros (bias and activation still apply).
 
     ``cfg.split_k > 1`` (decode-size M, where the C tiles are too few to occupy the GPU): each split of K
-    writes its partial sums (fp32, int32 for int8) to a workspace; a second kernel adds them in order and
-    runs the epilogue.
+    writes its partial sums (fp32, int32 for int8) to a workspace; they are added in order before the
+    epilogue by a second kernel or, with ``cfg.reduce_last``, by the tile's last split to finish.
     """
     m, k = a.shape
     n = b_nk.shape[0]
@@ -97,22 +105,19 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
         return
     int_acc = not a.dtype.is_floating_point
     split_steps, splits = split_plan(k, cfg)
-    epi = epilogue_meta(scale_a, scale_b, bias, act)
-    raw_out = not c.dtype.is_floating_point
-    dst, stride_cm, stride_cn, stride_cs = c, c.stride(0), c.stride(1), 0
-    if splits > 1:
-        dst = workspace(splits, m, n, int_acc, c.device)
-        stride_cm, stride_cn, stride_cs = n, 1, m * n
-    grid = (flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n), splits)
+    tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
+    part = workspace(splits, m, n, int_acc, c.device) if splits > 1 else c  # c: a placeholder, unused
+    counters = tile_counters(tiles, c.device) if splits > 1 and cfg.reduce_last else None
     # fmt: off
     flyc.launch(
-        _gemm_tiled_kernel, grid,
-        a, b_nk, dst, bias, scale_a, scale_b,
-        m, n, k, split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), stride_cm, stride_cn, stride_cs,
-        **epi, INT_ACC=int_acc, RAW=raw_out or splits > 1,
+        _gemm_tiled_kernel, (tiles, splits),
+        a, b_nk, c, bias, scale_a, scale_b, part, c if counters is None else counters,
+        m, n, k, split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
+        **epilogue_meta(scale_a, scale_b, bias, act), INT_ACC=int_acc, RAW=not c.dtype.is_floating_point,
+        SPLIT=splits > 1, REDUCE_LAST=counters is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         **cfg.launch_options(),
     )
     # fmt: on
-    if splits > 1:
-        reduce_splits(dst, c, bias, scale_a, scale_b, act)
+    if splits > 1 and counters is None:
+        reduce_splits(part, c, bias, scale_a, scale_b, act)
