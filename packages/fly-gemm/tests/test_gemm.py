@@ -180,6 +180,7 @@ TMA_TWO = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True,
 
 # Split-K in the TMA kernel: K = 48 in 2 splits of 1 step; K = 160 (5 steps of 32) in splits of 2, 2, 1.
 TMA_SPLIT = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True, split_k=3)
+TMA_SPLIT_LAST = dataclasses.replace(TMA_SPLIT, reduce_last=True)  # reduced by the tile's last split
 
 
 @pytest.mark.parametrize("m,n,k", TMA_SHAPES)
@@ -193,8 +194,9 @@ def test_tma_kernel(device, m, n, k, dtype, b_layout, cfg):
 @pytest.mark.parametrize("m,n,k", [(7, 32, 48), (9, 48, 160)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
-def test_tma_split_k(device, m, n, k, dtype, b_layout):
-    _check_tma(device, m, n, k, dtype, b_layout, TMA_SPLIT)
+@pytest.mark.parametrize("cfg", [TMA_SPLIT, TMA_SPLIT_LAST], ids=["second-kernel", "last-split"])
+def test_tma_split_k(device, m, n, k, dtype, b_layout, cfg):
+    _check_tma(device, m, n, k, dtype, b_layout, cfg)
 
 
 def _check_tma(device, m, n, k, dtype, b_layout, cfg):
@@ -342,8 +344,8 @@ def test_default_configs_are_valid():
     # the last split's reduction: the tiled kernel with split-K only
     assert config_valid(GemmConfig(16, 64, 128, split_k=4, reduce_last=True), torch.bfloat16, flydsl.arch.SM90)
     assert not config_valid(GemmConfig(16, 64, 128, reduce_last=True), torch.bfloat16, flydsl.arch.SM90)
-    assert not config_valid(GemmConfig(64, 64, 64, tma=True, split_k=2, reduce_last=True), torch.bfloat16,
-                            flydsl.arch.SM90)  # fmt: skip
+    assert config_valid(GemmConfig(64, 64, 64, tma=True, split_k=2, reduce_last=True), torch.bfloat16,
+                        flydsl.arch.SM90)  # fmt: skip
     assert not config_valid(GemmConfig(16, 16, 16), torch.float8_e4m3fn, flydsl.arch.SM90)  # 8-bit K >= 32
     assert config_valid(GemmConfig(16, 16, 32), torch.int8, flydsl.arch.SM90)
 

@@ -60,8 +60,8 @@ class GemmConfig:
     # Splits of K: too few C tiles to occupy the GPU, so K is split and the partial sums added by a second
     # kernel (deterministic).
     split_k: int = 1
-    # Split-K in the tiled kernel: the tile's last split to finish adds the partial sums (one launch, no
-    # reduction kernel; splits counted in with an integer atomic, per-stream counters).
+    # Split-K: the tile's last split to finish adds the partial sums (one launch, no reduction kernel;
+    # splits counted in with an integer atomic, per-stream counters).
     reduce_last: bool = False
     # Persistent TMA kernel: programs an SM. At 2, one program's epilogue (e.g. an erf GELU, ~22
     # instructions an element with the tensor cores idle) runs while the other's main loop keeps them
@@ -103,7 +103,7 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.tma and cfg.split_k > 1 and cfg.epilogue_subtile:  # split-K stores partial sums, not the tile
         return False
-    if cfg.reduce_last and (cfg.tma or cfg.split_k == 1):  # the tiled kernel's split-K option
+    if cfg.reduce_last and cfg.split_k == 1:  # a split-K option
         return False
     if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
@@ -265,7 +265,8 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                     GemmConfig(128, 128, bk, tma=True, flatten=True, **wide),
                     GemmConfig(128, 128, bk, tma=True, warp_specialize=True, **wide)]  # fmt: skip
             if m <= 512:  # few tiles against a long K: split K across the SMs
-                out += [GemmConfig(128, 128, bk, tma=True, split_k=s, **wide) for s in (2, 4)]
+                out += [GemmConfig(128, 128, bk, tma=True, split_k=s, reduce_last=r, **wide)
+                        for s in (2, 4) for r in (False, True)]  # fmt: skip
             # two programs an SM (3 stages, the epilogue in halves: 112 KB each)
             two = dict(group_m=8, num_warps=8, num_stages=3, tma=True, epilogue_subtile=True, occupancy=2)
             out += [GemmConfig(128, 128, bk, **two), GemmConfig(128, 128, bk, flatten=True, **two)]
