@@ -33,10 +33,9 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
-from .splitk import add_splits_if_last, reduce_splits, split_plan, tile_counters, workspace
+from .splitk import split_launch, store_split
 
 __all__ = ["tma_operand_a", "launch_persistent"]
 
@@ -99,14 +98,10 @@ def _gemm_tma_kernel(
                 acc += fx.dot(a, b, out_dtype=fx.int32)
             else:
                 acc = fx.dot(a, b, acc)
-        if SPLIT_K:  # this split's partial sums into workspace[split] (p_ptr); .splitk adds them up
-            rm = m0 + fx.arange(0, BLOCK_M)
-            rn = n0 + fx.arange(0, BLOCK_N)
-            p_ptrs = p_ptr + row_offset(split, M) * N + row_offset(rm, N)[:, None] + rn[None, :]
-            fx.store(p_ptrs, acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
-            if REDUCE_LAST:  # the tile's last split to finish adds them (else a second kernel)
-                add_splits_if_last(cnt_ptr, tile, p_ptr, M, N, splits, rm, rn, rm < M, rn < N, c_ptr, stride_cm, 1,
-                                   sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW_INT)  # fmt: skip
+        if SPLIT_K:  # this split's partial sums, added up in order by .splitk
+            store_split(acc, split, tile, p_ptr, cnt_ptr, M, N, splits, m0 + fx.arange(0, BLOCK_M),
+                        n0 + fx.arange(0, BLOCK_N), c_ptr, stride_cm, 1, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B,
+                        HAS_BIAS, ACT, RAW_INT, REDUCE_LAST)  # fmt: skip
         elif SUBTILE:  # the tile's two column halves, stored one after the other through a half-size buffer
             halves = fx.split(fx.permute(fx.reshape(acc, (BLOCK_M, 2, C_N)), (0, 2, 1)))
             _store_tile(c_desc, halves[0], m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT,
@@ -168,26 +163,22 @@ def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_k
     n = c.shape[1]
     if m == 0 or n == 0:
         return
-    split_steps, splits = split_plan(k, cfg)
-    part = c if splits == 1 else workspace(splits, m, n, not a.dtype.is_floating_point, c.device)  # c: unused
     tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
-    counters = tile_counters(tiles, c.device) if splits > 1 and cfg.reduce_last else None
-    work = tiles * splits
-    programs = max(1, min(work, cfg.occupancy * flydsl.arch.current(a.device).sm_count))
+    sp = split_launch(m, n, k, tiles, cfg, not a.dtype.is_floating_point, c)
+    programs = max(1, min(tiles * sp.splits, cfg.occupancy * flydsl.arch.current(a.device).sm_count))
     flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
     # fmt: off
     flyc.launch(
         _gemm_tma_kernel, (programs,),
-        a, b, c, bias, scale_a, scale_b, part, c if counters is None else counters,
-        m, n, k, split_steps, a.stride(0), b.stride(0), c.stride(0),
+        a, b, c, bias, scale_a, scale_b, sp.workspace, sp.counters,
+        m, n, k, sp.split_steps, a.stride(0), b.stride(0), c.stride(0),
         **epilogue_meta(scale_a, scale_b, bias, act),
         INT_ACC=not a.dtype.is_floating_point, RAW_INT=not c.dtype.is_floating_point, A_KM=bool(a_km),
         B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile, SPLIT_K=splits > 1,
-        REDUCE_LAST=counters is not None,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile,
+        SPLIT_K=sp.splits > 1, REDUCE_LAST=sp.reduce_last,
         **cfg.launch_options(),
     )
     # fmt: on
-    if splits > 1 and counters is None:
-        reduce_splits(part, c, bias, scale_a, scale_b, act)
+    sp.finish(c, bias, scale_a, scale_b, act)

@@ -9,6 +9,8 @@ kernel's ``reduce_last``) by the tile's last split to finish, counted in with an
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 import flydsl.compiler as flyc
@@ -17,7 +19,7 @@ from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
 
-__all__ = ["split_plan", "workspace", "reduce_splits", "tile_counters", "add_splits_if_last"]
+__all__ = ["SplitLaunch", "split_launch", "store_split", "tile_counters"]
 
 _REDUCE_TILE = (16, 128)  # the reduction's tile (M rows are few where split-K pays)
 
@@ -30,9 +32,31 @@ def split_plan(k: int, cfg) -> tuple[int, int]:
     return split_steps, flyc.cdiv(steps, split_steps)
 
 
-def workspace(splits: int, m: int, n: int, int_acc: bool, device) -> torch.Tensor:
-    """The partial sums' buffer ``[splits, M, N]`` (int32 for integer accumulators, else fp32)."""
-    return torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=device)
+class SplitLaunch(NamedTuple):
+    """A launch's split of K: ``split_steps`` K steps a split, ``splits`` splits, the partial sums'
+    ``workspace`` ``[splits, M, N]`` and the tile ``counters`` of a last-split reduction (``c``, a
+    placeholder the kernel never touches, where unused)."""
+
+    split_steps: int
+    splits: int
+    workspace: torch.Tensor
+    counters: torch.Tensor
+    reduce_last: bool
+
+    def finish(self, c, bias, scale_a, scale_b, act: int) -> None:
+        """After the GEMM's launch: the reduction kernel, where the splits were not reduced in it."""
+        if self.splits > 1 and not self.reduce_last:
+            reduce_splits(self.workspace, c, bias, scale_a, scale_b, act)
+
+
+def split_launch(m: int, n: int, k: int, tiles: int, cfg, int_acc: bool, c: torch.Tensor) -> SplitLaunch:
+    """The :class:`SplitLaunch` of ``cfg`` for C ``[m, n]`` (``tiles`` tiles) over K = ``k``."""
+    split_steps, splits = split_plan(k, cfg)
+    if splits == 1:
+        return SplitLaunch(split_steps, 1, c, c, False)
+    part = torch.empty(splits, m, n, dtype=torch.int32 if int_acc else torch.float32, device=c.device)
+    counters = tile_counters(tiles, c.device) if cfg.reduce_last else None
+    return SplitLaunch(split_steps, splits, part, c if counters is None else counters, counters is not None)
 
 
 @flyc.func
@@ -69,6 +93,24 @@ def add_splits_if_last(
         add_splits(p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
                    SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
         fx.store(cnt_ptr + tile, 0)
+
+
+@flyc.func
+def store_split(
+    acc, split, tile, p_ptr, cnt_ptr, M, N, splits, rm, rn, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+    REDUCE_LAST: fx.constexpr,
+):  # fmt: skip
+    """A kernel's split-K exit for C tile ``tile`` (rows ``rm``, columns ``rn``): its partial sums into
+    ``workspace[split]`` (``p_ptr``); with ``REDUCE_LAST`` the tile's last split then adds them up
+    (:func:`add_splits_if_last`), else the reduction kernel does after the launch."""
+    m_ok = rm < M
+    n_ok = rn < N
+    p_ptrs = p_ptr + row_offset(split, M) * N + row_offset(rm, N)[:, None] + rn[None, :]
+    fx.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    if REDUCE_LAST:
+        add_splits_if_last(cnt_ptr, tile, p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn,
+                           sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
 
 
 # fmt: off

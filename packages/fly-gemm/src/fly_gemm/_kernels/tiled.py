@@ -24,7 +24,7 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .epilogue import epilogue, epilogue_meta
-from .splitk import add_splits_if_last, reduce_splits, split_plan, tile_counters, workspace
+from .splitk import split_launch, store_split
 
 __all__ = ["launch_tiled"]
 
@@ -70,13 +70,9 @@ def _gemm_tiled_kernel(
         b_ptrs += b_step
 
     c_ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:  # this split's partial sums into workspace[split] (p_ptr), then added up in order
-        p_ptrs = p_ptr + row_offset(split, M) * N + row_offset(rm, N)[:, None] + rn[None, :]
-        fx.store(p_ptrs, acc, mask=c_ok)
-        if REDUCE_LAST:  # by the tile's last split to finish (else by a second kernel)
-            add_splits_if_last(cnt_ptr, fx.program_id(0), p_ptr, M, N, fx.num_programs(1), rm, rn, m_ok, n_ok,
-                               c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS,
-                               ACT, RAW)  # fmt: skip
+    if SPLIT:  # this split's partial sums, added up in order by .splitk
+        store_split(acc, split, fx.program_id(0), p_ptr, cnt_ptr, M, N, fx.num_programs(1), rm, rn, c_ptr, stride_cm,
+                    stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, REDUCE_LAST)  # fmt: skip
     else:
         c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
         if RAW:  # the int8 product as int32
@@ -104,20 +100,17 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
     if m == 0 or n == 0:
         return
     int_acc = not a.dtype.is_floating_point
-    split_steps, splits = split_plan(k, cfg)
     tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
-    part = workspace(splits, m, n, int_acc, c.device) if splits > 1 else c  # c: a placeholder, unused
-    counters = tile_counters(tiles, c.device) if splits > 1 and cfg.reduce_last else None
+    sp = split_launch(m, n, k, tiles, cfg, int_acc, c)
     # fmt: off
     flyc.launch(
-        _gemm_tiled_kernel, (tiles, splits),
-        a, b_nk, c, bias, scale_a, scale_b, part, c if counters is None else counters,
-        m, n, k, split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
+        _gemm_tiled_kernel, (tiles, sp.splits),
+        a, b_nk, c, bias, scale_a, scale_b, sp.workspace, sp.counters,
+        m, n, k, sp.split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
         **epilogue_meta(scale_a, scale_b, bias, act), INT_ACC=int_acc, RAW=not c.dtype.is_floating_point,
-        SPLIT=splits > 1, REDUCE_LAST=counters is not None,
+        SPLIT=sp.splits > 1, REDUCE_LAST=sp.reduce_last,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         **cfg.launch_options(),
     )
     # fmt: on
-    if splits > 1 and counters is None:
-        reduce_splits(part, c, bias, scale_a, scale_b, act)
+    sp.finish(c, bias, scale_a, scale_b, act)
