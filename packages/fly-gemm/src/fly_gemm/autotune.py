@@ -226,8 +226,9 @@ def _default(key, arch: str) -> GemmConfig:
 
 
 def candidates(key, arch: str) -> list[GemmConfig]:
-    """A bounded space per key (about 8-20 configs): decode-size M over tile widths, K steps and splits of
-    K (tiled kernel); larger M over Hopper's tile shapes, stages and the TMA kernel's tile-loop options."""
+    """A bounded space per key (6-30 configs): decode-size M over tile widths, K steps and splits of K
+    (tiled kernel, both reductions) and the CUDA-core kernel; larger M over Hopper's tile shapes and
+    stages, the TMA kernel's tile-loop options, two programs an SM, and split-K up to 512 rows."""
     m, n, k = key["m_bucket"], key["n"], key["k"]
     dtype = _key_dtype(key)
     a = _arch(arch)
