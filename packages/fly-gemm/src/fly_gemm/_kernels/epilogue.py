@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import activation
+from flydsl_common.device import activation, row_offset
 
-__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "scale_mode", "epilogue_meta", "epilogue"]
+__all__ = ["SCALE_NONE", "SCALE_TENSOR", "SCALE_VECTOR", "scale_mode", "epilogue_meta", "epilogue", "store_c"]
 
 SCALE_NONE = 0  # no scale
 SCALE_TENSOR = 1  # one value for the whole operand
@@ -55,3 +55,19 @@ def epilogue(
     if HAS_BIAS:
         out += fx.load(bias_ptr + rn, mask=n_ok, other=0.0).to(fx.float32)[None, :]
     return activation(out, ACT)
+
+
+@flyc.func
+def store_c(
+    acc, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
+    SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+):  # fmt: skip
+    """Store the accumulator tile at rows ``rm``, columns ``rn`` of C through pointers (masked): as it is
+    (``RAW``: the int8 product as int32), else through :func:`epilogue` and one downcast to C's dtype."""
+    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
+    c_ok = m_ok[:, None] & n_ok[None, :]
+    if RAW:
+        fx.store(c_ptrs, acc, mask=c_ok)
+    else:
+        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
+        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)

@@ -15,7 +15,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .epilogue import epilogue, epilogue_meta
+from .epilogue import epilogue_meta, store_c
 
 __all__ = ["launch_gemv"]
 
@@ -55,14 +55,8 @@ def _gemv_kernel(
         else:
             acc += a.to(fx.float32)[:, None, :] * b.to(fx.float32)[None, :, :]
         a_ptrs += a_step
-    out = fx.sum(acc, axis=2)
-    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
-    c_ok = m_ok[:, None] & n_ok[None, :]
-    if RAW:
-        fx.store(c_ptrs, out, mask=c_ok)
-    else:
-        out = epilogue(out, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
+    store_c(fx.sum(acc, axis=2), rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A,
+            SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
 
 
 @flyc.jit(skip_empty=False)

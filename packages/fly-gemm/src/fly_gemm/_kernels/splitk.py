@@ -17,7 +17,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .epilogue import epilogue, epilogue_meta
+from .epilogue import epilogue_meta, store_c
 
 __all__ = ["SplitLaunch", "split_launch", "store_split", "tile_counters"]
 
@@ -71,12 +71,8 @@ def add_splits(
     acc = fx.load(p_ptrs, mask=ok, other=0, cache_modifier=".cg")
     for s in range(1, splits):
         acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0, cache_modifier=".cg")
-    c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
-    if RAW:
-        fx.store(c_ptrs, acc, mask=ok)
-    else:
-        out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-        fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+    store_c(acc, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS,
+            ACT, RAW)  # fmt: skip
 
 
 @flyc.func

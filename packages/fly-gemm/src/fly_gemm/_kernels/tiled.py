@@ -23,7 +23,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .epilogue import epilogue, epilogue_meta
+from .epilogue import epilogue_meta, store_c
 from .splitk import split_launch, store_split
 
 __all__ = ["launch_tiled"]
@@ -69,17 +69,12 @@ def _gemm_tiled_kernel(
         a_ptrs += a_step
         b_ptrs += b_step
 
-    c_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:  # this split's partial sums, added up in order by .splitk
         store_split(acc, split, fx.program_id(0), p_ptr, cnt_ptr, M, N, fx.num_programs(1), rm, rn, c_ptr, stride_cm,
                     stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, REDUCE_LAST)  # fmt: skip
     else:
-        c_ptrs = c_ptr + row_offset(rm, stride_cm)[:, None] + row_offset(rn, stride_cn)[None, :]
-        if RAW:  # the int8 product as int32
-            fx.store(c_ptrs, acc, mask=c_ok)
-        else:
-            out = epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT)
-            fx.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_ok)
+        store_c(acc, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B,
+                HAS_BIAS, ACT, RAW)  # fmt: skip
 
 
 @flyc.jit(skip_empty=False)
