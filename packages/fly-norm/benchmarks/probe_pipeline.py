@@ -220,7 +220,8 @@ def _bwd_l2_cases(copy: float) -> list[dict]:
         dw = torch.empty(n, dtype=_DT, device="cuda")
         for block_n, warps, per_sm in ((2048, 8, 1), (4096, 8, 1), (4096, 16, 1), (2048, 4, 2), (4096, 8, 2),
                                        (8192, 16, 1)):  # fmt: skip
-            try:
+
+            def make_run(block_n=block_n, warps=warps, per_sm=per_sm):
                 programs = min(m, flydsl.arch.current().sm_count * per_sm)
                 per = flyc.cdiv(m, programs)
                 programs = flyc.cdiv(m, per)
@@ -231,16 +232,12 @@ def _bwd_l2_cases(copy: float) -> list[dict]:
                     flyc.launch(_bwd_l2_kernel, (programs,), x, w, dy, rstd, dx, dwp, m, n, per, **meta)
                     launch_sum_partials(dwp, dw)
 
-                run()
-                err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                          for a, b in ((dx, ref_dx), (dw, ref_dw)))  # fmt: skip
-                us = bench(run).median_us
-                row = dict(N=n, op="rms_bwd_l2", cfg=(block_n, warps, per_sm), us=us,
-                           frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_library=err)  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                row = dict(N=n, op="rms_bwd_l2", cfg=(block_n, warps, per_sm), error=repr(e)[:300])
-            print(row, flush=True)
-            out.append(row)
+                return run, {}
+
+            def check():  # against the library's backward
+                return max(_rel_err(dx, ref_dx), _rel_err(dw, ref_dw))
+
+            out.append(_record(n, copy, nbytes, make_run, check, op="rms_bwd_l2", cfg=(block_n, warps, per_sm)))
         torch.cuda.empty_cache()
     return out
 
@@ -270,7 +267,7 @@ def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy):
     h = x.float()
     mean = 0.0 if is_rms else h.mean(1, keepdim=True)
     ref = (h - mean) * torch.rsqrt(((h - mean) ** 2).mean(1, keepdim=True) + 1e-6) * w.float()
-    err = ((y.float() - ref).norm() / ref.norm()).item()
+    err = _rel_err(y, ref)
     us = bench(run).median_us
     return dict(
         N=n,
@@ -301,20 +298,31 @@ def _wide_inputs(n: int):
     return m, x, w, b, torch.empty_like(x), refs
 
 
-def _measure(run, reference, y, m, n, copy, transfers=4, **fields) -> dict:
-    """Run once into a poisoned ``y``, check against ``reference``, time (``transfers``: bytes moved an
-    element, as a multiple of m * n); a failure is recorded, not raised."""
+def _record(n, copy, nbytes, make_run, check, **fields) -> dict:
+    """One probe row: ``make_run()`` gives ``(run, extra fields)`` (setup may raise), ``run`` runs once,
+    ``check()`` gives its relative error (or None), then ``run`` is timed against the copy for ``nbytes``
+    moved; a failure anywhere is recorded, not raised."""
     try:
-        y.fill_(float("nan"))
+        run, extra = make_run()
         run()
-        r = reference().float()
-        err = ((y.float() - r).norm() / r.norm()).item()
+        err = check()
         us = bench(run).median_us
-        row = dict(N=n, **fields, us=us, frac_copy=transfers * m * n / (us * 1e-6) / 1e9 / copy, rel_err=err)
+        row = dict(N=n, **fields, **extra, us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err=err)
     except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
         row = dict(N=n, **fields, error=repr(e)[:300])
     print(row, flush=True)
     return row
+
+
+def _rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _measure(run, reference, y, m, n, copy, transfers=4, **fields) -> dict:
+    """:func:`_record` of ``run`` writing a poisoned ``y``, checked against ``reference`` (``transfers``: bytes
+    moved an element, as a multiple of m * n)."""
+    y.fill_(float("nan"))
+    return _record(n, copy, transfers * m * n, lambda: (run, {}), lambda: _rel_err(y, reference()), **fields)
 
 
 CHUNKED_CONFIGS = ((1024, 8), (2048, 8), (2048, 16), (4096, 16), (4096, 32), (8192, 16))
@@ -410,7 +418,7 @@ def _quant_cases(copy: float) -> list[dict]:
         deq_ref = q_ref.float() * s_ref[:, None]
 
         def check():
-            return ((q.float() * sc[:, None] - deq_ref).norm() / deq_ref.norm()).item()
+            return _rel_err(q.float() * sc[:, None], deq_ref)
 
         for cfg in candidates({"n_bucket": n, "dtype": "bf16"}, "sm_90"):
             if not cfg.single_pass and n <= 16384:
@@ -421,38 +429,22 @@ def _quant_cases(copy: float) -> list[dict]:
                 ("rms_quant", lambda: norm.launch_fwd(x, None, w, None, None, q, None, None, None, sc, 1e-6, 0.0,
                                                       True, torch.int8, cfg), 3 * m * n + 4 * m),
             ):  # fmt: skip
-                try:
-                    run()
-                    err = check() if op == "rms_quant" else None
-                    us = bench(run).median_us
-                    row = dict(N=n, op=op, cfg=str(cfg), us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy,
-                               rel_err=err)  # fmt: skip
-                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    row = dict(N=n, op=op, cfg=str(cfg), error=repr(e)[:300])
-                print(row, flush=True)
-                out.append(row)
+                quant_check = check if op == "rms_quant" else lambda: None
+                out.append(_record(n, copy, nbytes, lambda run=run: (run, {}), quant_check, op=op, cfg=str(cfg)))
         for block_m, warps in ((1, 4), (1, 8), (2, 8), (1, 16)):
             if block_m * n > 16384 or block_m * n // (32 * warps) > 64:
                 continue
             for prefetch in (False, True):
                 meta = dict(BLOCK_M=block_m, BLOCK_N=n, PREFETCH=prefetch, num_warps=warps)
                 args = (x, w, q, sc, m, n, 1e-6)
-                try:
+
+                def make_run(meta=meta, args=args, block_m=block_m):
                     resident = flyc.programs_per_sm(_quant_rows_kernel, *args, **meta)
                     grid = min(flyc.cdiv(m, block_m), flydsl.arch.current().sm_count * resident)
+                    return (lambda: flyc.launch(_quant_rows_kernel, (grid,), *args, **meta)), {"resident": resident}
 
-                    def run():
-                        flyc.launch(_quant_rows_kernel, (grid,), *args, **meta)
-
-                    run()
-                    err = check()
-                    us = bench(run).median_us
-                    row = dict(N=n, op="rms_quant_persistent", cfg=(block_m, warps, prefetch), resident=resident,
-                               us=us, frac_copy=(3 * m * n + 4 * m) / (us * 1e-6) / 1e9 / copy, rel_err=err)
-                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    row = dict(N=n, op="rms_quant_persistent", cfg=(block_m, warps, prefetch), error=repr(e)[:300])
-                print(row, flush=True)
-                out.append(row)
+                out.append(_record(n, copy, 3 * m * n + 4 * m, make_run, check, op="rms_quant_persistent",
+                                   cfg=(block_m, warps, prefetch)))  # fmt: skip
         torch.cuda.empty_cache()
     return out
 
@@ -490,7 +482,7 @@ def _bwd_op_case(n, cfg, copy, is_rms=True):
     try:
         _, ref = grads(None)
         y, got = grads(cfg)
-        err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref, strict=True))
+        err = max(_rel_err(g, r) for g, r in zip(got, ref, strict=True))
         us = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
     except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
         return dict(N=n, op="rms_bwd_op" if is_rms else "ln_bwd_op", cfg=cfg, error=repr(e)[:300])
