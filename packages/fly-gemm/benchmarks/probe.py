@@ -14,7 +14,6 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from pathlib import Path
 
@@ -22,7 +21,9 @@ import torch
 
 import flydsl  # noqa: F401 - compiled vs interpreted Triton first
 from fly_gemm import GemmConfig, gemm, gemm_ref
-from flydsl.autotune.timer import bench
+from flydsl.autotune.timer import bench, rotating_copies
+
+_L2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 0
 
 _TMA = [
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
@@ -35,20 +36,23 @@ _TMA = [
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),  # the tiled kernel at the same tile
 ]
 _DECODE = [
-    GemmConfig(16, 16, 256, group_m=1, num_stages=4),
-    GemmConfig(16, 32, 256, group_m=1, num_stages=4),
     GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=4),
-    GemmConfig(16, 16, 128, group_m=1, num_stages=4, split_k=2),
-    GemmConfig(1, 8, 256, group_m=1, num_stages=1, gemv=True),
+    GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=4, reduce_last=True),
+    GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=8, reduce_last=True),
+    GemmConfig(16, 32, 128, group_m=1, num_stages=4, split_k=4, reduce_last=True),
+    GemmConfig(16, 128, 128, group_m=1, num_stages=4, split_k=8, reduce_last=True),
+    GemmConfig(16, 64, 256, group_m=1, num_stages=3, split_k=4, reduce_last=True),
+    GemmConfig(16, 64, 128, group_m=1, num_stages=6, split_k=4, reduce_last=True),
+    GemmConfig(16, 64, 128, group_m=1, num_warps=2, num_stages=4, split_k=4, reduce_last=True),
     GemmConfig(1, 16, 256, group_m=1, num_stages=1, gemv=True),
-    GemmConfig(1, 16, 128, group_m=1, num_stages=1, gemv=True),
 ]
 
 
-def _copy_gbps() -> float:
-    src = torch.empty(1 << 28, dtype=torch.int32, device="cuda").random_()
-    dst = torch.empty_like(src)
-    return 8 * src.numel() / (bench(lambda: dst.copy_(src)).median_us * 1e-6) / 1e9
+def _copy_gbps(nbytes: int = 1 << 31) -> float:
+    """Device copy bandwidth (read + write) moving ``nbytes`` in all, rotating over copies past L2."""
+    src = torch.empty(nbytes // 8, dtype=torch.int32, device="cuda").random_()
+    sets = rotating_copies((src, torch.empty_like(src)), _L2)
+    return nbytes / (bench(lambda s, d: d.copy_(s), arg_sets=sets).median_us * 1e-6) / 1e9
 
 
 def _operands(m, n, k, dtype):
@@ -71,18 +75,25 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
     for m, n, k, dtype in shapes:
         a, b, (sa, sb) = _operands(m, n, k, dtype)
         ref = gemm_ref(a, b, scale_a=sa, scale_b=sb)
-        peer_us = bench(_peer(a, b, (sa, sb))).median_us
+        sets = rotating_copies((a, b, sa, sb), _L2)  # weights from memory, as in the benchmark
+        peer_us = bench(lambda *t: _peer(t[0], t[1], t[2:])(), arg_sets=sets).median_us
         flops, wbytes = 2 * m * n * k, n * k * dtype.itemsize
-        print(dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us), flush=True)
+        head = dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us)
+        if decode:  # a copy moving the weights' bytes: the memory system's rate at this size
+            head["small_copy_frac"] = _copy_gbps(wbytes) / copy
+        print(head, flush=True)
+        out.append(head)
         for cfg in configs:
             row = dict(shape=(m, n, k), dtype=str(dtype), cfg=repr(cfg))
-            run = functools.partial(gemm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, config=cfg)
+            def run(a, b, sa, sb, cfg=cfg):
+                return gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, config=cfg)
+
             try:
-                c = run()
+                c = run(a, b, sa, sb)
                 row["rel_err"] = ((c.double() - ref).norm() / ref.norm()).item()
                 if not row["rel_err"] <= 1e-2:
                     raise AssertionError(f"relative error {row['rel_err']:.3e}")
-                us = bench(run).median_us
+                us = bench(run, arg_sets=sets).median_us
                 row.update(us=us, vs_peer=peer_us / us, tflops=flops / us / 1e6)
                 if decode:
                     row["weight_bw_frac"] = wbytes / (us * 1e-6) / 1e9 / copy
@@ -107,8 +118,8 @@ def main() -> None:
                   (8192, 8192, 8192, torch.float8_e4m3fn), (1024, 14336, 4096, torch.bfloat16)]  # fmt: skip
         rows += _part(shapes, _TMA, copy, decode=False)
     if "decode" in args.part:
-        shapes = [(1, 4096, 4096, torch.bfloat16), (1, 14336, 4096, torch.bfloat16), (16, 4096, 14336, torch.bfloat16),
-                  (1, 8192, 8192, torch.float8_e4m3fn)]  # fmt: skip
+        shapes = [(1, 4096, 4096, torch.bfloat16), (16, 4096, 4096, torch.bfloat16), (1, 8192, 8192, torch.bfloat16),
+                  (16, 4096, 14336, torch.bfloat16), (1, 8192, 8192, torch.float8_e4m3fn)]  # fmt: skip
         rows += _part(shapes, _DECODE, copy, decode=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
