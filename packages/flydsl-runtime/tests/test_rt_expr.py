@@ -83,3 +83,9 @@ def test_fx_exposes_triton_language_and_helpers():
         assert name in fx.__all__ and name in dir(fx)
     with pytest.raises(AttributeError):
         fx.no_such_thing  # noqa: B018
+
+
+def test_every_exported_name_resolves():
+    # `from flydsl.expr import *` reads each name of __all__: a listed name the module lacks breaks it
+    missing = [name for name in fx.__all__ if not hasattr(fx, name)]
+    assert missing == []

@@ -9,8 +9,7 @@ language has one face. It is Triton's language (``fx.load``, ``fx.dot``,
   fastest, like torch) or with an explicit constexpr stride tuple;
 - ``grouped_tile``: the grouped (L2-friendly) tile order used by matrix
   kernels: consecutive programs walk GROUP_M row-tiles down a column of tiles
-  before moving right, so the B tiles they share stay in L2;
-- ``libdevice``: the math library (erf, tanh, ...) of the current backend.
+  before moving right, so the B tiles they share stay in L2.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as _tl
 
-_OWN = ["libdevice", "idx2crd", "crd2idx", "grouped_tile"]
+_OWN = ["idx2crd", "crd2idx", "grouped_tile"]
 __all__ = [name for name in dir(_tl) if not name.startswith("_")] + _OWN
 
 
