@@ -283,6 +283,40 @@ def test_split_k_reduced_by_the_last_split(device, dtype, split_k):
         assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k,reduce_last", [(1, False), (3, False), (3, True)])
+def test_pdl_launches_wait_for_the_kernel_before(device, split_k, reduce_last):
+    """PDL (sm_90+): a GEMM that may start while the kernel before it finishes reads its A only after that
+    kernel's writes are visible. In a chain where each GEMM's A is the previous one's poisoned-then-written
+    output, a read too early would see NaN; every step matches its reference, and the chain captured in a
+    CUDA graph (where it launches plainly) replays to the same bits."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("griddepcontrol needs sm_90")
+    cfg = GemmConfig(16, 32, 64, group_m=1, num_stages=3, split_k=split_k, reduce_last=reduce_last, pdl=True)
+    assert config_valid(cfg, torch.bfloat16, flydsl.arch.current(device))
+    m, n = 5, 1024
+    ws = [_rand(n, n, dtype=torch.bfloat16, device=device, seed=s, scale=n**-0.5) for s in range(1, 7)]
+    x = _rand(m, n, dtype=torch.bfloat16, device=device)
+
+    def chain(outs):  # GEMM i reads GEMM i-1's output: launched back to back, no sync between
+        for i, w in enumerate(ws):
+            gemm(x if i == 0 else outs[i - 1], w, config=cfg, out=outs[i])
+        return outs
+
+    outs = chain([_out(m, n, torch.bfloat16, device) for _ in ws])
+    for i, w in enumerate(ws):
+        assert_rel_close(outs[i], gemm_ref(x if i == 0 else outs[i - 1], w))
+    graph_outs = [_out(m, n, torch.bfloat16, device) for _ in ws]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        chain(graph_outs)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert all(torch.equal(got, want) for got, want in zip(graph_outs, outs, strict=True))
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 11])  # 11 > block_m: a second grid axis over M
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
 def test_gemv_kernel(device, m, dtype):
@@ -346,6 +380,13 @@ def test_default_configs_are_valid():
     assert not config_valid(GemmConfig(16, 64, 128, reduce_last=True), torch.bfloat16, flydsl.arch.SM90)
     assert config_valid(GemmConfig(64, 64, 64, tma=True, split_k=2, reduce_last=True), torch.bfloat16,
                         flydsl.arch.SM90)  # fmt: skip
+    # programmatic dependent launch: the tiled kernel on sm_90+ (griddepcontrol), a launch option
+    pdl = GemmConfig(16, 64, 128, split_k=4, reduce_last=True, pdl=True)
+    assert config_valid(pdl, torch.bfloat16, flydsl.arch.SM90) and pdl.launch_options()["launch_pdl"]
+    assert not config_valid(pdl, torch.bfloat16, flydsl.arch.INTERPRETER)
+    assert not config_valid(dataclasses.replace(pdl, tma=True), torch.bfloat16, flydsl.arch.SM90)
+    assert not config_valid(GemmConfig(1, 16, 256, gemv=True, pdl=True), torch.bfloat16, flydsl.arch.SM90)
+    assert "launch_pdl" not in dataclasses.replace(pdl, pdl=False).launch_options()
     assert not config_valid(GemmConfig(16, 16, 16), torch.float8_e4m3fn, flydsl.arch.SM90)  # 8-bit K >= 32
     assert config_valid(GemmConfig(16, 16, 32), torch.int8, flydsl.arch.SM90)
 

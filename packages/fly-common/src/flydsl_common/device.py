@@ -258,6 +258,37 @@ def fast_rcp(x):
         return 1.0 / x
 
 
+# --------------------------------------------- programmatic dependent launch (sm_90+)
+
+
+@flyc.func
+def pdl_launch_dependents():
+    """Let the next kernel on the stream launch once every program of this one has called this (or
+    exited); a no-op unless this kernel was launched with ``launch_pdl`` (and outside NVIDIA)."""
+    if _PTX:
+        fx.extra.cuda.gdc_launch_dependents()
+
+
+@flyc.func
+def pdl_wait():
+    """Wait until the kernel before this one on the stream has finished and its writes are visible.
+    A kernel launched with ``launch_pdl`` may start early: it must call this before it reads what that
+    kernel may write, and before it writes anything."""
+    if _PTX:
+        fx.extra.cuda.gdc_wait()
+
+
+@flyc.func
+def prefetch_l2(ptrs, ok, base):
+    """Ask L2 for the 128-byte lines at ``ptrs`` where ``ok`` (elsewhere at ``base``, a valid address):
+    nothing is loaded into registers or waited for. NVIDIA only; elsewhere nothing."""
+    if _PTX:
+        addr = fx.where(ok, ptrs, base)
+        fx.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=fx.int32, is_pure=False, pack=1
+        )
+
+
 @flyc.func
 def normal_cdf(x):
     """Phi(x), the standard normal CDF, in fp32: ``0.5 * erfc(|x| / sqrt(2))`` on the negative side,

@@ -65,16 +65,22 @@ class GemmConfig:
     # Split-K: the tile's last split to finish adds the partial sums (one launch, no reduction kernel;
     # splits counted in with an integer atomic, per-stream counters).
     reduce_last: bool = False
-    # Persistent TMA kernel: programs an SM. At 2, one program's epilogue (e.g. an erf GELU, ~22
-    # instructions an element with the tensor cores idle) runs while the other's main loop keeps them
-    # busy; registers are capped so that both fit (128 a thread at 8 warps), shared memory must fit twice.
+    # Persistent TMA kernel: programs an SM. At 2, one program's epilogue (e.g. an erf GELU, run with the
+    # tensor cores idle) runs while the other's main loop keeps them busy; registers are capped so that
+    # both fit (128 a thread at 8 warps), shared memory must fit twice.
     occupancy: int = 1
+    # Tiled kernel on sm_90+: programmatic dependent launch. The kernel may start while the one before it
+    # on the stream finishes; its programs prefetch their first weight tiles into L2, then wait for that
+    # kernel's results before reading A or writing anything (so decode GEMMs in a chain overlap).
+    pdl: bool = False
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
         opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
         if self.occupancy > 1:
             opts["maxnreg"] = _REGISTERS_PER_SM // (self.occupancy * 32 * self.num_warps) // 8 * 8
+        if self.pdl:
+            opts["launch_pdl"] = True
         return opts
 
 
@@ -97,8 +103,8 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.gemv:  # per-lane accumulators of block_m x block_n x block_k: at most 64 a thread
         lanes = 32 * cfg.num_warps
-        return (not (cfg.tma or cfg.epilogue_subtile or cfg.reduce_last) and cfg.split_k == 1 and cfg.block_m <= 8
-                and cfg.block_m * cfg.block_n * cfg.block_k <= 64 * lanes)  # fmt: skip
+        return (not (cfg.tma or cfg.epilogue_subtile or cfg.reduce_last or cfg.pdl) and cfg.split_k == 1
+                and cfg.block_m <= 8 and cfg.block_m * cfg.block_n * cfg.block_k <= 64 * lanes)  # fmt: skip
     if min(tiles) < _DOT_MIN or (in_dtype.itemsize == 1 and cfg.block_k < _DOT_MIN_K_8BIT):
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
@@ -109,6 +115,8 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
         return False
     if cfg.epilogue_subtile and (not cfg.tma or cfg.block_n < 2 * _DOT_MIN):  # a TMA-kernel option
         return False
+    if cfg.pdl and (cfg.tma or arch.backend != "cuda" or (arch.capability or (0,))[0] < 9):
+        return False  # the tiled kernel's option; griddepcontrol is sm_90's
     smem = smem_bytes(cfg, in_dtype, out_itemsize)
     if cfg.occupancy != 1:  # programs an SM: the TMA kernel's option, each within its share of the SM
         per_sm = arch.smem_per_block + _SMEM_RESERVED
@@ -254,6 +262,8 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                         out.append(dataclasses.replace(out[-1], reduce_last=True))
                         if m <= 16:  # fewer warps a program: more programs resident an SM
                             out.append(dataclasses.replace(out[-1], num_warps=2))
+                    if m <= 16 and block_k == 2 * bk:  # launched early, weights prefetched (sm_90+)
+                        out.append(dataclasses.replace(out[-1], pdl=True))
     else:
         hopper = a.is_hopper
         shapes = [(128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4)]
@@ -333,7 +343,7 @@ def _make_tunable():
         candidates=candidates,
         is_valid=_valid,
         artifact_dir=Path(__file__).parent / "artifacts",
-        max_candidates=40,
+        max_candidates=48,
         tune_keys=_tune_keys,
         make_task=_make_task,
     )

@@ -19,9 +19,13 @@ tile's last split to finish: ``reduce_last``).
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import row_offset
+from flydsl_common.device import pdl_launch_dependents, pdl_wait, prefetch_l2, row_offset
 
 from .epilogue import epilogue_meta, store_c
 from .splitk import split_launch, store_split
@@ -37,6 +41,7 @@ def _gemm_tiled_kernel(
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
     INT_ACC: fx.constexpr, RAW: fx.constexpr, SPLIT: fx.constexpr, REDUCE_LAST: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
+    PREFETCH_LINES: fx.constexpr,
 ):
     # fmt: on
     # Program (tile, s): the C tile in grouped order, over split s of K (split_steps K steps each). The
@@ -57,6 +62,13 @@ def _gemm_tiled_kernel(
     b_ptrs = b_ptr + row_offset(rn, stride_bn)[:, None] + row_offset(k_begin + rk, stride_bk)[None, :]
     a_step = row_offset(BLOCK_K, stride_ak)
     b_step = row_offset(BLOCK_K, stride_bk)
+    if PREFETCH_LINES > 0:  # launched early (PDL): weights into L2 while the kernel before finishes
+        pdl_launch_dependents()
+        line = 1024 // b_ptr.dtype.element_ty.primitive_bitwidth  # elements of B in a 128-byte line
+        kl = k_begin + fx.arange(0, PREFETCH_LINES) * line
+        prefetch_l2(b_ptr + row_offset(rn, stride_bn)[:, None] + row_offset(kl, stride_bk)[None, :],
+                    n_ok[:, None] & (kl < k_end)[None, :], b_ptr)  # fmt: skip
+        pdl_wait()  # A, C and the split workspace may belong to that kernel until it has finished
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32 if INT_ACC else fx.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_ok = rk < k_end - k0
@@ -96,6 +108,8 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
         return
     int_acc = not a.dtype.is_floating_point
     tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
+    if cfg.pdl and torch.cuda.is_current_stream_capturing():  # a graph's edges: plain launches
+        cfg = dataclasses.replace(cfg, pdl=False)
     sp = split_launch(m, n, k, tiles, cfg, int_acc, c)
     # fmt: off
     flyc.launch(
@@ -105,7 +119,15 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
         **epilogue_meta(scale_a, scale_b, bias, act), INT_ACC=int_acc, RAW=not c.dtype.is_floating_point,
         SPLIT=sp.splits > 1, REDUCE_LAST=sp.reduce_last,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        **cfg.launch_options(),
+        PREFETCH_LINES=_prefetch_lines(cfg, b_nk.element_size()), **cfg.launch_options(),
     )
     # fmt: on
     sp.finish(c, bias, scale_a, scale_b, act)
+
+
+def _prefetch_lines(cfg, itemsize: int) -> int:
+    """128-byte lines of each B row a PDL program prefetches: its pipeline's first ``num_stages`` K steps,
+    rounded up to a power of two (0: no PDL; nor while a CUDA graph is captured, where it is not tried)."""
+    if not cfg.pdl:
+        return 0
+    return flyc.next_power_of_2(max(1, cfg.num_stages * cfg.block_k * itemsize // 128))
