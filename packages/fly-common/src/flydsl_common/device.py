@@ -10,6 +10,7 @@ assembly is used only where kernels compile for NVIDIA, with a portable twin).
 - fp32 reductions (sum, sum of squares, max, absolute max);
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
 - epilogue activations on fp32 values, selected by a constexpr code;
+- programmatic dependent launch (wait, let dependents launch) and L2 prefetch, on NVIDIA;
 - tagged-word exchange (``publish`` / ``collect``) between programs of one
   resident wave that work on the same row (compiled only: the interpreter
   runs programs one after another).

@@ -127,7 +127,7 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
 
 def _prefetch_lines(cfg, itemsize: int) -> int:
     """128-byte lines of each B row a PDL program prefetches: its pipeline's first ``num_stages`` K steps,
-    rounded up to a power of two (0: no PDL; nor while a CUDA graph is captured, where it is not tried)."""
+    rounded up to a power of two (0: no PDL)."""
     if not cfg.pdl:
         return 0
     return flyc.next_power_of_2(max(1, cfg.num_stages * cfg.block_k * itemsize // 128))
