@@ -8,7 +8,8 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   specialization, epilogue subtiling) and the tiled kernel, bf16 and fp8, against cuBLAS /
   ``torch._scaled_mm``;
 - ``decode``: M = 1 and 16 over the decode paths (narrow tensor-core tiles, split-K, the CUDA-core gemv
-  kernel), as a fraction of the copy bandwidth spent reading the weights, against cuBLAS.
+  kernel), as a fraction of the copy bandwidth spent reading the weights, against cuBLAS, and against a
+  copy moving the weights' bytes and torch's sum reading them (the memory system's rate at that size).
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
         peer_us = bench(lambda *t: _peer(t[0], t[1], t[2:])(), arg_sets=sets).median_us
         flops, wbytes = 2 * m * n * k, n * k * dtype.itemsize
         head = dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us)
-        if decode:  # a copy moving the weights' bytes: the memory system's rate at this size
+        if decode:  # a copy moving the weights' bytes, and a read of them: the memory system at this size
             head["small_copy_frac"] = _copy_gbps(wbytes) / copy
+            head["read_frac"] = wbytes / (bench(lambda _a, b, *_: b.view(torch.int32).sum(), arg_sets=sets).median_us
+                                          * 1e-6) / 1e9 / copy  # fmt: skip
         print(head, flush=True)
         out.append(head)
         for cfg in configs:
