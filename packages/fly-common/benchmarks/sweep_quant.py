@@ -13,18 +13,12 @@ import torch
 
 import flydsl.arch
 from flydsl.autotune.timer import bench
+from flydsl_common.bench import copy_gbps
 from flydsl_common.quant import QuantConfig, default_quant_config, quantize_per_token
 
 
-def copy_gbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src)).median_us
-    return 2 * src.numel() / t / 1e3
-
-
 def main() -> None:
-    ceiling = copy_gbps()
+    ceiling = copy_gbps(2 << 30)
     print(f"device {flydsl.arch.current().device_name}  copy {ceiling:.0f} GB/s")
     for n in (16384, 32768, 65536, 262144):
         m = (1 << 27) // n

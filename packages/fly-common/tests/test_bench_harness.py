@@ -21,6 +21,7 @@ from flydsl_common.bench import (
     Results,
     Skip,
     common_bench,
+    copy_gbps,
     gpu_slug,
     harness,
     main_for,
@@ -254,6 +255,12 @@ def test_measure_ceilings_on_cpu(fake_timer):
     assert c["meaningful"] is False and "CPU" in c["note"]
     only_copy = measure_ceilings("cpu", matmul=False)
     assert only_copy["matmul_bf16_tflops"] is None and only_copy["copy_gbps"] > 0
+
+
+def test_copy_gbps_counts_the_bytes_moved(fake_timer):
+    # reads plus writes over the timed call: 8 MiB moved in 5 us (the fake timer's time a call)
+    assert copy_gbps(8 << 20, "cpu") == pytest.approx((8 << 20) / 5.0 / 1e3)
+    assert copy_gbps(1, "cpu") == pytest.approx(8 / 5.0 / 1e3)  # never less than one int32 each way
 
 
 def test_gpu_slug():

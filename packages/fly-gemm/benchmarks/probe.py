@@ -23,6 +23,7 @@ import torch
 import flydsl  # noqa: F401 - compiled vs interpreted Triton first
 from fly_gemm import GemmConfig, gemm, gemm_ref
 from flydsl.autotune.timer import bench, rotating_copies
+from flydsl_common.bench import copy_gbps
 
 _L2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 0
 
@@ -47,13 +48,6 @@ _DECODE = [
     GemmConfig(16, 64, 128, group_m=1, num_warps=2, num_stages=4, split_k=4, reduce_last=True),
     GemmConfig(1, 16, 256, group_m=1, num_stages=1, gemv=True),
 ]
-
-
-def _copy_gbps(nbytes: int = 1 << 31) -> float:
-    """Device copy bandwidth (read + write) moving ``nbytes`` in all, rotating over copies past L2."""
-    src = torch.empty(nbytes // 8, dtype=torch.int32, device="cuda").random_()
-    sets = rotating_copies((src, torch.empty_like(src)), _L2)
-    return nbytes / (bench(lambda s, d: d.copy_(s), arg_sets=sets).median_us * 1e-6) / 1e9
 
 
 def _operands(m, n, k, dtype):
@@ -81,7 +75,7 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
         flops, wbytes = 2 * m * n * k, n * k * dtype.itemsize
         head = dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us)
         if decode:  # a copy moving the weights' bytes, and a read of them: the memory system at this size
-            head["small_copy_frac"] = _copy_gbps(wbytes) / copy
+            head["small_copy_frac"] = copy_gbps(wbytes) / copy
             head["read_frac"] = wbytes / (bench(lambda _a, b, *_: b.view(torch.int32).sum(), arg_sets=sets).median_us
                                           * 1e-6) / 1e9 / copy  # fmt: skip
         print(head, flush=True)
@@ -113,7 +107,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--part", nargs="*", default=["tma", "decode"])
     args = ap.parse_args()
-    copy = _copy_gbps()
+    copy = copy_gbps(2 << 30)
     rows = [dict(copy_GBps=copy)]
     print(rows[0], flush=True)
     if "tma" in args.part:

@@ -62,6 +62,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from fly_norm._kernels.passes import inverse_scale, quantize
 from flydsl.autotune.timer import bench
+from flydsl_common.bench import copy_gbps
 from flydsl_common.device import row_offset
 from flydsl_common.rows import RowConfig
 
@@ -240,12 +241,6 @@ def _bwd_l2_cases(copy: float) -> list[dict]:
             out.append(_record(n, copy, nbytes, make_run, check, op="rms_bwd_l2", cfg=(block_n, warps, per_sm)))
         torch.cuda.empty_cache()
     return out
-
-
-def _copy_gbps(numel: int) -> float:
-    src = torch.empty(numel, dtype=_DT, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    return 4 * numel / (bench(lambda: dst.copy_(src)).median_us * 1e-6) / 1e9
 
 
 def _case(kernel, n, is_rms, block_n, warps, stages, per_sm, copy):
@@ -578,7 +573,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--part", nargs="*", default=["chunked", "split", "bwd_tile"])
     args = ap.parse_args()
-    copy = _copy_gbps(1 << 27)
+    copy = copy_gbps(1 << 29)  # 2^27 bf16 elements copied
     rows = [dict(copy_GBps=copy)]
     print(rows[0])
     cases = []
