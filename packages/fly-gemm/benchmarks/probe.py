@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-import flydsl  # noqa: F401 - compiled vs interpreted Triton first
+import flydsl.arch  # flydsl first: compiled vs interpreted Triton
 from fly_gemm import GemmConfig, gemm, gemm_ref
 from flydsl.autotune.timer import bench, rotating_copies
 from flydsl_common.bench import copy_gbps
 
-_L2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 0
+_L2 = flydsl.arch.current().l2_bytes if torch.cuda.is_available() else 0
 
 _TMA = [
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
