@@ -9,12 +9,18 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   ``torch._scaled_mm``;
 - ``decode``: M = 1 and 16 over the decode paths (narrow tensor-core tiles, split-K, the CUDA-core gemv
   kernel), as a fraction of the copy bandwidth spent reading the weights, against cuBLAS, and against a
-  copy moving the weights' bytes and torch's sum reading them (the memory system's rate at that size).
+  copy moving the weights' bytes and torch's sum reading them (the memory system's rate at that size);
+- ``pdl``: programmatic dependent launch in a chain of the same decode GEMM, each config with and without
+  it: weights from memory (as the benchmark), weights in L2, and a tiny GEMM (the launch gap alone);
+- ``sweep``: a wider grid of split-K decode configs (column tile, splits, warps, stages) at the shapes
+  nearest the decode bar.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -82,6 +88,7 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
         out.append(head)
         for cfg in configs:
             row = dict(shape=(m, n, k), dtype=str(dtype), cfg=repr(cfg))
+
             def run(a, b, sa, sb, cfg=cfg):
                 return gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, config=cfg)
 
@@ -102,6 +109,39 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
     return out
 
 
+def _pdl_part(copy) -> list[dict]:
+    out = []
+    split4 = GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=4, reduce_last=True)
+    cases = [((1, 4096, 4096), dataclasses.replace(split4, num_warps=2)), ((16, 4096, 14336), split4),
+             ((1, 256, 256), GemmConfig(16, 64, 128, group_m=1, num_stages=4))]  # fmt: skip
+    for (m, n, k), base in cases:
+        a, b, _ = _operands(m, n, k, torch.bfloat16)
+        ref = gemm_ref(a, b)
+        cold = rotating_copies((a, b), _L2)
+        for pdl in (False, True):
+            cfg = dataclasses.replace(base, pdl=pdl)
+            row = dict(shape=(m, n, k), cfg=repr(cfg))
+
+            def run(a, b, cfg=cfg):
+                return gemm(a, b, config=cfg)
+
+            c = run(a, b)
+            row["rel_err"] = ((c.double() - ref).norm() / ref.norm()).item()
+            row["cold_us"] = bench(run, arg_sets=cold).median_us
+            row["warm_us"] = bench(run, arg_sets=[(a, b)]).median_us
+            row["cold_weight_bw_frac"] = n * k * 2 / (row["cold_us"] * 1e-6) / 1e9 / copy
+            print(row, flush=True)
+            out.append(row)
+    return out
+
+
+def _sweep_configs():
+    for block_n, splits, warps, stages in itertools.product((32, 64, 128), (3, 4, 6, 7, 8), (2, 4), (4, 6)):
+        yield GemmConfig(
+            16, block_n, 128, group_m=1, num_warps=warps, num_stages=stages, split_k=splits, reduce_last=True
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -118,6 +158,11 @@ def main() -> None:
         shapes = [(1, 4096, 4096, torch.bfloat16), (16, 4096, 4096, torch.bfloat16), (1, 8192, 8192, torch.bfloat16),
                   (16, 4096, 14336, torch.bfloat16), (1, 8192, 8192, torch.float8_e4m3fn)]  # fmt: skip
         rows += _part(shapes, _DECODE, copy, decode=True)
+    if "pdl" in args.part:
+        rows += _pdl_part(copy)
+    if "sweep" in args.part:
+        rows += _part([(16, 4096, 14336, torch.bfloat16), (4, 4096, 14336, torch.bfloat16)], list(_sweep_configs()),
+                      copy, decode=True)  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe-gemm.json").write_text(json.dumps(rows, indent=1))
