@@ -12,6 +12,9 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   copy moving the weights' bytes and torch's sum reading them (the memory system's rate at that size);
 - ``pdl``: programmatic dependent launch in a chain of the same decode GEMM, each config with and without
   it: weights from memory (as the benchmark), weights in L2, and a tiny GEMM (the launch gap alone);
+- ``read``: the memory system's read-only rate by size (32 MiB to 448 MiB, the decode weights' sizes): a
+  streaming kernel that only reads (each program sums its chunks, one value out), from memory as in the
+  benchmark, its best of a few configs; and the fit ``time = bytes / rate + fixed`` over the sizes;
 - ``sweep``: a wider grid of split-K decode configs (column tile, splits, warps, stages) at the shapes
   nearest the decode bar.
 """
@@ -27,9 +30,12 @@ from pathlib import Path
 import torch
 
 import flydsl.arch  # flydsl first: compiled vs interpreted Triton
+import flydsl.compiler as flyc
+import flydsl.expr as fx
 from fly_gemm import GemmConfig, gemm, gemm_ref
 from flydsl.autotune.timer import bench, rotating_copies
 from flydsl_common.bench import copy_gbps
+from flydsl_common.device import row_offset
 
 _L2 = flydsl.arch.current().l2_bytes if torch.cuda.is_available() else 0
 
@@ -135,6 +141,50 @@ def _pdl_part(copy) -> list[dict]:
     return out
 
 
+@flyc.kernel
+def _read_kernel(x_ptr, out_ptr, chunks, BLOCK: fx.constexpr, STAGES: fx.constexpr):
+    # A persistent program sums every num_programs-th chunk of BLOCK int32s: all reads, one store.
+    acc = fx.zeros([BLOCK], dtype=fx.int32)
+    offs = fx.arange(0, BLOCK)
+    for c in fx.range(fx.program_id(0), chunks, fx.num_programs(0), num_stages=STAGES):
+        acc += fx.load(x_ptr + row_offset(c, BLOCK) + offs)
+    fx.store(out_ptr + fx.program_id(0), fx.sum(acc, axis=0))
+
+
+def _read_part(copy) -> list[dict]:
+    out, fits = [], []
+    sms = flydsl.arch.current().sm_count
+    configs = [(4096, 8, 4, 3), (8192, 8, 2, 3), (2048, 4, 8, 2), (4096, 4, 4, 1)]  # BLOCK, warps, a SM, stages
+    for mib in (32, 64, 112, 128, 224, 448):
+        x = torch.randint(-100, 100, (mib << 18,), dtype=torch.int32, device="cuda")
+        sets = rotating_copies((x,), _L2)
+        best = None
+        for block, warps, per_sm, stages in configs:
+            grid = sms * per_sm
+            res = torch.empty(grid, dtype=torch.int32, device="cuda")
+
+            def run(x, block=block, warps=warps, stages=stages, grid=grid, res=res):
+                flyc.launch(_read_kernel, (grid,), x, res, x.numel() // block, BLOCK=block, STAGES=stages,
+                            num_warps=warps)  # fmt: skip
+
+            run(x)
+            if res.sum().item() != x.sum().item():
+                raise AssertionError(f"read kernel summed wrong ({block}, {warps}, {per_sm}, {stages})")
+            us = bench(run, arg_sets=sets).median_us
+            row = dict(read_mib=mib, block=block, warps=warps, per_sm=per_sm, stages=stages, us=us,
+                       read_frac=(mib << 20) / (us * 1e-6) / 1e9 / copy)  # fmt: skip
+            print(row, flush=True)
+            out.append(row)
+            best = us if best is None else min(best, us)
+        fits.append(((mib << 20) / 1e9, best))
+    n = len(fits)  # least squares of time (us) against GB: slope 1e6 / rate
+    mx, my = sum(f[0] for f in fits) / n, sum(f[1] for f in fits) / n
+    slope = sum((f[0] - mx) * (f[1] - my) for f in fits) / sum((f[0] - mx) ** 2 for f in fits)
+    fit = dict(read_fit_gbps=1e6 / slope, read_fit_fixed_us=my - slope * mx)
+    print(fit, flush=True)
+    return [*out, fit]
+
+
 def _sweep_configs():
     for block_n, splits, warps, stages in itertools.product((32, 64, 128), (3, 4, 6, 7, 8), (2, 4), (4, 6)):
         yield GemmConfig(
@@ -160,6 +210,8 @@ def main() -> None:
         rows += _part(shapes, _DECODE, copy, decode=True)
     if "pdl" in args.part:
         rows += _pdl_part(copy)
+    if "read" in args.part:
+        rows += _read_part(copy)
     if "sweep" in args.part:
         rows += _part([(16, 4096, 14336, torch.bfloat16), (4, 4096, 14336, torch.bfloat16)], list(_sweep_configs()),
                       copy, decode=True)  # fmt: skip
