@@ -2,7 +2,7 @@
 # One device round: GPU tests (tools/gpu_session.sh) then each given command, each
 # under its own time limit, all output under $OUT, packed into $OUT/round.tgz at
 # the end (the device tool brings back at most 8 files).
-# Usage: TESTS="pkg/tests ..." bash tools/device_round.sh 'LIMIT_S COMMAND' ...
+# Usage: TESTS="pkg/tests ..." bash tools/device_round.sh 'LIMIT_S COMMAND' ...  (TESTS=none: install only)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export OUT PYTHONUNBUFFERED=1

@@ -2,7 +2,7 @@
 # One full GPU session on the device machine (torch + triton preinstalled, no network):
 # install our packages in place, run every package's tests compiled on the GPU, the
 # runtime measurements, the demo and the benchmarks; logs and results go under $OUT.
-# Usage: bash tools/gpu_session.sh [pytest-targets...]
+# Usage: bash tools/gpu_session.sh [pytest-targets... | none]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -17,6 +17,7 @@ for p in packages/flydsl-runtime packages/fly-common packages/fly-norm packages/
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+[ "${1:-}" = none ] && exit 0  # install only (device_round.sh with TESTS=none)
 status=0
 for t in "${@:-packages/flydsl-runtime/tests packages/fly-common/tests}"; do
   for d in $t; do
