@@ -9,7 +9,7 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   ``torch._scaled_mm``;
 - ``decode``: M = 1 and 16 over the decode paths (narrow tensor-core tiles, split-K, the CUDA-core gemv
   kernel), as a fraction of the copy bandwidth spent reading the weights, against cuBLAS, and against a
-  copy moving the weights' bytes and torch's sum reading them (the memory system's rate at that size);
+  copy moving the weights' bytes and the read-only kernel below reading them (the memory system's rate there);
 - ``pdl``: programmatic dependent launch in a chain of the same decode GEMM, each config with and without
   it: weights from memory (as the benchmark), weights in L2, and a tiny GEMM (the launch gap alone);
 - ``read``: the memory system's read-only rate by size (32 MiB to 448 MiB, the decode weights' sizes): a
@@ -88,8 +88,7 @@ def _part(shapes, configs, copy, decode: bool) -> list[dict]:
         head = dict(shape=(m, n, k), dtype=str(dtype), peer_us=peer_us)
         if decode:  # a copy moving the weights' bytes, and a read of them: the memory system at this size
             head["small_copy_frac"] = copy_gbps(wbytes) / copy
-            head["read_frac"] = wbytes / (bench(lambda _a, b, *_: b.view(torch.int32).sum(), arg_sets=sets).median_us
-                                          * 1e-6) / 1e9 / copy  # fmt: skip
+            head["read_frac"] = wbytes / (_read_us(b) * 1e-6) / 1e9 / copy
         print(head, flush=True)
         out.append(head)
         for cfg in configs:
@@ -151,32 +150,35 @@ def _read_kernel(x_ptr, out_ptr, chunks, BLOCK: fx.constexpr, STAGES: fx.constex
     fx.store(out_ptr + fx.program_id(0), fx.sum(acc, axis=0))
 
 
+_READ_CONFIGS = [(4096, 8, 4, 3), (8192, 8, 2, 3), (2048, 4, 8, 2), (4096, 4, 4, 1)]  # BLOCK, warps, a SM, stages
+
+
+def _read_us(t, config=(2048, 4, 8, 2)) -> float:
+    """Microseconds of the read-only kernel over ``t``'s bytes (whole chunks), from memory; checked."""
+    block, warps, per_sm, stages = config
+    x = t.reshape(-1).view(torch.int32)
+    grid = flydsl.arch.current().sm_count * per_sm
+    res = torch.empty(grid, dtype=torch.int32, device=x.device)
+
+    def run(x):
+        flyc.launch(_read_kernel, (grid,), x, res, x.numel() // block, BLOCK=block, STAGES=stages, num_warps=warps)
+
+    run(x)
+    if (res.sum().item() - x[: x.numel() // block * block].sum().item()) % 2**32:  # int32 sums wrap
+        raise AssertionError(f"read kernel summed wrong ({config})")
+    return bench(run, arg_sets=rotating_copies((x,), _L2)).median_us
+
+
 def _read_part(copy) -> list[dict]:
     out, fits = [], []
-    sms = flydsl.arch.current().sm_count
-    configs = [(4096, 8, 4, 3), (8192, 8, 2, 3), (2048, 4, 8, 2), (4096, 4, 4, 1)]  # BLOCK, warps, a SM, stages
     for mib in (32, 64, 112, 128, 224, 448):
         x = torch.randint(-100, 100, (mib << 18,), dtype=torch.int32, device="cuda")
-        sets = rotating_copies((x,), _L2)
-        best = None
-        for block, warps, per_sm, stages in configs:
-            grid = sms * per_sm
-            res = torch.empty(grid, dtype=torch.int32, device="cuda")
-
-            def run(x, block=block, warps=warps, stages=stages, grid=grid, res=res):
-                flyc.launch(_read_kernel, (grid,), x, res, x.numel() // block, BLOCK=block, STAGES=stages,
-                            num_warps=warps)  # fmt: skip
-
-            run(x)
-            if res.sum().item() != x.sum().item():
-                raise AssertionError(f"read kernel summed wrong ({block}, {warps}, {per_sm}, {stages})")
-            us = bench(run, arg_sets=sets).median_us
-            row = dict(read_mib=mib, block=block, warps=warps, per_sm=per_sm, stages=stages, us=us,
-                       read_frac=(mib << 20) / (us * 1e-6) / 1e9 / copy)  # fmt: skip
+        rows = [dict(read_mib=mib, config=c, us=_read_us(x, c)) for c in _READ_CONFIGS]
+        for row in rows:
+            row["read_frac"] = (mib << 20) / (row["us"] * 1e-6) / 1e9 / copy
             print(row, flush=True)
-            out.append(row)
-            best = us if best is None else min(best, us)
-        fits.append(((mib << 20) / 1e9, best))
+        out += rows
+        fits.append(((mib << 20) / 1e9, min(r["us"] for r in rows)))
     n = len(fits)  # least squares of time (us) against GB: slope 1e6 / rate
     mx, my = sum(f[0] for f in fits) / n, sum(f[1] for f in fits) / n
     slope = sum((f[0] - mx) * (f[1] - my) for f in fits) / sum((f[0] - mx) ** 2 for f in fits)
