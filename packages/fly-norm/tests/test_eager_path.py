@@ -50,6 +50,17 @@ def test_plans_keep_residual_offsets_and_odd_widths_apart():
     assert_rel_close(layer_norm(xo, None, None, 1e-5), layer_norm_ref(xo, None, None, 1e-5))
 
 
+def test_plans_keep_zero_and_nonzero_weight_offsets_apart():
+    # A zero offset goes to the kernel as None (no add compiled in): its plan must not serve other offsets.
+    x = randn(3, 4096, dtype=torch.bfloat16, device="cuda")
+    w = randn(4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    b = randn(4096, dtype=torch.bfloat16, device="cuda", seed=2)
+    for offset in (0.0, 1.0, 0.0, 0.5, 1.0):
+        assert_rel_close(rms_norm(x, w, 1e-6, weight_offset=offset), rms_norm_ref(x, w, 1e-6, None, offset))
+        assert_rel_close(layer_norm(x, w, b, 1e-5, weight_offset=offset),
+                         layer_norm_ref(x, w, b, 1e-5, None, offset))  # fmt: skip
+
+
 def test_calls_the_plan_does_not_cover_take_the_general_path():
     n = 4096
     x = randn(4, n, dtype=torch.bfloat16, device="cuda")

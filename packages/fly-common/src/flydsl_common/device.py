@@ -195,11 +195,11 @@ def round_half_even(x):
 @flyc.func
 def cast_sat_int8(x):
     """fp32 -> int8: round half to even, saturate to [-127, 127] (symmetric, so -x quantizes to -q)."""
-    c = fx.minimum(fx.maximum(x, -_INT8_MAX), _INT8_MAX)
-    if _PTX:  # one cvt.rni (round to nearest, ties to even) in place of round_half_even's four instructions
+    if _PTX:  # one cvt.rni (round to nearest, ties to even), which also saturates at 127
         return fx.inline_asm_elementwise(
-            "cvt.rni.s32.f32 $0, $1;", "=r,r", [c], dtype=fx.int32, is_pure=True, pack=1
+            "cvt.rni.sat.s8.f32 $0, $1;", "=r,r", [fx.maximum(x, -_INT8_MAX)], dtype=fx.int32, is_pure=True, pack=1
         ).to(fx.int8)
+    c = fx.minimum(fx.maximum(x, -_INT8_MAX), _INT8_MAX)
     return ((c + _RNE_MAGIC) - _RNE_MAGIC).to(fx.int8)  # |c| <= 127: exact, ties to even
 
 

@@ -13,9 +13,14 @@ from flydsl_common.device import row_offset
 @flyc.func
 def load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr, EVICT: fx.constexpr):
     """(weight + weight_offset) at columns ``c`` in fp32; 1 where there is no weight (0 past the row).
-    ``EVICT``: the load's cache hint ("", "evict_first", "evict_last")."""
+    ``weight_offset`` None: no offset (the forward's launchers pass None for 0, which saves an add an element
+    in kernels bound by issue, e.g. the quantized forward). ``EVICT``: the load's cache hint ("",
+    "evict_first", "evict_last")."""
     if HAS_WEIGHT:
-        return fx.load(w_ptr + c, mask=cmask, other=0.0, eviction_policy=EVICT).to(fx.float32) + weight_offset
+        w = fx.load(w_ptr + c, mask=cmask, other=0.0, eviction_policy=EVICT).to(fx.float32)
+        if weight_offset is not None:
+            w = w + weight_offset
+        return w
     else:
         return fx.where(cmask, 1.0, 0.0)
 

@@ -108,8 +108,9 @@ def _norm_fwd_kernel(
     x_rows, r_rows, y_rows, h_rows = row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y,
                                               stride_h, HAS_RESIDUAL)  # fmt: skip
 
-    # The quantized RMSNorm (FACTORED) computes y = weighted(h) * rstd: max |y| = rstd * max |weighted(h)|,
-    # which comes out of the same reduction as the sum of squares (passes.weighted).
+    # The quantized RMSNorm (FACTORED): y = weighted(h) * rstd, so max |y| = rstd * max |weighted(h)|, which
+    # comes out of the same reduction as the sum of squares, and the codes are weighted(h) scaled by
+    # QMAX / max |weighted(h)| (passes.weighted).
     FACTORED: fx.constexpr = IS_RMS and QUANT != 0
     if SINGLE_PASS:
         cmask = cols < N
@@ -122,9 +123,8 @@ def _norm_fwd_kernel(
             u = weighted(h, w_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH)
             ss, umax = sum_absmax_f32(h * h, u, 1)  # one exchange between warps for both
             rstd = fx.rsqrt(ss / N + eps)
-            amax = umax * rstd
-            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
-            fx.store(y_rows + cols[None, :], quantize(u * rstd[:, None], inverse_scale(amax, QMAX), QUANT), mask=mask)
+            fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+            fx.store(y_rows + cols[None, :], quantize(u, inverse_scale(umax, QMAX), QUANT), mask=mask)
         else:
             if IS_RMS:
                 mean = fx.zeros([BLOCK_M], dtype=fx.float32)
@@ -151,13 +151,14 @@ def _norm_fwd_kernel(
         rstd = fx.rsqrt(m2 / N + eps)
         inv = rstd  # unused unless quantizing
         if QUANT != 0:
-            if FACTORED:
-                amax = umax * rstd
+            if FACTORED:  # the codes scale u = y / rstd (passes.weighted): by QMAX / max |u|
+                fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+                inv = inverse_scale(umax, QMAX)
             else:
                 amax = lane_amax(x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
                                  HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
-            fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
-            inv = inverse_scale(amax, QMAX)
+                fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+                inv = inverse_scale(amax, QMAX)
         write_y(x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, FACTORED, BLOCK_N)  # fmt: skip
 
@@ -373,7 +374,7 @@ def launch_fwd(
         _norm_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
-        float(eps), float(weight_offset),
+        float(eps), None if weight_offset == 0 else float(weight_offset),  # None: no add (affine.load_weight)
         **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n),
     )
     # fmt: on
@@ -659,6 +660,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         None if weight is None else (weight.dtype, weight.data_ptr() & 15),
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
         None if residual is None else (residual.dtype, residual.data_ptr() & 15),
+        weight_offset == 0,  # passed as None (a constexpr): no add in the kernel
     )  # fmt: skip
     if not may_launch(_EAGER_PLANS, key):
         return None
@@ -670,7 +672,8 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         cfg = config_for(n, dtype, x.device, autotune=None, task=None)
         return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n), cfg.block_m
 
-    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, weight_offset)
+    offset = None if weight_offset == 0 else weight_offset
+    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
     eager_launch(_EAGER_PLANS, key, m, args, make)
     return y if residual is None else (y, h)
 

@@ -32,6 +32,8 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum_absmax_f32
 
+from .affine import load_weight
+
 __all__ = [
     "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h", "normalize",
     "weighted", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats",
@@ -105,8 +107,7 @@ def normalize(
     """(h - mean) * rstd * (w + offset) + b (* smooth) for a [BLOCK_M, BLOCK_N] chunk of columns ``c``."""
     y = (h - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
-        w = fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset
-        y = y * w[None, :]
+        y = y * load_weight(w_ptr, c, cmask, weight_offset, True, "")[None, :]
     if HAS_BIAS:
         y = y + fx.load(b_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
     if HAS_SMOOTH:
@@ -118,13 +119,15 @@ def normalize(
 def weighted(h, w_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT: fx.constexpr, HAS_SMOOTH: fx.constexpr):
     """h * (w + offset) (* smooth): RMSNorm's y before its row scale rstd (RMSNorm has no bias).
 
-    The quantized RMSNorm computes y = weighted(h) * rstd: rstd > 0 scales every element of the row alike,
-    so max |y| = rstd * max |weighted(h)| exactly (rounding is monotonic), and the row's sum of squares
-    and that maximum come out of one reduction, before rstd is known (:func:`lane_stats` with UMAX).
+    The quantized RMSNorm: y = u * rstd with u = weighted(h), and rstd > 0 scales every element of the
+    row alike, so max |y| = rstd * max |u|: the row's sum of squares and max |u| come out of one
+    reduction, before rstd is known (:func:`lane_stats` with UMAX). The codes, y * QMAX / max |y|, are
+    then u * QMAX / max |u| (one product an element, rstd cancelled); the row scale is rstd * max |u| /
+    QMAX.
     """
     u = h
     if HAS_WEIGHT:
-        u = u * (fx.load(w_ptr + c, mask=cmask, other=0.0).to(fx.float32) + weight_offset)[None, :]
+        u = u * load_weight(w_ptr, c, cmask, weight_offset, True, "")[None, :]
     if HAS_SMOOTH:
         u = u * fx.load(s_ptr + c, mask=cmask, other=0.0).to(fx.float32)[None, :]
     return u
@@ -152,12 +155,12 @@ def _chunk_y(
     EVICT: fx.constexpr, FACTORED: fx.constexpr,
 ):  # fmt: skip
     """y of columns ``c`` (those below ``N``) re-read from the inputs with cache hint ``EVICT``, and its mask;
-    FACTORED: as weighted(h) * rstd (the quantized RMSNorm's order, see :func:`weighted`)."""
+    FACTORED: weighted(h) alone, which the quantized RMSNorm scales straight to its codes."""
     cmask = c < N
     mask = row_ok[:, None] & cmask[None, :]
     h = load_h(x_rows, r_rows, c[None, :], mask, HAS_RESIDUAL, EVICT)
-    if FACTORED:
-        y = weighted(h, w_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH) * rstd[:, None]
+    if FACTORED:  # the codes need no rstd: y * QMAX / max |y| = u * QMAX / max |u| (see weighted)
+        y = weighted(h, w_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH)
     else:
         y = normalize(h, mean, rstd, w_ptr, b_ptr, s_ptr, c, cmask, weight_offset, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH)
     return y, mask
@@ -245,7 +248,7 @@ def write_y(
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     QUANT: fx.constexpr, FACTORED: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0 (FACTORED: y as
+    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0 (FACTORED: u as
     weighted(h) * rstd). h is recomputed from x and residual rather than read back from residual_out, so
     the result is identical to the single-pass path's."""
     for start in range(0, N, BLOCK_N):
