@@ -16,7 +16,10 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   streaming kernel that only reads (each program sums its chunks, one value out), from memory as in the
   benchmark, its best of a few configs; and the fit ``time = bytes / rate + fixed`` over the sizes;
 - ``sweep``: a wider grid of split-K decode configs (column tile, splits, warps, stages) at the shapes
-  nearest the decode bar.
+  nearest the decode bar;
+- ``split_cost``: what splitting K costs at M = 16: 4096 x 14336 split 4 ways against the same bytes and
+  program count without a split (16384 x 3584: 256 column tiles of a quarter of K each, no reduction),
+  and 14336 x 4096, each plain and with PDL.
 """
 
 from __future__ import annotations
@@ -217,6 +220,11 @@ def main() -> None:
     if "sweep" in args.part:
         rows += _part([(16, 4096, 14336, torch.bfloat16), (4, 4096, 14336, torch.bfloat16)], list(_sweep_configs()),
                       copy, decode=True)  # fmt: skip
+    if "split_cost" in args.part:
+        tile = GemmConfig(16, 64, 128, group_m=1, num_stages=4)
+        split = dataclasses.replace(tile, split_k=4, reduce_last=True)
+        for shape, cfg in (((16, 4096, 14336), split), ((16, 16384, 3584), tile), ((16, 14336, 4096), tile)):
+            rows += _part([(*shape, torch.bfloat16)], [cfg, dataclasses.replace(cfg, pdl=True)], copy, decode=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe-gemm.json").write_text(json.dumps(rows, indent=1))
