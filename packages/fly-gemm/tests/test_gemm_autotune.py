@@ -40,7 +40,7 @@ def test_epilogue_names_round_trip():
 
 def test_candidate_space_is_valid_bounded_and_holds_the_default():
     keys = TUNABLE.tune_keys("sm_90")
-    assert len(keys) == len({json.dumps(k, sort_keys=True) for k in keys}) == 80 + 15 + 20
+    assert len(keys) == len({json.dumps(k, sort_keys=True) for k in keys}) == 96 + 18 + 24
     assert {(k["dtype"], k["out"], k["epilogue"]) for k in keys} == {
         ("bf16", "bf16", "none"), ("fp8_e4m3", "bf16", "none"), ("bf16", "bf16", "bias_gelu"),
         ("int8", "int32", "none")}  # fmt: skip

@@ -185,7 +185,7 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
 
 _M_CAP = 8192
 # The offline tuning set (`flydsl tune gemm`): LLM projections (N, K) at decode and prefill batch sizes.
-TUNE_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))
+TUNE_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672))
 TUNE_M = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 TUNE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # bf16 output, no epilogue
 # Also searched: the MLP up projection's fused bias + erf GELU at prefill sizes (where the epilogue's
