@@ -71,6 +71,12 @@ def _torch_rms_quant(x, w):
     return (y / scale).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def _torch_rms_quant_fp8(x, w):
+    y = F.rms_norm(x, (x.shape[-1],), w, 1e-6).float()
+    scale = y.abs().amax(-1, keepdim=True) / 448.0
+    return (y / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
 _PEERS: dict[str, CompiledPeer] = {}
 
 
@@ -172,8 +178,13 @@ def _bwd_bench(name: str, fwd: Callable, peer: Callable, widths, n_params: int, 
 # ----------------------------------------------------------------------- quant
 
 
-def _quant_bench() -> Bench:
+def _quant_bench(dtype: torch.dtype = torch.int8) -> Bench:
+    """rms_norm_quant to int8 (``rmsnorm_quant``) or fp8 e4m3 (``rmsnorm_quant_fp8``) against torch's rms_norm
+    and per-row quantization (eager and compiled)."""
     from .rmsnorm import rms_norm_quant
+
+    fp8 = dtype == torch.float8_e4m3fn
+    name, peer = ("rmsnorm_quant_fp8", _torch_rms_quant_fp8) if fp8 else ("rmsnorm_quant", _torch_rms_quant)
 
     def setup(case, device):
         m, n = _mn(case)
@@ -184,20 +195,20 @@ def _quant_bench() -> Bench:
         return q.double() * s.double().reshape(-1, 1)
 
     return Bench(
-        name="rmsnorm_quant",
+        name=name,
         cases=_cases(_WIDTHS[:7], False),
         quick_cases=_cases(_WIDTHS[:7], True),
         setup=setup,
         providers=[
-            Provider("flydsl", lambda t: lambda: rms_norm_quant(t[0], t[1], 1e-6), is_ours=True),
-            Provider("torch", lambda t: lambda: _torch_rms_quant(*t)),
-            Provider("torch.compile", lambda t: _compiled("rmsnorm_quant", _torch_rms_quant).make(t[0].shape, *t)),
+            Provider("flydsl", lambda t: lambda: rms_norm_quant(t[0], t[1], 1e-6, dtype=dtype), is_ours=True),
+            Provider("torch", lambda t: lambda: peer(*t)),
+            Provider("torch.compile", lambda t: _compiled(name, peer).make(t[0].shape, *t)),
         ],
         bytes=lambda c: 3 * c.params["M"] * c.params["N"] + 2 * c.params["N"] + 4 * c.params["M"],
         # Judged against the reference's own quantization (fp64 norm, same rounding rule): the int8
         # grid's error (half a step of amax/127, ~2e-2 of the rms at 16K+ columns) is then common
         # to both, and only rounding flips of one step remain.
-        reference=lambda t: deq(ref.rms_norm_quant_ref(t[0], t[1], 1e-6)),
+        reference=lambda t: deq(ref.rms_norm_quant_ref(t[0], t[1], 1e-6, dtype=dtype)),
         output=deq,
         tolerance=2e-2,
         x_param="N",
@@ -262,6 +273,7 @@ def benches() -> list[Bench]:
         _bwd_bench("layernorm_bwd", lambda x, w, b: layer_norm(x, w, b, 1e-5), _torch_ln, _WIDTHS, 2, 2),
         _bwd_bench("softmax_bwd", lambda x: softmax(x, -1), _torch_softmax, _SOFTMAX_WIDTHS, 0, 0),
         _quant_bench(),
+        _quant_bench(torch.float8_e4m3fn),
         _latency_bench(),
     ]
 
