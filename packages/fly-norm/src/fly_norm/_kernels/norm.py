@@ -374,10 +374,16 @@ def launch_fwd(
         _norm_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
-        float(eps), None if weight_offset == 0 else float(weight_offset),  # None: no add (affine.load_weight)
+        float(eps), _offset_arg(weight_offset),
         **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n),
     )
     # fmt: on
+
+
+def _offset_arg(weight_offset: float) -> float | None:
+    """The forward kernel's ``weight_offset`` argument: None for 0, a constexpr, so no add is compiled in
+    (:func:`.affine.load_weight`); a launch plan made for one must not serve the other (eager key)."""
+    return None if weight_offset == 0 else float(weight_offset)
 
 
 def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig, n: int) -> dict:
@@ -660,7 +666,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         None if weight is None else (weight.dtype, weight.data_ptr() & 15),
         None if bias is None else (bias.dtype, bias.data_ptr() & 15),
         None if residual is None else (residual.dtype, residual.data_ptr() & 15),
-        weight_offset == 0,  # passed as None (a constexpr): no add in the kernel
+        weight_offset == 0,  # _offset_arg: None, a constexpr
     )  # fmt: skip
     if not may_launch(_EAGER_PLANS, key):
         return None
@@ -672,7 +678,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         cfg = config_for(n, dtype, x.device, autotune=None, task=None)
         return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n), cfg.block_m
 
-    offset = None if weight_offset == 0 else weight_offset
+    offset = _offset_arg(weight_offset)
     args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
     eager_launch(_EAGER_PLANS, key, m, args, make)
     return y if residual is None else (y, h)
