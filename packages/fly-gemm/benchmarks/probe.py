@@ -19,7 +19,10 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   nearest the decode bar;
 - ``split_cost``: what splitting K costs at M = 16: 4096 x 14336 split 4 ways against the same bytes and
   program count without a split (16384 x 3584: 256 column tiles of a quarter of K each, no reduction),
-  and 14336 x 4096, each plain and with PDL.
+  and 14336 x 4096, each plain and with PDL;
+- ``narrow``: 4096 x 14336 at M = 1 and 16 without the split's end: narrow column tiles (16 or 32) over the
+  whole K (256 or 128 programs) or split in two, with deep K steps (256-512) and 3-6 stages, so each
+  program keeps enough of the weights in flight alone.
 """
 
 from __future__ import annotations
@@ -197,6 +200,15 @@ def _sweep_configs():
         )
 
 
+def _narrow_configs():
+    for block_n, block_k, stages, warps in itertools.product((16, 32), (256, 512), (3, 4, 6), (2, 4)):
+        yield GemmConfig(16, block_n, block_k, group_m=1, num_warps=warps, num_stages=stages)
+        if block_n == 32:
+            yield GemmConfig(16, block_n, block_k, group_m=1, num_warps=warps, num_stages=stages, split_k=2,
+                             reduce_last=True)  # fmt: skip
+    yield GemmConfig(16, 64, 128, group_m=1, num_stages=4, split_k=4, reduce_last=True)  # the searched one
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -225,6 +237,9 @@ def main() -> None:
         split = dataclasses.replace(tile, split_k=4, reduce_last=True)
         for shape, cfg in (((16, 4096, 14336), split), ((16, 16384, 3584), tile), ((16, 14336, 4096), tile)):
             rows += _part([(*shape, torch.bfloat16)], [cfg, dataclasses.replace(cfg, pdl=True)], copy, decode=True)
+    if "narrow" in args.part:
+        rows += _part([(16, 4096, 14336, torch.bfloat16), (1, 4096, 14336, torch.bfloat16)], list(_narrow_configs()),
+                      copy, decode=True)  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe-gemm.json").write_text(json.dumps(rows, indent=1))
