@@ -22,7 +22,11 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
   and 14336 x 4096, each plain and with PDL;
 - ``narrow``: 4096 x 14336 at M = 1 and 16 without the split's end: narrow column tiles (16 or 32) over the
   whole K (256 or 128 programs) or split in two, with deep K steps (256-512) and 3-6 stages, so each
-  program keeps enough of the weights in flight alone.
+  program keeps enough of the weights in flight alone;
+- ``swing``: the two 448 MiB decode shapes (28672 x 8192 and 8192 x 28672, M = 1 and 16) in one process,
+  allocated in both orders, each with the searched config, cuBLAS and the read-only kernel over its
+  weights: whether their speed follows the shape or where the weights landed in memory (v5 saw ours and
+  cuBLAS's trade places between runs).
 """
 
 from __future__ import annotations
@@ -200,6 +204,28 @@ def _sweep_configs():
         )
 
 
+def _swing_part(copy) -> list[dict]:
+    out = []
+    shapes = [(28672, 8192), (8192, 28672)]
+    for order in (shapes, shapes[::-1]):
+        held = [(n, k, *_operands(16, n, k, torch.bfloat16)[:2]) for n, k in order]  # allocated in this order
+        for n, k, a16, b in held:
+            for m in (1, 16):
+                a = a16[:m]
+                sets = rotating_copies((a, b), _L2)
+                row = dict(order=[f"{n}x{k}" for n, k in order], shape=(m, n, k), b_ptr=b.data_ptr())
+                row["ours_us"] = bench(lambda a, b: gemm(a, b), arg_sets=sets).median_us
+                row["cublas_us"] = bench(lambda a, b: torch.matmul(a, b.t()), arg_sets=sets).median_us
+                row["read_us"] = _read_us(b)
+                for key in ("ours", "cublas", "read"):
+                    row[f"{key}_frac"] = n * k * 2 / (row[f"{key}_us"] * 1e-6) / 1e9 / copy
+                print(row, flush=True)
+                out.append(row)
+        del held
+        torch.cuda.empty_cache()
+    return out
+
+
 def _narrow_configs():
     for block_n, block_k, stages, warps in itertools.product((16, 32), (256, 512), (3, 4, 6), (2, 4)):
         yield GemmConfig(16, block_n, block_k, group_m=1, num_warps=warps, num_stages=stages)
@@ -240,6 +266,8 @@ def main() -> None:
     if "narrow" in args.part:
         rows += _part([(16, 4096, 14336, torch.bfloat16), (1, 4096, 14336, torch.bfloat16)], list(_narrow_configs()),
                       copy, decode=True)  # fmt: skip
+    if "swing" in args.part:
+        rows += _swing_part(copy)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe-gemm.json").write_text(json.dumps(rows, indent=1))
