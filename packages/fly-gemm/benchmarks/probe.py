@@ -26,7 +26,10 @@ timed). Results print as they come and go to ``probe-gemm.json`` under ``--out``
 - ``swing``: the two 448 MiB decode shapes (28672 x 8192 and 8192 x 28672, M = 1 and 16) in one process,
   allocated in both orders, each with the searched config, cuBLAS and the read-only kernel over its
   weights: whether their speed follows the shape or where the weights landed in memory (v5 saw ours and
-  cuBLAS's trade places between runs).
+  cuBLAS's trade places between runs);
+- ``tma_decode``: the TMA kernel at decode size (16- and 64-row tiles, K split 4-8, reduced in the kernel),
+  against the tiled kernel's searched config, at 4096 x 4096 and 4096 x 14336: whether the tensor-memory
+  accelerator keeps more of the weights in flight than the tiled kernel's per-thread loads.
 """
 
 from __future__ import annotations
@@ -226,6 +229,17 @@ def _swing_part(copy) -> list[dict]:
     return out
 
 
+_TMA_DECODE = [
+    GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=4, reduce_last=True),
+    GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=6, tma=True, split_k=4, reduce_last=True),
+    GemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=8, reduce_last=True),
+    GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=3, tma=True, split_k=4, reduce_last=True),
+    GemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=4, reduce_last=True),
+    GemmConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=8, reduce_last=True),
+    GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=4, reduce_last=True),  # tiled twin
+]
+
+
 def _narrow_configs():
     for block_n, block_k, stages, warps in itertools.product((16, 32), (256, 512), (3, 4, 6), (2, 4)):
         yield GemmConfig(16, block_n, block_k, group_m=1, num_warps=warps, num_stages=stages)
@@ -266,6 +280,9 @@ def main() -> None:
     if "narrow" in args.part:
         rows += _part([(16, 4096, 14336, torch.bfloat16), (1, 4096, 14336, torch.bfloat16)], list(_narrow_configs()),
                       copy, decode=True)  # fmt: skip
+    if "tma_decode" in args.part:
+        shapes = [(m, n, k, torch.bfloat16) for m in (1, 16) for n, k in ((4096, 4096), (4096, 14336))]
+        rows += _part(shapes, _TMA_DECODE, copy, decode=True)
     if "swing" in args.part:
         rows += _swing_part(copy)
     if args.out:
