@@ -252,7 +252,8 @@ def write_y(
     weighted(h) * rstd). h is recomputed from x and residual rather than read back from residual_out, so
     the result is identical to the single-pass path's. The quantized pass is unrolled 8 chunks deep: rolled
     (as the compiler left it), a 32K row at 4096 x 16 warps took 39 registers a thread, three programs an
-    SM; unrolled, 32 registers and four (sm_90), the occupancy of the plain forward's pass."""
+    SM; unrolled, 32 registers and four (sm_90), the occupancy of the plain forward's pass: 75 -> 78% of the
+    copy on the H200 (PERF.md v9). Back to front, as softmax's last pass runs, measured slower (v9b)."""
     for start in fx.range(0, N, BLOCK_N, loop_unroll_factor=8 if QUANT != 0 else 1):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first",
