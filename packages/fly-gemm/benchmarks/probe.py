@@ -236,6 +236,9 @@ _TMA_DECODE = [
     GemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=3, tma=True, split_k=4, reduce_last=True),
     GemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=4, reduce_last=True),
     GemmConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=8, reduce_last=True),
+    # the TMA kernel is persistent (one program an SM by default): two an SM keep twice the tiles in flight
+    GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=4, reduce_last=True, occupancy=2),
+    GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4, tma=True, split_k=8, reduce_last=True, occupancy=2),
     GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=4, reduce_last=True),  # tiled twin
 ]
 
