@@ -28,13 +28,14 @@ import torch.nn.functional as F
 
 from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, main_for, results_dir
 
+from .autotune import TUNE_NK
 from .gemm import gemm
 from .reference import gemm_ref
 
 __all__ = ["benches", "main", "default_out_dir"]
 
-# (N, K) of LLM projections (the tuning shapes): square, up, down, wide square, wide up
-_NK = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672))
+# (N, K) of LLM projections: the shipped artifact's tuning shapes, so every benched shape is a searched one
+_NK = TUNE_NK
 _M_LARGE = (256, 1024, 4096, 8192)
 _M_DECODE = (1, 4, 16)
 # The interpreter's smoke case (N a multiple of 16: torch._scaled_mm requires it)
