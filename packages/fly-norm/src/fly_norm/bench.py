@@ -22,6 +22,7 @@ itself reaches only ~93% of its large-size bandwidth, see PERF.md):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -65,16 +66,16 @@ def _torch_softmax(x):
     return torch.softmax(x, -1)
 
 
-def _torch_rms_quant(x, w):
+def _torch_rms_quant(x, w, dtype=torch.int8):
+    """torch's rms_norm, then per-row quantization to int8 (rounded half to even, clamped to 127) or fp8
+    e4m3 (clamped to 448; the cast rounds)."""
+    qmax = 127.0 if dtype == torch.int8 else 448.0
     y = F.rms_norm(x, (x.shape[-1],), w, 1e-6).float()
-    scale = y.abs().amax(-1, keepdim=True) / 127.0
-    return (y / scale).round().clamp(-127, 127).to(torch.int8), scale
-
-
-def _torch_rms_quant_fp8(x, w):
-    y = F.rms_norm(x, (x.shape[-1],), w, 1e-6).float()
-    scale = y.abs().amax(-1, keepdim=True) / 448.0
-    return (y / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    scale = y.abs().amax(-1, keepdim=True) / qmax
+    q = y / scale
+    if dtype == torch.int8:
+        q = q.round()
+    return q.clamp(-qmax, qmax).to(dtype), scale
 
 
 _PEERS: dict[str, CompiledPeer] = {}
@@ -183,8 +184,8 @@ def _quant_bench(dtype: torch.dtype = torch.int8) -> Bench:
     and per-row quantization (eager and compiled)."""
     from .rmsnorm import rms_norm_quant
 
-    fp8 = dtype == torch.float8_e4m3fn
-    name, peer = ("rmsnorm_quant_fp8", _torch_rms_quant_fp8) if fp8 else ("rmsnorm_quant", _torch_rms_quant)
+    name = "rmsnorm_quant" if dtype == torch.int8 else "rmsnorm_quant_fp8"
+    peer = functools.partial(_torch_rms_quant, dtype=dtype)
 
     def setup(case, device):
         m, n = _mn(case)
