@@ -248,12 +248,13 @@ def write_y(
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     QUANT: fx.constexpr, FACTORED: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0 (FACTORED: u as
-    weighted(h) * rstd). h is recomputed from x and residual rather than read back from residual_out, so
-    the result is identical to the single-pass path's. The quantized pass is unrolled 8 chunks deep: rolled
-    (as the compiler left it), a 32K row at 4096 x 16 warps took 39 registers a thread, three programs an
-    SM; unrolled, 32 registers and four (sm_90), the occupancy of the plain forward's pass: 75 -> 78% of the
-    copy on the H200 (PERF.md v9). Back to front, as softmax's last pass runs, measured slower (v9b)."""
+    """The last pass over the N columns: y, or its codes scaled by ``inv`` when QUANT != 0 (FACTORED: the
+    codes of u = weighted(h), ``inv`` = QMAX / max |u|, see :func:`weighted`). h is recomputed from x and
+    residual rather than read back from residual_out, so the result is identical to the single-pass path's.
+    The quantized pass is unrolled 8 chunks deep: rolled (as the compiler left it), a 32K row at 4096 x 16
+    warps took 39 registers a thread, three programs an SM; unrolled, 32 registers and four (sm_90), the
+    occupancy of the plain forward's pass: 75 -> 78% of the copy on the H200 (PERF.md v9). Back to front,
+    as softmax's last pass runs, measured slower (v9b)."""
     for start in fx.range(0, N, BLOCK_N, loop_unroll_factor=8 if QUANT != 0 else 1):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first",
