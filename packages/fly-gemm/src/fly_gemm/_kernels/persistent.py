@@ -49,7 +49,7 @@ def _gemm_tma_kernel(
     INT_ACC: fx.constexpr, RAW_INT: fx.constexpr, A_KM: fx.constexpr, B_KN: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
     FLATTEN: fx.constexpr, WARP_SPECIALIZE: fx.constexpr, SUBTILE: fx.constexpr, SPLIT_K: fx.constexpr,
-    REDUCE_LAST: fx.constexpr,
+    REDUCE_LAST: fx.constexpr, SPLITS_MAX: fx.constexpr = 1,
 ):
     # fmt: on
     if A_KM:  # A stored as [K, M] (a transposed view, e.g. the gradient in dB = G^T A)
@@ -101,7 +101,7 @@ def _gemm_tma_kernel(
         if SPLIT_K:  # this split's partial sums, added up in order by .splitk
             store_split(acc, split, tile, p_ptr, cnt_ptr, M, N, splits, m0 + fx.arange(0, BLOCK_M),
                         n0 + fx.arange(0, BLOCK_N), c_ptr, stride_cm, 1, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B,
-                        HAS_BIAS, ACT, RAW_INT, REDUCE_LAST)  # fmt: skip
+                        HAS_BIAS, ACT, RAW_INT, REDUCE_LAST, SPLITS_MAX)  # fmt: skip
         elif SUBTILE:  # the tile's two column halves, stored one after the other through a half-size buffer
             halves = fx.split(fx.permute(fx.reshape(acc, (BLOCK_M, 2, C_N)), (0, 2, 1)))
             _store_tile(c_desc, halves[0], m0, n0, M, N, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT,
@@ -177,7 +177,7 @@ def launch_persistent(a, a_km: bool, b, c, bias, scale_a, scale_b, act: int, b_k
         B_KN=bool(b_kn),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.epilogue_subtile,
-        SPLIT_K=sp.splits > 1, REDUCE_LAST=sp.reduce_last,
+        SPLIT_K=sp.splits > 1, REDUCE_LAST=sp.reduce_last, SPLITS_MAX=sp.splits,
         **cfg.launch_options(),
     )
     # fmt: on

@@ -63,14 +63,18 @@ def split_launch(m: int, n: int, k: int, tiles: int, cfg, int_acc: bool, c: torc
 def add_splits(
     p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
+    SPLITS_MAX: fx.constexpr,
 ):  # fmt: skip
     """``c[rm, rn] = epilogue(sum over s of partials[s, rm, rn])``, the splits added in order (deterministic,
-    and exact for int32); the partials are read from L2 (``.cg``: other SMs wrote them)."""
+    and exact for int32); the partials are read from L2 (``.cg``: other SMs wrote them). The loop is unrolled
+    to ``SPLITS_MAX`` (>= ``splits``) so that every split's loads are in flight at once: one L2 round trip at
+    the end of the GEMM instead of one every few splits. An absent split loads -0.0 (0 for int32), which
+    leaves every sum as it was."""
     ok = m_ok[:, None] & n_ok[None, :]
     p_ptrs = p_ptr + row_offset(rm, N)[:, None] + rn[None, :]
     acc = fx.load(p_ptrs, mask=ok, other=0, cache_modifier=".cg")
-    for s in range(1, splits):
-        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok, other=0, cache_modifier=".cg")
+    for s in fx.static_range(1, SPLITS_MAX):
+        acc += fx.load(p_ptrs + row_offset(s, M) * N, mask=ok & (s < splits), other=-0.0, cache_modifier=".cg")
     store_c(acc, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS,
             ACT, RAW)  # fmt: skip
 
@@ -79,7 +83,7 @@ def add_splits(
 def add_splits_if_last(
     cnt_ptr, tile, p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr,
     bias_ptr, SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
-    RAW: fx.constexpr,
+    RAW: fx.constexpr, SPLITS_MAX: fx.constexpr,
 ):  # fmt: skip
     """Called by each split of a tile once its partial sums are stored: counts the split in, and the
     tile's last split to arrive runs :func:`add_splits` and resets the count for the next call."""
@@ -87,7 +91,7 @@ def add_splits_if_last(
     ticket = fx.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if ticket == splits - 1:
         add_splits(p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
-                   SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
+                   SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, SPLITS_MAX)  # fmt: skip
         fx.store(cnt_ptr + tile, 0)
 
 
@@ -95,7 +99,7 @@ def add_splits_if_last(
 def store_split(
     acc, split, tile, p_ptr, cnt_ptr, M, N, splits, rm, rn, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
-    REDUCE_LAST: fx.constexpr,
+    REDUCE_LAST: fx.constexpr, SPLITS_MAX: fx.constexpr,
 ):  # fmt: skip
     """A kernel's split-K exit for C tile ``tile`` (rows ``rm``, columns ``rn``): its partial sums into
     ``workspace[split]`` (``p_ptr``); with ``REDUCE_LAST`` the tile's last split then adds them up
@@ -106,7 +110,7 @@ def store_split(
     fx.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
     if REDUCE_LAST:
         add_splits_if_last(cnt_ptr, tile, p_ptr, M, N, splits, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn,
-                           sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
+                           sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, SPLITS_MAX)  # fmt: skip
 
 
 # fmt: off
@@ -114,13 +118,13 @@ def store_split(
 def _splitk_reduce_kernel(
     p_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, SPLITS, stride_cm, stride_cn,
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, RAW: fx.constexpr,
-    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SPLITS_MAX: fx.constexpr,
 ):
     # fmt: on
     rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
     rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
     add_splits(p_ptr, M, N, SPLITS, rm, rn, rm < M, rn < N, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr,
-               SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW)  # fmt: skip
+               SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, SPLITS_MAX)  # fmt: skip
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -151,5 +155,5 @@ def reduce_splits(partials: torch.Tensor, c: torch.Tensor, bias, scale_a, scale_
         _splitk_reduce_kernel, (flyc.cdiv(m, bm), flyc.cdiv(n, bn)),
         partials, c, bias, scale_a, scale_b, m, n, splits, c.stride(0), c.stride(1),
         **epilogue_meta(scale_a, scale_b, bias, act), RAW=not c.dtype.is_floating_point, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=4,
+        SPLITS_MAX=splits, num_warps=4,
     )  # fmt: skip

@@ -41,7 +41,7 @@ def _gemm_tiled_kernel(
     SCALE_A: fx.constexpr, SCALE_B: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
     INT_ACC: fx.constexpr, RAW: fx.constexpr, SPLIT: fx.constexpr, REDUCE_LAST: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
-    PREFETCH_LINES: fx.constexpr,
+    PREFETCH_LINES: fx.constexpr, SPLITS_MAX: fx.constexpr = 1,
 ):
     # fmt: on
     # Program (tile, s): the C tile in grouped order, over split s of K (split_steps K steps each). The
@@ -88,7 +88,8 @@ def _gemm_tiled_kernel(
         pdl_launch_dependents()
     if SPLIT:  # this split's partial sums, added up in order by .splitk
         store_split(acc, split, fx.program_id(0), p_ptr, cnt_ptr, M, N, fx.num_programs(1), rm, rn, c_ptr, stride_cm,
-                    stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, REDUCE_LAST)  # fmt: skip
+                    stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS, ACT, RAW, REDUCE_LAST,
+                    SPLITS_MAX)  # fmt: skip
     else:
         store_c(acc, rm, rn, m_ok, n_ok, c_ptr, stride_cm, stride_cn, sa_ptr, sb_ptr, bias_ptr, SCALE_A, SCALE_B,
                 HAS_BIAS, ACT, RAW)  # fmt: skip
@@ -122,7 +123,7 @@ def launch_tiled(a, b_nk, c, bias, scale_a, scale_b, act: int, cfg, stream=None)
         a, b_nk, c, bias, scale_a, scale_b, sp.workspace, sp.counters,
         m, n, k, sp.split_steps, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1), c.stride(0), c.stride(1),
         **epilogue_meta(scale_a, scale_b, bias, act), INT_ACC=int_acc, RAW=not c.dtype.is_floating_point,
-        SPLIT=sp.splits > 1, REDUCE_LAST=sp.reduce_last,
+        SPLIT=sp.splits > 1, REDUCE_LAST=sp.reduce_last, SPLITS_MAX=sp.splits,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PREFETCH_LINES=_prefetch_lines(cfg, b_nk.element_size()), **cfg.launch_options(),
     )
