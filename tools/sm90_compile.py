@@ -69,7 +69,7 @@ def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=Fal
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
                   STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
-                  N_FIXED=fixed)
+                  N_FIXED=fixed, PACKED=False)
     return norm._norm_fwd_kernel, sig, consts, warps
 
 

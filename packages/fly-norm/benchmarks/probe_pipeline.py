@@ -29,6 +29,9 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   production kernel at the same configs (what quantizing costs: 59-82% of
   copy against 94-98% in v6), and a persistent prototype that prefetches
   the next rows through the two reductions.
+- ``packed``: int8 and fp8 rms_norm_quant at 32K through the production kernel: the chunked passes
+  against the single pass, which holds bf16 rows packed two columns an int32 at 32K (v10), over warps
+  and register caps (``PACKED_CONFIGS``).
 - ``bwd_ab``: the single-pass norm backward (256-8K columns) with its default config and with the
   searched one, alternated three times in one process, each timed two ways: the whole backward through
   autograd (as the benchmark) and the op's own launch (``backward_into``, as the tuner). The sixth
@@ -444,6 +447,41 @@ def _quant_cases(copy: float) -> list[dict]:
     return out
 
 
+# (rows a program, columns, warps, single pass, register cap): the shipped chunked config of v9, then the
+# single pass (packed at 32K columns) at 8-32 warps with and without the caps that fit two programs an SM.
+PACKED_CONFIGS = ((1, 4096, 16, False, None), (1, 32768, 8, True, 128), (1, 32768, 8, True, None),
+                  (1, 32768, 16, True, 64), (1, 32768, 16, True, None), (1, 32768, 32, True, 40))  # fmt: skip
+
+
+def _packed_cases(copy: float) -> list[dict]:
+    """v10: the quantized RMSNorm at 32K, chunked against the packed single pass (``PACKED_CONFIGS``)."""
+    from fly_norm._kernels import norm
+    from fly_norm.reference import rms_norm_quant_ref
+
+    n = 32768
+    m = (1 << 27) // n
+    x = torch.randn(m, n, dtype=_DT, device="cuda")
+    w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+    sc = torch.empty(m, dtype=torch.float32, device="cuda")
+    out = []
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        q = torch.empty(m, n, dtype=qdtype, device="cuda")
+        q_ref, s_ref = rms_norm_quant_ref(x, w, 1e-6, dtype=qdtype)
+        deq_ref = q_ref.float() * s_ref[:, None]
+        for c in PACKED_CONFIGS:
+            cfg = RowConfig(*c)
+
+            def run():
+                norm.launch_fwd(x, None, w, None, None, q, None, None, None, sc, 1e-6, 0.0, True, qdtype, cfg)
+
+            def check():
+                return _rel_err(q.float() * sc[:, None], deq_ref)
+
+            sc.fill_(float("nan"))
+            out.append(_record(n, copy, 3 * m * n + 4 * m, lambda: (run, {}), check, op=str(qdtype), cfg=str(c)))
+    return out
+
+
 # The bwd_op part's split-backward configs: None (the register-resident kernel), else the tiled kernel's
 # (slice, warps, register cap, rows a tile[, lead]); r5 adds the leads (1: pass 1 one tile ahead of the wait;
 # 2: its loads also in flight through the wait and pass 2; sm_90: 2048 x 4 rows takes 168 registers without
@@ -599,6 +637,8 @@ def main() -> None:
         rows += _production_split(copy)
     if "quant" in args.part:
         rows += _quant_cases(copy)
+    if "packed" in args.part:
+        rows += _packed_cases(copy)
     if "bwd_ab" in args.part:
         rows += _bwd_ab(copy)
     if "bwd_l2" in args.part:

@@ -182,6 +182,33 @@ def test_quant_chunked_matches_single_pass(device, monkeypatch, qdtype):
     assert torch.equal(got[0][1], got[1][1])
 
 
+# Rows of the 32K bucket under the packed config: (width, row stride, first column of x's view). Packed:
+# an even width and stride from a 4-byte boundary; else (odd width, odd stride, a view starting at column
+# 1) the chunked passes serve the same config.
+PACKED_CASES = [(32768, 32768, 0, True), (20000, 20004, 0, True), (20001, 20001, 0, False),
+                (20000, 20001, 0, False), (20000, 20002, 1, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("n,stride,first,packs", PACKED_CASES)
+def test_quant_packed_rows(device, monkeypatch, qdtype, n, stride, first, packs):
+    """The quantized RMSNorm's single pass with bf16 rows held packed (two columns an int32 through the
+    reduction), and the calls that config cannot serve packed, against the reference."""
+    from fly_norm._kernels import norm
+
+    force_config(monkeypatch, rmsnorm_mod, RowConfig(1, 32768, 8, True, maxnreg=128))
+    seen = []
+    real = norm._packs
+    monkeypatch.setattr(norm, "_packs", lambda *a: seen.append(real(*a)) or seen[-1])
+    base = randn(3, stride + first, dtype=torch.bfloat16, device=device, scale=3.0)
+    x = base[:, first : first + n]
+    x[1, n - 1] = 40.0  # an outlier in the last column (even widths: the high half of a word) sets the max
+    w = randn(n, dtype=torch.bfloat16, device=device, seed=1)
+    q, s = rms_norm_quant(x, w, dtype=qdtype)
+    assert seen == [packs]
+    assert_quant_matches(q, s, *rms_norm_quant_ref(x, w, dtype=qdtype))
+
+
 # ---------------------------------------------------------------- backward
 
 

@@ -8,6 +8,7 @@ assembly is used only where kernels compile for NVIDIA, with a portable twin).
 - row addressing in int64, so M x N past 2**31 never overflows;
 - masked, vectorizable row loads/stores (upcast to fp32 on load, downcast on store);
 - fp32 reductions (sum, sum of squares, max, absolute max);
+- bf16 pairs packed in int32 words, widened to fp32;
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
 - epilogue activations on fp32 values, selected by a constexpr code;
 - programmatic dependent launch (wait, let dependents launch) and L2 prefetch, on NVIDIA;
@@ -182,6 +183,30 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 
 
+# ------------------------------------------------------------ packed bf16 pairs
+
+
+@flyc.func
+def bf16_pairs(words):
+    """(even, odd) elements in fp32 of int32 ``words`` that each hold two bf16 (the even one in the low
+    half, as a bf16 row read through an int32 view): bf16 -> fp32 is exact, the bits shifted up by 16."""
+    return (words << 16).to(fx.float32, bitcast=True), (words & -65536).to(fx.float32, bitcast=True)
+
+
+@flyc.func
+def bf16_pairs_again(words):
+    """:func:`bf16_pairs` of the same words a second time, through instructions the compiler cannot match with
+    the first (NVIDIA: two ``prmt``): a kernel that keeps a row packed through a reduction widens it again
+    after it, rather than let the compiler hold the fp32 copy (twice the registers) from before. Elsewhere
+    :func:`bf16_pairs`."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1044; prmt.b32 $1, $2, z, 0x3244; }",
+            "=r,=r,r", [words], dtype=(fx.float32, fx.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+    return bf16_pairs(words)
+
+
 # ----------------------------------------------------------------- rounding
 
 
@@ -234,6 +259,25 @@ def cast_sat_fp8e4m3(x):
         return _fp8e4m3_bits(c).to(fx.uint8).to(fx.float8e4nv, bitcast=True)
     else:
         return c.to(fx.float8e4nv)
+
+
+@flyc.func
+def sat_int8_pairs(even, odd):
+    """:func:`cast_sat_int8` of two fp32 tensors, packed as int16: ``even``'s code in the low byte, ``odd``'s
+    in the high one (two adjacent columns of an int8 row, stored as one int16)."""
+    return (cast_sat_int8(even).to(fx.int16) & 255) | (cast_sat_int8(odd).to(fx.int16) << 8)
+
+
+@flyc.func
+def sat_fp8e4m3_pairs(even, odd):
+    """:func:`cast_sat_fp8e4m3` of two fp32 tensors, packed as int16 as :func:`sat_int8_pairs` packs (NVIDIA:
+    one ``cvt.rn.satfinite.e4m3x2`` a pair, whose saturation at +-448 is the clamp's)."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [even, odd], dtype=fx.int16, is_pure=True, pack=1
+        )
+    codes = [cast_sat_fp8e4m3(v).to(fx.int8, bitcast=True).to(fx.int16) for v in (even, odd)]
+    return (codes[0] & 255) | (codes[1] << 8)
 
 
 # --------------------------------------------------------------- activations

@@ -24,6 +24,8 @@ from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
+from ._kernels.norm import PACKED_MIN_N
+from ._kernels.passes import CHUNKED
 from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
@@ -53,13 +55,6 @@ def tuning_key(n: int, dtype: torch.dtype) -> dict:
     return {"n_bucket": flyc.next_power_of_2(max(n, 1)), "dtype": dtype_name(dtype)}
 
 
-# The forwards' chunked rows (wider than one program keeps in registers) up to CHUNKED_MAX_N columns:
-# chunks of 4096 columns over 16 warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5,
-# probe_pipeline.py --part chunked) the best of six configs for all three ops from 16K to 256K columns;
-# the ladder's 16K-column chunks hold 32 accumulators a lane: rms_norm 70% of copy at 32K against 85%.
-# Wider rows (softmax at 1M: 128 rows, one program an SM) need the ladder's wider chunks and 32 warps to
-# keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's in v4).
-CHUNKED = RowConfig(1, 4096, 16, False)
 CHUNKED_MAX_N = 262144
 
 
@@ -144,6 +139,17 @@ def candidates(key, arch: str) -> list[RowConfig]:
                     out.append(RowConfig(1, block_n, warps, False))
                     if warps == 32:  # 29-46 registers uncapped (sm_90): one program an SM above 32
                         out.append(RowConfig(1, block_n, warps, False, maxnreg=32))
+    return out
+
+
+def rms_quant_candidates(key, arch: str) -> list[RowConfig]:
+    """The quantized RMSNorm's space: the forwards' and, for rows of 32K columns (bf16), the single pass with
+    the row packed over 8 warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no
+    spill; norm.PACKED_MIN_N). Calls it cannot serve packed run the chunked passes (norm.launch_fwd)."""
+    out = candidates(key, arch)
+    n = key["n_bucket"]
+    if n == PACKED_MIN_N and key["dtype"] == "bf16" and not arch.startswith("gfx") and arch != "cpu":
+        out.append(RowConfig(1, n, 8, True, maxnreg=128))
     return out
 
 
@@ -251,12 +257,15 @@ def _make_task(name: str):
     return make_task
 
 
+_CANDIDATES = {"rmsnorm_quant": rms_quant_candidates}
+
+
 def _make(name: str) -> Tunable:
     return Tunable(
         name=name,
         config_type=RowConfig,
         default=_bwd_default_for(name) if name.endswith("_bwd") else _default,
-        candidates=bwd_candidates if name.endswith("_bwd") else candidates,
+        candidates=_CANDIDATES.get(name, bwd_candidates if name.endswith("_bwd") else candidates),
         is_valid=_valid,
         artifact_dir=ARTIFACTS,
         max_candidates=24,

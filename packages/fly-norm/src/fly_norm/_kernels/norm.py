@@ -9,7 +9,10 @@ Forward, per row ``h = x (+ residual)``::
     y = (h - mean) * rstd * (weight + weight_offset) + bias       rstd = 1 / sqrt(var + eps)
 
 - single pass (the row fits in one ``BLOCK_N`` step): the row stays in
-  registers between the reduction and the write; ``BLOCK_M`` rows per program;
+  registers between the reduction and the write; ``BLOCK_M`` rows per program.
+  The quantized RMSNorm of bf16 rows of 32K columns and up keeps them packed,
+  two columns an int32 (``PACKED``, :func:`_packed_quant_rows`): half the
+  registers, so two programs of a 32K row fit an SM;
 - chunked (wider rows, ``BLOCK_M == 1``): pass 1 accumulates the statistics
   per lane over the row's chunks and merges the lanes once after the loop,
   pass 2 re-reads the row (from L2) and writes y (:mod:`.passes`).
@@ -44,13 +47,24 @@ from flydsl.autotune import SearchTask
 from flydsl.checks import check_last_dim_contiguous, check_same_device, check_shape, check_tensor, describe, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, LayoutError
 from flydsl.testing import tolerance
-from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX, row_offset, sum2_f32, sum_absmax_f32
+from flydsl_common.device import (
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    bf16_pairs,
+    bf16_pairs_again,
+    row_offset,
+    sat_fp8e4m3_pairs,
+    sat_int8_pairs,
+    sum2_f32,
+    sum_absmax_f32,
+)
 from flydsl_common.rows import RowConfig, as_rows
 
 from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
 from .passes import (
+    CHUNKED,
     inverse_scale,
     lane_amax,
     lane_stats,
@@ -88,6 +102,47 @@ _QUANT_FP8 = 2
 # ---------------------------------------------------------------- device code
 
 
+@flyc.func
+def _packed_quant_rows(
+    x_rows, y_rows, w_ptr, qs_ptr, rows, row_ok, N, eps, QUANT: fx.constexpr, QMAX: fx.constexpr,
+    BLOCK_N: fx.constexpr,
+):  # fmt: skip
+    """The quantized RMSNorm's single pass with the bf16 rows held packed: column pairs (2c, 2c + 1) read
+    as one int32 each (N even, rows 4-byte aligned), kept as read through the row's reduction, widened
+    again after it. Its rstd. The codes are written as int16 pairs, four to a thread's store, in the
+    words' layout (wider stores would need a layout change through shared memory).
+
+    The fp32 row held through the reduction instead takes twice the registers: at 32K columns over 8 warps
+    172 registers a thread (one program an SM) against 128 packed (two; sm_90). The weight is read again
+    after the reduction (an L1/L2 hit), under a mask that depends on it, so that the compiler does not
+    hoist that read above it and hold the weight through it as well. The mask's form steers ptxas's
+    schedule of the first reads: as below it issues the row's reads first (from memory) and the weight's
+    (from L2) as they are used; with a bound taken from the max over the block's rows it did the reverse,
+    and a 32K row ran 114.5 us against 105 (H200, PERF.md v10)."""
+    c2 = fx.arange(0, BLOCK_N // 2)
+    ok2 = (c2 < N // 2)[None, :]
+    mask2 = row_ok[:, None] & ok2
+    words = fx.load(x_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], mask=mask2, other=0)
+    w_words = w_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :]
+    we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0))
+    he, ho = bf16_pairs(words)
+    # u = h * w (passes.weighted): the sum of squares and max |u| in one exchange
+    ss, umax = sum_absmax_f32(he * he + ho * ho, fx.maximum(fx.abs(he * we), fx.abs(ho * wo)), 1)
+    rstd = fx.rsqrt(ss / N + eps)
+    fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+    inv = inverse_scale(umax, QMAX)
+    after = ok2 & (umax >= 0)[:, None]  # ok2, known only after the reduction
+    we, wo = bf16_pairs(fx.load(w_words, mask=after, other=0, eviction_policy="evict_last"))
+    he, ho = bf16_pairs_again(words)
+    if QUANT == 1:
+        codes = sat_int8_pairs(he * we * inv[:, None], ho * wo * inv[:, None])
+    else:
+        codes = sat_fp8e4m3_pairs(he * we * inv[:, None], ho * wo * inv[:, None])
+    y_pairs = y_rows.to(fx.pointer_type(fx.int16), bitcast=True) + fx.max_contiguous(c2, 4)[None, :]
+    fx.store(y_pairs, codes, mask=mask2)
+    return rstd
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_kernel(
@@ -97,6 +152,7 @@ def _norm_fwd_kernel(
     IS_RMS: fx.constexpr, HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
     HAS_SMOOTH: fx.constexpr, STORE_STATS: fx.constexpr, QUANT: fx.constexpr, QMAX: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr, N_FIXED: fx.constexpr,
+    PACKED: fx.constexpr,
 ):
     # fmt: on
     if N_FIXED != 0:
@@ -112,7 +168,10 @@ def _norm_fwd_kernel(
     # comes out of the same reduction as the sum of squares, and the codes are weighted(h) scaled by
     # QMAX / max |weighted(h)| (passes.weighted).
     FACTORED: fx.constexpr = IS_RMS and QUANT != 0
-    if SINGLE_PASS:
+    if PACKED:  # FACTORED, single pass, bf16 x and weight, no residual, smooth scale or offset (launch_fwd)
+        mean = fx.zeros([BLOCK_M], dtype=fx.float32)
+        rstd = _packed_quant_rows(x_rows, y_rows, w_ptr, qs_ptr, rows, row_ok, N, eps, QUANT, QMAX, BLOCK_N)
+    elif SINGLE_PASS:
         cmask = cols < N
         mask = row_ok[:, None] & cmask[None, :]
         h = load_h(x_rows, r_rows, cols[None, :], mask, HAS_RESIDUAL, "")
@@ -368,6 +427,9 @@ def launch_fwd(
         if launch_fwd_split.__wrapped__(*ops):
             return  # split over the programs of one wave
     store_stats = rstd is not None and (mean is not None or is_rms)
+    packed = _packs(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg)
+    if not packed and is_rms and qdtype is not None and cfg.single_pass and cfg.block_n >= PACKED_MIN_N:
+        cfg = CHUNKED  # a row this wide fits in registers only packed (as the config was searched)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off
     flyc.launch(
@@ -375,9 +437,29 @@ def launch_fwd(
         x2, r2, w, b, s, y2, h2, mean, rstd, qscale,
         m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y2.stride(0), 0 if h2 is None else h2.stride(0),
         float(eps), _offset_arg(weight_offset),
-        **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n),
+        **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n, packed),
     )
     # fmt: on
+
+
+# The quantized RMSNorm's single pass keeps bf16 rows of this many columns and more packed (PACKED): at 32K
+# two programs an SM instead of one, 78 -> 90% of the copy on the H200 against the chunked passes (PERF.md
+# v10); at 16K and below the unpacked single pass (already 95-100%) was faster.
+PACKED_MIN_N = 32768
+
+
+def _packs(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> bool:
+    """Whether the quantized RMSNorm runs packed (:func:`_packed_quant_rows`): a single-pass config of at least
+    PACKED_MIN_N columns, bf16 x and weight, no residual, smooth scale or weight offset, and every row of x, y
+    and the weight starting on a 4-byte boundary (an even width and row strides)."""
+    if not (is_rms and qdtype is not None and cfg.single_pass and cfg.block_n >= PACKED_MIN_N):
+        return False
+    if r2 is not None or s is not None or w is None or weight_offset != 0:
+        return False
+    if x2.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    words = (x2.shape[1], x2.stride(0), y2.stride(0), x2.data_ptr() // 2, y2.data_ptr() // 2, w.data_ptr() // 2)
+    return all(v % 2 == 0 for v in words)
 
 
 def _offset_arg(weight_offset: float) -> float | None:
@@ -386,12 +468,12 @@ def _offset_arg(weight_offset: float) -> float | None:
     return None if weight_offset == 0 else float(weight_offset)
 
 
-def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig, n: int) -> dict:
+def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig, n: int, packed=False) -> dict:
     """The forward kernel's constexprs and launch options."""
     return dict(
         IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
         HAS_SMOOTH=s is not None, STORE_STATS=store_stats, QUANT=_quant_code(qdtype), QMAX=_qmax(qdtype),
-        **row_meta(cfg, n),
+        PACKED=packed, **row_meta(cfg, n),
     )
 
 

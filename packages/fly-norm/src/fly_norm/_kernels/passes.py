@@ -31,12 +31,13 @@ from __future__ import annotations
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum_absmax_f32
+from flydsl_common.rows import RowConfig
 
 from .affine import load_weight
 
 __all__ = [
-    "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h", "normalize",
-    "weighted", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats",
+    "CHUNKED", "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h",
+    "normalize", "weighted", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats",
     "softmax_write",
 ]  # fmt: skip
 
@@ -45,6 +46,14 @@ __all__ = [
 LOG2E = fx.constexpr(1.4426950408889634)
 NEG_INF = fx.constexpr(float("-inf"))
 
+
+# The forwards' chunked rows (wider than one program keeps in registers) up to autotune.CHUNKED_MAX_N columns:
+# chunks of 4096 columns over 16 warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5,
+# probe_pipeline.py --part chunked) the best of six configs for all three ops from 16K to 256K columns;
+# the ladder's 16K-column chunks hold 32 accumulators a lane: rms_norm 70% of copy at 32K against 85%.
+# Wider rows (softmax at 1M: 128 rows, one program an SM) need the ladder's wider chunks and 32 warps to
+# keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's in v4).
+CHUNKED = RowConfig(1, 4096, 16, False)
 
 # Each fixed width is a compilation of its own: past this many widths in a process (rows of many widths,
 # e.g. softmax over varying sequence lengths), further widths run with N at run time (N_FIXED = 0).
