@@ -458,8 +458,8 @@ def _packs(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> b
         return False
     if x2.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return False
-    words = (x2.shape[1], x2.stride(0), y2.stride(0), x2.data_ptr() // 2, y2.data_ptr() // 2, w.data_ptr() // 2)
-    return all(v % 2 == 0 for v in words)
+    even = all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
+    return even and all(t.data_ptr() % 4 == 0 for t in (x2, y2, w))
 
 
 def _offset_arg(weight_offset: float) -> float | None:
