@@ -198,8 +198,8 @@ def test_quant_packed_rows(device, monkeypatch, qdtype, n, stride, first, packs)
 
     force_config(monkeypatch, rmsnorm_mod, RowConfig(1, 32768, 8, True, maxnreg=128))
     seen = []
-    real = norm._packs
-    monkeypatch.setattr(norm, "_packs", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = norm._row_plan
+    monkeypatch.setattr(norm, "_row_plan", lambda *a: seen.append(real(*a)[1]) or real(*a))
     base = randn(3, stride + first, dtype=torch.bfloat16, device=device, scale=3.0)
     x = base[:, first : first + n]
     x[1, n - 1] = 40.0  # an outlier in the last column (even widths: the high half of a word) sets the max

@@ -51,7 +51,7 @@ _FP8_MAX = fx.constexpr(FP8_E4M3_MAX)
 # nearest integer, ties to even (the rounding of the fp32 add itself).
 _RNE_MAGIC = fx.constexpr(12582912.0)
 _INTERPRET = fx.constexpr(flydsl.interpreting())
-# Compiled for NVIDIA: the activations use PTX's one-instruction approximations (see fast_exp2).
+# Compiled for NVIDIA: helpers may use PTX inline assembly (one-instruction conversions and approximations).
 _PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 
@@ -262,10 +262,16 @@ def cast_sat_fp8e4m3(x):
 
 
 @flyc.func
+def _byte_pairs(lo, hi):
+    """8-bit codes (int8 tensors) packed two to an int16: ``lo`` in the low byte, ``hi`` in the high one."""
+    return (lo.to(fx.int16) & 255) | (hi.to(fx.int16) << 8)
+
+
+@flyc.func
 def sat_int8_pairs(even, odd):
     """:func:`cast_sat_int8` of two fp32 tensors, packed as int16: ``even``'s code in the low byte, ``odd``'s
     in the high one (two adjacent columns of an int8 row, stored as one int16)."""
-    return (cast_sat_int8(even).to(fx.int16) & 255) | (cast_sat_int8(odd).to(fx.int16) << 8)
+    return _byte_pairs(cast_sat_int8(even), cast_sat_int8(odd))
 
 
 @flyc.func
@@ -276,8 +282,8 @@ def sat_fp8e4m3_pairs(even, odd):
         return fx.inline_asm_elementwise(
             "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [even, odd], dtype=fx.int16, is_pure=True, pack=1
         )
-    codes = [cast_sat_fp8e4m3(v).to(fx.int8, bitcast=True).to(fx.int16) for v in (even, odd)]
-    return (codes[0] & 255) | (codes[1] << 8)
+    codes = [cast_sat_fp8e4m3(v).to(fx.int8, bitcast=True) for v in (even, odd)]
+    return _byte_pairs(codes[0], codes[1])
 
 
 # --------------------------------------------------------------- activations

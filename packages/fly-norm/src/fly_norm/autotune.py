@@ -145,7 +145,7 @@ def candidates(key, arch: str) -> list[RowConfig]:
 def rms_quant_candidates(key, arch: str) -> list[RowConfig]:
     """The quantized RMSNorm's space: the forwards' and, for rows of 32K columns (bf16), the single pass with
     the row packed over 8 warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no
-    spill; norm.PACKED_MIN_N). Calls it cannot serve packed run the chunked passes (norm.launch_fwd)."""
+    spill; norm.PACKED_MIN_N). Calls it cannot serve packed run the chunked passes (norm._row_plan)."""
     out = candidates(key, arch)
     n = key["n_bucket"]
     if n == PACKED_MIN_N and key["dtype"] == "bf16" and not arch.startswith("gfx") and arch != "cpu":

@@ -53,8 +53,6 @@ from flydsl_common.device import (
     bf16_pairs,
     bf16_pairs_again,
     row_offset,
-    sat_fp8e4m3_pairs,
-    sat_int8_pairs,
     sum2_f32,
     sum_absmax_f32,
 )
@@ -71,6 +69,7 @@ from .passes import (
     load_h,
     normalize,
     quantize,
+    quantize_pairs,
     row_meta,
     row_ptrs,
     weighted,
@@ -134,10 +133,7 @@ def _packed_quant_rows(
     after = ok2 & (umax >= 0)[:, None]  # ok2, known only after the reduction
     we, wo = bf16_pairs(fx.load(w_words, mask=after, other=0, eviction_policy="evict_last"))
     he, ho = bf16_pairs_again(words)
-    if QUANT == 1:
-        codes = sat_int8_pairs(he * we * inv[:, None], ho * wo * inv[:, None])
-    else:
-        codes = sat_fp8e4m3_pairs(he * we * inv[:, None], ho * wo * inv[:, None])
+    codes = quantize_pairs(he * we, ho * wo, inv, QUANT)
     y_pairs = y_rows.to(fx.pointer_type(fx.int16), bitcast=True) + fx.max_contiguous(c2, 4)[None, :]
     fx.store(y_pairs, codes, mask=mask2)
     return rstd
@@ -168,7 +164,7 @@ def _norm_fwd_kernel(
     # comes out of the same reduction as the sum of squares, and the codes are weighted(h) scaled by
     # QMAX / max |weighted(h)| (passes.weighted).
     FACTORED: fx.constexpr = IS_RMS and QUANT != 0
-    if PACKED:  # FACTORED, single pass, bf16 x and weight, no residual, smooth scale or offset (launch_fwd)
+    if PACKED:  # FACTORED, single pass, bf16 x and weight, no residual, smooth scale or offset (_row_plan)
         mean = fx.zeros([BLOCK_M], dtype=fx.float32)
         rstd = _packed_quant_rows(x_rows, y_rows, w_ptr, qs_ptr, rows, row_ok, N, eps, QUANT, QMAX, BLOCK_N)
     elif SINGLE_PASS:
@@ -427,9 +423,7 @@ def launch_fwd(
         if launch_fwd_split.__wrapped__(*ops):
             return  # split over the programs of one wave
     store_stats = rstd is not None and (mean is not None or is_rms)
-    packed = _packs(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg)
-    if not packed and is_rms and qdtype is not None and cfg.single_pass and cfg.block_n >= PACKED_MIN_N:
-        cfg = CHUNKED  # a row this wide fits in registers only packed (as the config was searched)
+    cfg, packed = _row_plan(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off
     flyc.launch(
@@ -448,18 +442,21 @@ def launch_fwd(
 PACKED_MIN_N = 32768
 
 
-def _packs(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> bool:
-    """Whether the quantized RMSNorm runs packed (:func:`_packed_quant_rows`): a single-pass config of at least
-    PACKED_MIN_N columns, bf16 x and weight, no residual, smooth scale or weight offset, and every row of x, y
-    and the weight starting on a 4-byte boundary (an even width and row strides)."""
+def _row_plan(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
+    """(config, PACKED) of a forward launch. A single-pass config of the quantized RMSNorm of at least
+    PACKED_MIN_N columns runs packed (:func:`_packed_quant_rows`) when x and the weight are bf16, there is
+    no residual, smooth scale or weight offset, and every row of x, y and the weight starts on a 4-byte
+    boundary (an even width and row strides); other calls meeting it run the chunked passes (``CHUNKED``),
+    a row that wide fitting in registers only packed."""
     if not (is_rms and qdtype is not None and cfg.single_pass and cfg.block_n >= PACKED_MIN_N):
-        return False
-    if r2 is not None or s is not None or w is None or weight_offset != 0:
-        return False
-    if x2.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return False
-    even = all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
-    return even and all(t.data_ptr() % 4 == 0 for t in (x2, y2, w))
+        return cfg, False
+    packs = (
+        r2 is None and s is None and w is not None and weight_offset == 0
+        and x2.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        and all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
+        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, w))
+    )  # fmt: skip
+    return (cfg, True) if packs else (CHUNKED, False)
 
 
 def _offset_arg(weight_offset: float) -> float | None:

@@ -30,15 +30,22 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset, sum_absmax_f32
+from flydsl_common.device import (
+    cast_sat_fp8e4m3,
+    cast_sat_int8,
+    row_offset,
+    sat_fp8e4m3_pairs,
+    sat_int8_pairs,
+    sum_absmax_f32,
+)
 from flydsl_common.rows import RowConfig
 
 from .affine import load_weight
 
 __all__ = [
     "CHUNKED", "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h",
-    "normalize", "weighted", "quantize", "inverse_scale", "lane_stats", "lane_amax", "write_y", "softmax_lane_stats",
-    "softmax_write",
+    "normalize", "weighted", "quantize", "quantize_pairs", "inverse_scale", "lane_stats", "lane_amax", "write_y",
+    "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
 
 # exp(x) = exp2(x * log2(e)): exp2 is the hardware instruction (and the interpreter has no libdevice).
@@ -149,6 +156,15 @@ def quantize(y, inv, QUANT: fx.constexpr):
         return cast_sat_int8(y * inv[:, None])
     else:
         return cast_sat_fp8e4m3(y * inv[:, None])
+
+
+@flyc.func
+def quantize_pairs(even, odd, inv, QUANT: fx.constexpr):
+    """:func:`quantize` of two adjacent columns' values, their codes packed as one int16 (``even`` low)."""
+    if QUANT == 1:
+        return sat_int8_pairs(even * inv[:, None], odd * inv[:, None])
+    else:
+        return sat_fp8e4m3_pairs(even * inv[:, None], odd * inv[:, None])
 
 
 @flyc.func
