@@ -31,7 +31,7 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   the next rows through the two reductions.
 - ``packed``: int8 and fp8 rms_norm_quant at 32K through the production kernel: the chunked passes
   against the single pass, which holds bf16 rows packed two columns an int32 at 32K (v10), over warps
-  and register caps (``PACKED_CONFIGS``).
+  and register caps (``PACKED_CONFIGS``); the same for the plain layer_norm (v11, ``PACKED_LN_CONFIGS``).
 - ``bwd_ab``: the single-pass norm backward (256-8K columns) with its default config and with the
   searched one, alternated three times in one process, each timed two ways: the whole backward through
   autograd (as the benchmark) and the op's own launch (``backward_into``, as the tuner). The sixth
@@ -479,6 +479,32 @@ def _packed_cases(copy: float) -> list[dict]:
 
             sc.fill_(float("nan"))
             out.append(_record(n, copy, 3 * m * n + 4 * m, lambda: (run, {}), check, op=str(qdtype), cfg=str(c)))
+    return out + _packed_ln_cases(x, w, copy)
+
+
+# The plain LayerNorm at 32K (v11): the shipped chunked config, chunked alternatives (8192-column chunks
+# under caps that fit two programs an SM), and the packed single pass at 8 and 16 warps.
+PACKED_LN_CONFIGS = ((1, 4096, 32, False, None), (1, 8192, 32, False, 32), (1, 8192, 16, False, 64),
+                     (1, 32768, 8, True, 128), (1, 32768, 16, True, None), (1, 32768, 16, True, 64))  # fmt: skip
+
+
+def _packed_ln_cases(x, w, copy: float) -> list[dict]:
+    """v11: the plain LayerNorm forward at 32K over ``PACKED_LN_CONFIGS``, each checked against the reference."""
+    from fly_norm._kernels import norm
+    from fly_norm.reference import layer_norm_ref
+
+    m, n = x.shape
+    b = torch.randn(n, dtype=_DT, device="cuda")
+    y = torch.empty_like(x)
+    y_ref = layer_norm_ref(x, w, b, 1e-5)
+    out = []
+    for c in PACKED_LN_CONFIGS:
+        cfg = RowConfig(*c)
+
+        def run():
+            norm.launch_fwd(x, None, w, b, None, y, None, None, None, None, 1e-5, 0.0, False, None, cfg)
+
+        out.append(_measure(run, lambda: y_ref, y, m, n, copy, op="layer_norm", cfg=str(c)))
     return out
 
 

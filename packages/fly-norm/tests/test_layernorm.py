@@ -64,6 +64,33 @@ def test_affine_variants(device, dtype, pdtype, has_w, has_b, offset):
     assert_rel_close(y, layer_norm_ref(x, w, b, 1e-6, weight_offset=offset))
 
 
+# Rows of the 32K bucket under the packed config: (width, row stride, first column of x's view, weight,
+# bias, packs). Packed: an even width and stride from a 4-byte boundary; else the chunked passes serve it.
+PACKED_CASES = [(32768, 32768, 0, True, True, True), (20000, 20004, 0, True, False, True),
+                (20000, 20000, 0, False, False, True), (20001, 20001, 0, True, True, False),
+                (20000, 20001, 0, True, True, False), (20000, 20002, 1, True, True, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,stride,first,has_w,has_b,packs", PACKED_CASES)
+def test_packed_rows(device, monkeypatch, n, stride, first, has_w, has_b, packs):
+    """The plain LayerNorm's single pass with bf16 rows held packed (two columns an int32 through both
+    reductions), and the calls that config cannot serve packed, against the reference; a large mean."""
+    from fly_norm._kernels import norm
+
+    force_config(monkeypatch, layernorm_mod, RowConfig(1, 32768, 8, True, maxnreg=128))
+    monkeypatch.setattr(norm, "_EAGER_PLANS", {})  # plans made under other configs must not serve these calls
+    seen = []
+    real = norm._row_plan
+    monkeypatch.setattr(norm, "_row_plan", lambda *a: seen.append(real(*a)[1]) or real(*a))
+    base = randn(3, stride + first, dtype=torch.bfloat16, device=device, scale=2.0) + 100.0
+    x = base[:, first : first + n]
+    x[1, n - 1] = -300.0  # an outlier in the last column (even widths: the high half of a word)
+    w, b = affine(n, torch.bfloat16, device, has_w, has_b)
+    y = layer_norm(x, w, b, 1e-5)
+    assert seen == [packs]
+    assert_rel_close(y, layer_norm_ref(x, w, b, 1e-5))
+
+
 @pytest.mark.parametrize("config", [None, CHUNKED], ids=["single_pass", "chunked"])
 def test_large_mean_is_not_cancelled(device, monkeypatch, config):
     """|mean| >> std: E[x^2] - E[x]^2 in fp32 would lose the variance; the chunked path merges (mean, M2) pairs."""

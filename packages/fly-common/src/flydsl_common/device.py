@@ -207,6 +207,49 @@ def bf16_pairs_again(words):
     return bf16_pairs(words)
 
 
+@flyc.func
+def bf16_pairs_third(words, zero):
+    """:func:`bf16_pairs_again` a third time, for a row held packed through two reductions: the same two
+    ``prmt`` with their zero bytes taken from ``zero``, an int32 tensor (broadcasting to ``words``) that is
+    0 without the compiler being able to prove it (the sign bit of a positive value, for example). The
+    compiler can match neither of the other widenings with it (those shift, or permute a constant zero),
+    and cannot compute it before ``zero``. Elsewhere :func:`bf16_pairs`."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "prmt.b32 $0, $2, $3, 0x1044; prmt.b32 $1, $2, $3, 0x3244;",
+            "=r,=r,r,r", [words, zero], dtype=(fx.float32, fx.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+    return bf16_pairs(words)
+
+
+@flyc.func
+def offsets_after(offs, after, VEC: fx.constexpr):
+    """Integer offsets ``offs`` ([rows, columns]; along the columns, runs of VEC contiguous values, each
+    starting on a multiple of VEC, as from an ``arange``), known to the compiler only once ``after`` is (a
+    tensor of their shape, element for element; an operand the instruction does not read). Loads through
+    them are then issued after ``after`` is computed, and stay VEC-wide: the hints restore what the opaque
+    copy hides from the compiler. A kernel writing a row held in registers part by part orders each
+    part's per-column reads after the previous part's results this way, rather than let the compiler
+    issue them all at once and hold what they read (NVIDIA; elsewhere ``offs``)."""
+    if _PTX:
+        o = fx.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [offs, after], dtype=fx.int32, is_pure=True,
+                                      pack=1)  # fmt: skip
+        return fx.max_contiguous(fx.multiple_of(o, [1, VEC]), [1, VEC])
+    return offs
+
+
+@flyc.func
+def bf16_words(even, odd):
+    """Two fp32 tensors rounded to bf16 (nearest, ties to even) and packed as int32 words, ``even`` in the low
+    half: the inverse of :func:`bf16_pairs` (NVIDIA: one ``cvt.rn.bf16x2.f32`` a pair)."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=fx.int32, is_pure=True, pack=1
+        )
+    lo = even.to(fx.bfloat16).to(fx.int16, bitcast=True).to(fx.int32) & 65535
+    return lo | (odd.to(fx.bfloat16).to(fx.int16, bitcast=True).to(fx.int32) << 16)
+
+
 # ----------------------------------------------------------------- rounding
 
 

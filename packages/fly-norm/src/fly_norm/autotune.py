@@ -142,10 +142,11 @@ def candidates(key, arch: str) -> list[RowConfig]:
     return out
 
 
-def rms_quant_candidates(key, arch: str) -> list[RowConfig]:
-    """The quantized RMSNorm's space: the forwards' and, for rows of 32K columns (bf16), the single pass with
-    the row packed over 8 warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no
-    spill; norm.PACKED_MIN_N). Calls it cannot serve packed run the chunked passes (norm._row_plan)."""
+def packed_candidates(key, arch: str) -> list[RowConfig]:
+    """The space of the forwards whose single pass holds bf16 rows packed from 32K columns (the quantized
+    RMSNorm, the plain LayerNorm; norm.PACKED_MIN_N): the forwards' and, at 32K, that single pass over 8
+    warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no spill). Calls it cannot
+    serve packed run the chunked passes (norm._row_plan)."""
     out = candidates(key, arch)
     n = key["n_bucket"]
     if n == PACKED_MIN_N and key["dtype"] == "bf16" and not arch.startswith("gfx") and arch != "cpu":
@@ -257,7 +258,7 @@ def _make_task(name: str):
     return make_task
 
 
-_CANDIDATES = {"rmsnorm_quant": rms_quant_candidates}
+_CANDIDATES = {"rmsnorm_quant": packed_candidates, "layernorm_fwd": packed_candidates}
 
 
 def _make(name: str) -> Tunable:

@@ -52,6 +52,9 @@ from flydsl_common.device import (
     INT8_MAX,
     bf16_pairs,
     bf16_pairs_again,
+    bf16_pairs_third,
+    bf16_words,
+    offsets_after,
     row_offset,
     sum2_f32,
     sum_absmax_f32,
@@ -139,6 +142,83 @@ def _packed_quant_rows(
     return rstd
 
 
+@flyc.func
+def _row_part(x_words, row_ok, c, P: fx.constexpr, N):
+    """Part ``P`` of a row's int32 words (words P * len(c) + c: columns 2w and 2w + 1), and its mask."""
+    w = c + P * c.shape[0]
+    ok = row_ok[:, None] & (w < N // 2)[None, :]
+    return fx.load(x_words + w[None, :], mask=ok, other=0), ok
+
+
+@flyc.func
+def _part_m2(words, ok, mean):
+    """Each pair's squared deviations from ``mean`` summed (0 where masked), the words widened anew after it."""
+    he, ho = bf16_pairs_again(words)
+    de = fx.where(ok, he - mean[:, None], 0.0)
+    do = fx.where(ok, ho - mean[:, None], 0.0)
+    return de * de + do * do
+
+
+@flyc.func
+def _write_part(
+    y_words, w_ptr, b_ptr, words, ok, c, P: fx.constexpr, mean, rstd, after,
+    HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
+):  # fmt: skip
+    """y of part ``P`` written as bf16 pairs; its weight and bias words read only once ``after`` (the previous
+    part's written words, or the row's rstd) is known. Returns the written words."""
+    w = (c + P * c.shape[0])[None, :] + fx.zeros_like(words)
+    late = offsets_after(w, after, 4)  # 4 words: 16-byte reads
+    ye, yo = bf16_pairs_third(words, (rstd.to(fx.int32, bitcast=True) >> 31)[:, None])  # rstd > 0: zero
+    ye = (ye - mean[:, None]) * rstd[:, None]
+    yo = (yo - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        w_words = w_ptr.to(fx.pointer_type(fx.int32), bitcast=True)
+        we, wo = bf16_pairs(fx.load(w_words + late, mask=ok, other=0, eviction_policy="evict_last"))
+        ye = ye * we
+        yo = yo * wo
+    if HAS_BIAS:
+        b_words = b_ptr.to(fx.pointer_type(fx.int32), bitcast=True)
+        be, bo = bf16_pairs(fx.load(b_words + late, mask=ok, other=0, eviction_policy="evict_last"))
+        ye = ye + be
+        yo = yo + bo
+    out = bf16_words(ye, yo)
+    fx.store(y_words + w, out, mask=ok)
+    return out
+
+
+@flyc.func
+def _packed_norm_rows(
+    x_rows, y_rows, w_ptr, b_ptr, row_ok, N, eps, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr,
+    BLOCK_N: fx.constexpr,
+):  # fmt: skip
+    """The plain LayerNorm's single pass with the bf16 rows held packed, as :func:`_packed_quant_rows` holds
+    them, in four parts: the mean, then M2 about it (as the unpacked single pass), each over the row widened
+    anew, then y part after part, written as bf16 pairs in int32 words. Each part's weight and bias are read
+    once the previous part's y is known (:func:`.device.offsets_after`): read all at once, the compiler's
+    choice otherwise, they took 128 registers beside the row's 64 words at 32K columns over 8 warps (sm_90:
+    234 registers in all). (mean, rstd)."""
+    c = fx.arange(0, BLOCK_N // 8)
+    x_words = x_rows.to(fx.pointer_type(fx.int32), bitcast=True)
+    w0, k0 = _row_part(x_words, row_ok, c, 0, N)
+    w1, k1 = _row_part(x_words, row_ok, c, 1, N)
+    w2, k2 = _row_part(x_words, row_ok, c, 2, N)
+    w3, k3 = _row_part(x_words, row_ok, c, 3, N)
+    e0, o0 = bf16_pairs(w0)
+    e1, o1 = bf16_pairs(w1)
+    e2, o2 = bf16_pairs(w2)
+    e3, o3 = bf16_pairs(w3)
+    mean = fx.sum((e0 + o0) + (e1 + o1) + (e2 + o2) + (e3 + o3), axis=1) / N  # masked words are 0
+    m2 = _part_m2(w0, k0, mean) + _part_m2(w1, k1, mean) + _part_m2(w2, k2, mean) + _part_m2(w3, k3, mean)
+    rstd = fx.rsqrt(fx.sum(m2, axis=1) / N + eps)
+    y_words = y_rows.to(fx.pointer_type(fx.int32), bitcast=True)
+    first = fx.zeros_like(w0) + rstd[:, None].to(fx.int32, bitcast=True)  # part 0's reads wait for rstd
+    after = _write_part(y_words, w_ptr, b_ptr, w0, k0, c, 0, mean, rstd, first, HAS_WEIGHT, HAS_BIAS)
+    after = _write_part(y_words, w_ptr, b_ptr, w1, k1, c, 1, mean, rstd, after, HAS_WEIGHT, HAS_BIAS)
+    after = _write_part(y_words, w_ptr, b_ptr, w2, k2, c, 2, mean, rstd, after, HAS_WEIGHT, HAS_BIAS)
+    _write_part(y_words, w_ptr, b_ptr, w3, k3, c, 3, mean, rstd, after, HAS_WEIGHT, HAS_BIAS)
+    return mean, rstd
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_kernel(
@@ -164,9 +244,11 @@ def _norm_fwd_kernel(
     # comes out of the same reduction as the sum of squares, and the codes are weighted(h) scaled by
     # QMAX / max |weighted(h)| (passes.weighted).
     FACTORED: fx.constexpr = IS_RMS and QUANT != 0
-    if PACKED:  # FACTORED, single pass, bf16 x and weight, no residual, smooth scale or offset (_row_plan)
+    if PACKED and FACTORED:  # single pass, bf16 x and weight, no residual, smooth scale or offset (_row_plan)
         mean = fx.zeros([BLOCK_M], dtype=fx.float32)
         rstd = _packed_quant_rows(x_rows, y_rows, w_ptr, qs_ptr, rows, row_ok, N, eps, QUANT, QMAX, BLOCK_N)
+    elif PACKED:  # the plain LayerNorm, single pass, bf16 x, weight and bias, no residual or offset
+        mean, rstd = _packed_norm_rows(x_rows, y_rows, w_ptr, b_ptr, row_ok, N, eps, HAS_WEIGHT, HAS_BIAS, BLOCK_N)
     elif SINGLE_PASS:
         cmask = cols < N
         mask = row_ok[:, None] & cmask[None, :]
@@ -423,7 +505,7 @@ def launch_fwd(
         if launch_fwd_split.__wrapped__(*ops):
             return  # split over the programs of one wave
     store_stats = rstd is not None and (mean is not None or is_rms)
-    cfg, packed = _row_plan(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg)
+    cfg, packed = _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
     # fmt: off
     flyc.launch(
@@ -436,25 +518,28 @@ def launch_fwd(
     # fmt: on
 
 
-# The quantized RMSNorm's single pass keeps bf16 rows of this many columns and more packed (PACKED): at 32K
-# two programs an SM instead of one, 78 -> 90% of the copy on the H200 against the chunked passes (PERF.md
-# v10); at 16K and below the unpacked single pass (already 95-100%) was faster.
+# The quantized RMSNorm's and the plain LayerNorm's single passes keep bf16 rows of this many columns and
+# more packed (PACKED): at 32K two programs an SM instead of one. The quantized RMSNorm: 78 -> 90% of the
+# copy on the H200 against the chunked passes (PERF.md v10); at 16K and below the unpacked single pass
+# (already 95-100%) was faster.
 PACKED_MIN_N = 32768
 
 
-def _row_plan(x2, r2, w, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
-    """(config, PACKED) of a forward launch. A single-pass config of the quantized RMSNorm of at least
-    PACKED_MIN_N columns runs packed (:func:`_packed_quant_rows`) when x and the weight are bf16, there is
-    no residual, smooth scale or weight offset, and every row of x, y and the weight starts on a 4-byte
-    boundary (an even width and row strides); other calls meeting it run the chunked passes (``CHUNKED``),
-    a row that wide fitting in registers only packed."""
-    if not (is_rms and qdtype is not None and cfg.single_pass and cfg.block_n >= PACKED_MIN_N):
+def _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
+    """(config, PACKED) of a forward launch. A single-pass config of at least PACKED_MIN_N columns for the
+    quantized RMSNorm or the plain LayerNorm runs packed (:func:`_packed_quant_rows`,
+    :func:`_packed_norm_rows`) when x, the weight and bias are bf16 (the quantized RMSNorm needs its
+    weight), there is no residual, smooth scale or weight offset, and every row of x, y and the vectors
+    starts on a 4-byte boundary (an even width and row strides); otherwise such a row fits in registers
+    only unpacked, so those calls run the chunked passes (``CHUNKED``)."""
+    if not (cfg.single_pass and cfg.block_n >= PACKED_MIN_N and is_rms == (qdtype is not None)):
         return cfg, False
+    vectors = [v for v in (w, b) if v is not None]
     packs = (
-        r2 is None and s is None and w is not None and weight_offset == 0
-        and x2.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        r2 is None and s is None and weight_offset == 0 and (w is not None or not is_rms)
+        and all(t.dtype == torch.bfloat16 for t in (x2, *vectors))
         and all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
-        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, w))
+        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, *vectors))
     )  # fmt: skip
     return (cfg, True) if packs else (CHUNKED, False)
 
@@ -753,9 +838,11 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     h = None if residual is None else torch.empty_like(residual)
     rn = 0 if residual is None else n
 
-    def make():
-        cfg = config_for(n, dtype, x.device, autotune=None, task=None)
-        return _norm_fwd_kernel, _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n), cfg.block_m
+    def make():  # the key holds what _row_plan reads: dtypes, the width, each pointer's low bits
+        cfg, packed = _row_plan(x.view(m, n), residual, weight, bias, None, y.view(m, n), weight_offset, is_rms,
+                                None, config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
+        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n, packed)
+        return _norm_fwd_kernel, meta, cfg.block_m
 
     offset = _offset_arg(weight_offset)
     args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
