@@ -108,3 +108,35 @@ def test_saturating_casts_are_exact(device):
     ref8 = x.clamp(-448, 448).to(torch.float8_e4m3fn)
     nonzero = x != 0  # the sign of zero is not part of the contract
     assert torch.equal(f8.view(torch.uint8)[nonzero].cpu(), ref8.view(torch.uint8)[nonzero].cpu())
+
+
+@flyc.kernel
+def _pairs_kernel(x_ptr, f_ptr, wide_ptr, out_ptr, B: fx.constexpr):
+    """bf16 x (2B columns) read as B int32 words: the three widenings, and f (fp32) packed to bf16 words."""
+    c = fx.arange(0, B)[None, :]
+    words = fx.load(x_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c)
+    e1, o1 = dev.bf16_pairs(words)
+    e2, o2 = dev.bf16_pairs_again(words)
+    zero = (fx.sum(e1 * e1, axis=1) + 1.0).to(fx.int32, bitcast=True) >> 31  # a positive value's sign bit
+    e3, o3 = dev.bf16_pairs_third(words, zero[:, None])
+    late = dev.offsets_after(c + fx.zeros_like(words), words, 4)
+    for k, (e, o) in enumerate(((e1, o1), (e2, o2), (e3, o3))):
+        fx.store(wide_ptr + k * 2 * B + 2 * c, e)
+        fx.store(wide_ptr + k * 2 * B + 2 * c + 1, o)
+    f = fx.load(f_ptr + 2 * late), fx.load(f_ptr + 2 * late + 1)
+    fx.store(out_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c, dev.bf16_words(f[0], f[1]))
+
+
+def test_packed_bf16_pairs_round_trip(device):
+    """Each widening of bf16 pairs read as int32 words is exact; fp32 rounded to bf16 words (ties to even,
+    as torch) through offsets ordered after another value."""
+    b = 64
+    x = torch.randn(2 * b, device=device).to(torch.bfloat16)
+    f = torch.randn(2 * b, device=device)
+    f[:4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3e38], device=device)  # ties, large
+    wide = empty_poisoned((3, 2 * b), dtype=torch.float32, device=device)
+    out = empty_poisoned((2 * b,), dtype=torch.bfloat16, device=device)
+    _pairs_kernel[(1,)](x, f, wide, out, b)
+    for k in range(3):
+        assert torch.equal(wide[k], x.float()), k
+    assert torch.equal(out, f.to(torch.bfloat16))

@@ -246,8 +246,16 @@ def bf16_words(even, odd):
         return fx.inline_asm_elementwise(
             "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=fx.int32, is_pure=True, pack=1
         )
-    lo = even.to(fx.bfloat16).to(fx.int16, bitcast=True).to(fx.int32) & 65535
-    return lo | (odd.to(fx.bfloat16).to(fx.int16, bitcast=True).to(fx.int32) << 16)
+    return (_bf16_rne(even) >> 16) & 65535 | (_bf16_rne(odd) & -65536)
+
+
+@flyc.func
+def _bf16_rne(x):
+    """fp32 ``x``'s bits rounded to bf16 in the high half (nearest, ties to even; NaN stays a quiet NaN),
+    in integer arithmetic: the same on every backend (the interpreter's own cast truncates)."""
+    bits = x.to(fx.int32, bitcast=True)
+    rounded = bits + (32767 + ((bits >> 16) & 1))
+    return fx.where(x != x, bits | 4194304, rounded)
 
 
 # ----------------------------------------------------------------- rounding
