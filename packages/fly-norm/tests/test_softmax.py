@@ -151,6 +151,34 @@ def test_all_minus_inf_row_is_nan_like_torch(device, cfg):
     assert_rel_close(y[[0, 2]], softmax_ref(x[[0, 2]]))
 
 
+# Rows under the packed 32K config: (width, row stride, first column of x's view, packs). Packed: bf16, an
+# even width and stride from a 4-byte boundary; other calls run the chunked passes.
+PACKED_CASES = [(32768, 32768, 0, True), (20000, 20004, 0, True), (20001, 20001, 0, False),
+                (20000, 20001, 0, False), (20000, 20002, 1, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,stride,first,packs", PACKED_CASES)
+def test_packed_rows(device, monkeypatch, n, stride, first, packs):
+    """The single pass with bf16 rows held packed (two columns an int32), and the calls that config cannot
+    serve packed, against the reference: -inf entries, an all -inf row (NaN, as torch), a large row."""
+    cfg = RowConfig(1, 32768, 8, True, maxnreg=128)
+    monkeypatch.setattr(sm, "softmax_config", lambda *a, **k: cfg)
+    monkeypatch.setattr(sm, "_EAGER_PLANS", {})  # plans made under other configs must not serve these calls
+    seen = []
+    real = sm.packed_plan
+    monkeypatch.setattr(sm, "packed_plan", lambda *a: seen.append(real(*a)[1]) or real(*a))
+    base = _randn(4, stride + first, device=device).to(torch.bfloat16) * 4
+    x = base[:, first : first + n]
+    x[0, ::3] = float("-inf")
+    x[1] = float("-inf")
+    x[2, n - 1] = 60.0  # the row's max in the last column (even widths: the high half of a word)
+    x[3] += 1000.0
+    y = softmax(x)
+    assert seen == [packs]
+    assert y[1].isnan().all()
+    assert_rel_close(y[[0, 2, 3]], softmax_ref(x[[0, 2, 3]]))
+
+
 # ------------------------------------------------------------ layouts, dims
 
 

@@ -24,8 +24,7 @@ from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
-from ._kernels.norm import PACKED_MIN_N
-from ._kernels.passes import CHUNKED
+from ._kernels.passes import CHUNKED, PACKED_MIN_N
 from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
@@ -144,9 +143,9 @@ def candidates(key, arch: str) -> list[RowConfig]:
 
 def packed_candidates(key, arch: str) -> list[RowConfig]:
     """The space of the forwards whose single pass holds bf16 rows packed from 32K columns (the quantized
-    RMSNorm, the plain LayerNorm; norm.PACKED_MIN_N): the forwards' and, at 32K, that single pass over 8
-    warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no spill). Calls it cannot
-    serve packed run the chunked passes (norm._row_plan)."""
+    RMSNorm, the plain LayerNorm, softmax; passes.PACKED_MIN_N): the forwards' and, at 32K, that single
+    pass over 8 warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no spill). Calls
+    it cannot serve packed run the chunked passes (passes.packed_plan)."""
     out = candidates(key, arch)
     n = key["n_bucket"]
     if n == PACKED_MIN_N and key["dtype"] == "bf16" and not arch.startswith("gfx") and arch != "cpu":
@@ -258,7 +257,7 @@ def _make_task(name: str):
     return make_task
 
 
-_CANDIDATES = {"rmsnorm_quant": packed_candidates, "layernorm_fwd": packed_candidates}
+_CANDIDATES = {name: packed_candidates for name in ("rmsnorm_quant", "layernorm_fwd", "softmax_fwd")}
 
 
 def _make(name: str) -> Tunable:

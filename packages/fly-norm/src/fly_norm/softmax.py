@@ -7,7 +7,8 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
 
 - single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
   program) stays in registers between the reductions and the write, so each
-  element is read once and written once;
+  element is read once and written once; bf16 rows of 32K columns and more
+  stay packed, two columns an int32 word (``PACKED``, :func:`_packed_softmax_rows`);
 - split (a GPU, rows wider than 16K columns forward, 8K backward, up to 64
   slices of 4096): each row over several programs of one resident wave, read
   once (:mod:`fly_norm._kernels.split`);
@@ -46,11 +47,20 @@ from flydsl.checks import (
 )
 from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
+from flydsl_common.device import bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
 from ._kernels.eager import launch as eager_launch
 from ._kernels.eager import may_launch, plain_rows
-from ._kernels.passes import LOG2E, NEG_INF, finite_or_zero, row_meta, softmax_lane_stats, softmax_write
+from ._kernels.passes import (
+    LOG2E,
+    NEG_INF,
+    finite_or_zero,
+    packed_plan,
+    row_meta,
+    softmax_lane_stats,
+    softmax_write,
+)
 from ._kernels.split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
@@ -77,6 +87,33 @@ SOFTMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ------------------------------------------------------------------ kernels
 
 
+# Two bf16 -inf in an int32 word (0xFF80FF80): what masked-off words of a packed row read as.
+_NEG_INF_PAIR = fx.constexpr(-8323200)
+
+
+@flyc.func
+def _packed_softmax_rows(x_rows, y_rows, row_ok, N, BLOCK_N: fx.constexpr):
+    """The single pass with bf16 rows held packed, two columns an int32 word (as the norms' packed passes):
+    the max over the words widened once, the sum of exp over them widened again, y from a third widening,
+    written as bf16 pairs. Each widening is an instruction of its own (:func:`.device.bf16_pairs_again`,
+    :func:`.device.bf16_pairs_third`), so the compiler holds no fp32 copy of the row through the
+    reductions (half the registers: two programs an SM at 32K columns over 8 warps)."""
+    c2 = fx.arange(0, BLOCK_N // 2)
+    mask2 = row_ok[:, None] & (c2 < N // 2)[None, :]
+    words = fx.load(x_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], mask=mask2,
+                    other=_NEG_INF_PAIR)  # fmt: skip
+    e, o = bf16_pairs(words)
+    m = finite_or_zero(fx.max(fx.maximum(e, o), axis=1))[:, None]
+    e, o = bf16_pairs_again(words)
+    s = fx.sum(fx.exp2((e - m) * LOG2E) + fx.exp2((o - m) * LOG2E), axis=1)
+    inv = 1.0 / fx.where(row_ok, s, 1.0)  # padding rows: no 1/0
+    # A zero the compiler cannot prove: the sign bit of a sum of exponentials (a NaN row stays NaN anyway).
+    e, o = bf16_pairs_third(words, (s.to(fx.int32, bitcast=True) >> 31)[:, None])
+    inv = inv[:, None]
+    out = bf16_words(fx.exp2((e - m) * LOG2E) * inv, fx.exp2((o - m) * LOG2E) * inv)
+    fx.store(y_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], out, mask=mask2)
+
+
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_fwd_kernel(
     x_ptr,
@@ -89,6 +126,7 @@ def _softmax_fwd_kernel(
     BLOCK_N: fx.constexpr,
     SINGLE_PASS: fx.constexpr,
     N_FIXED: fx.constexpr,
+    PACKED: fx.constexpr = False,
 ):
     if N_FIXED != 0:
         N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
@@ -99,7 +137,9 @@ def _softmax_fwd_kernel(
     x_rows = x_ptr + rows[:, None] * stride_x
     y_rows = y_ptr + rows[:, None] * stride_y
 
-    if SINGLE_PASS:
+    if PACKED:  # bf16 rows of even width and strides, 4-byte aligned (passes.packed_plan)
+        _packed_softmax_rows(x_rows, y_rows, row_ok, N, BLOCK_N)
+    elif SINGLE_PASS:
         mask = row_ok[:, None] & (cols[None, :] < N)
         x = fx.load(x_rows + cols[None, :], mask=mask, other=NEG_INF).to(fx.float32)
         m = finite_or_zero(fx.max(x, axis=1))
@@ -128,6 +168,7 @@ def _softmax_bwd_kernel(
     BLOCK_N: fx.constexpr,
     SINGLE_PASS: fx.constexpr,
     N_FIXED: fx.constexpr,
+    PACKED: fx.constexpr = False,
 ):
     if N_FIXED != 0:
         N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
@@ -226,6 +267,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     if split_applies(n):
         if launch_softmax_fwd_split(x2, y2):
             return
+    cfg, packed = packed_plan(cfg, True, x2, y2)
     flyc.launch(
         _softmax_fwd_kernel, (flyc.cdiv(m, cfg.block_m),),
         x2,
@@ -234,6 +276,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
         n,
         x2.stride(0),
         y2.stride(0),
+        PACKED=packed,
         **row_meta(cfg, n),
     )
 
@@ -341,10 +384,9 @@ def _eager_fwd(x: torch.Tensor):
         return None
     y = torch.empty_like(x)
 
-    def make():
-        cfg = softmax_config(n, x.dtype, x.device)
-        meta = row_meta(cfg, n)
-        return _softmax_fwd_kernel, meta, cfg.block_m
+    def make():  # the key holds what packed_plan reads: the dtype, the width, x's pointer's low bits
+        cfg, packed = packed_plan(softmax_config(n, x.dtype, x.device), True, x.view(m, n), y.view(m, n))
+        return _softmax_fwd_kernel, dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
 
     eager_launch(_EAGER_PLANS, key, m, (x, y, m, n, n, n), make)
     return y

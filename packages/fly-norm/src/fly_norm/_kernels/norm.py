@@ -65,12 +65,12 @@ from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
 from .passes import (
-    CHUNKED,
     inverse_scale,
     lane_amax,
     lane_stats,
     load_h,
     normalize,
+    packed_plan,
     quantize,
     quantize_pairs,
     row_meta,
@@ -518,30 +518,16 @@ def launch_fwd(
     # fmt: on
 
 
-# The quantized RMSNorm's and the plain LayerNorm's single passes keep bf16 rows of this many columns and
-# more packed (PACKED): at 32K two programs an SM instead of one. The quantized RMSNorm: 78 -> 90% of the
-# copy on the H200 against the chunked passes (PERF.md v10); at 16K and below the unpacked single pass
-# (already 95-100%) was faster.
-PACKED_MIN_N = 32768
-
-
 def _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
-    """(config, PACKED) of a forward launch. A single-pass config of at least PACKED_MIN_N columns for the
-    quantized RMSNorm or the plain LayerNorm runs packed (:func:`_packed_quant_rows`,
-    :func:`_packed_norm_rows`) when x, the weight and bias are bf16 (the quantized RMSNorm needs its
-    weight), there is no residual, smooth scale or weight offset, and every row of x, y and the vectors
-    starts on a 4-byte boundary (an even width and row strides); otherwise such a row fits in registers
-    only unpacked, so those calls run the chunked passes (``CHUNKED``)."""
-    if not (cfg.single_pass and cfg.block_n >= PACKED_MIN_N and is_rms == (qdtype is not None)):
-        return cfg, False
+    """(config, PACKED) of a forward launch (:func:`.passes.packed_plan`): the quantized RMSNorm
+    (:func:`_packed_quant_rows`, which needs its weight) and the plain LayerNorm (:func:`_packed_norm_rows`)
+    run packed when there is no residual, smooth scale or weight offset."""
     vectors = [v for v in (w, b) if v is not None]
-    packs = (
-        r2 is None and s is None and weight_offset == 0 and (w is not None or not is_rms)
-        and all(t.dtype == torch.bfloat16 for t in (x2, *vectors))
-        and all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
-        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, *vectors))
+    eligible = (
+        is_rms == (qdtype is not None) and r2 is None and s is None and weight_offset == 0
+        and (w is not None or not is_rms)
     )  # fmt: skip
-    return (cfg, True) if packs else (CHUNKED, False)
+    return packed_plan(cfg, eligible, x2, y2, vectors)
 
 
 def _offset_arg(weight_offset: float) -> float | None:

@@ -28,6 +28,8 @@ row's pass 1 at 2048-column chunks, against 4 with N at run time).
 
 from __future__ import annotations
 
+import torch
+
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
@@ -43,7 +45,8 @@ from flydsl_common.rows import RowConfig
 from .affine import load_weight
 
 __all__ = [
-    "CHUNKED", "FIXED_WIDTHS_MAX", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero", "row_ptrs", "load_h",
+    "CHUNKED", "FIXED_WIDTHS_MAX", "PACKED_MIN_N", "packed_plan", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero",
+    "row_ptrs", "load_h",
     "normalize", "weighted", "quantize", "quantize_pairs", "inverse_scale", "lane_stats", "lane_amax", "write_y",
     "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
@@ -61,6 +64,30 @@ NEG_INF = fx.constexpr(float("-inf"))
 # Wider rows (softmax at 1M: 128 rows, one program an SM) need the ladder's wider chunks and 32 warps to
 # keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's in v4).
 CHUNKED = RowConfig(1, 4096, 16, False)
+
+# The single passes that keep bf16 rows of this many columns and more packed, two columns an int32 word
+# (PACKED: the quantized RMSNorm, the plain LayerNorm, softmax): at 32K two programs an SM instead of one.
+# On the H200 against the chunked passes: quantized RMSNorm 78 -> 90% of the copy, LayerNorm 89 -> 94%
+# (PERF.md v10, v11); at 16K and below the unpacked single pass (already 95-100%) was faster.
+PACKED_MIN_N = 32768
+
+
+def packed_plan(cfg: RowConfig, eligible: bool, x2, y2, vectors=()) -> tuple[RowConfig, bool]:
+    """(config, PACKED) of a row kernel's launch. A single-pass config of at least PACKED_MIN_N columns runs
+    packed when the op can (``eligible``: its own conditions), ``x2`` and the per-column ``vectors`` are
+    bf16, and every row of x2 and y2 ([M, N] views) and each vector start on a 4-byte boundary (an even
+    width and row strides). A row that wide fits in registers only packed, so such a config's other calls
+    run the chunked passes (``CHUNKED``). Other configs run as given."""
+    if not (cfg.single_pass and cfg.block_n >= PACKED_MIN_N):
+        return cfg, False
+    packs = (
+        eligible
+        and all(t.dtype == torch.bfloat16 for t in (x2, *vectors))
+        and all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
+        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, *vectors))
+    )  # fmt: skip
+    return (cfg, True) if packs else (CHUNKED, False)
+
 
 # Each fixed width is a compilation of its own: past this many widths in a process (rows of many widths,
 # e.g. softmax over varying sequence lengths), further widths run with N at run time (N_FIXED = 0).
