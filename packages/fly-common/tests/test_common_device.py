@@ -110,6 +110,12 @@ def test_saturating_casts_are_exact(device):
     assert torch.equal(f8.view(torch.uint8)[nonzero].cpu(), ref8.view(torch.uint8)[nonzero].cpu())
 
 
+@flyc.func
+def _store_pair(ptr, c, even, odd):
+    fx.store(ptr + 2 * c, even)
+    fx.store(ptr + 2 * c + 1, odd)
+
+
 @flyc.kernel
 def _pairs_kernel(x_ptr, f_ptr, wide_ptr, out_ptr, B: fx.constexpr):
     """bf16 x (2B columns) read as B int32 words: the three widenings, and f (fp32) packed to bf16 words."""
@@ -119,12 +125,12 @@ def _pairs_kernel(x_ptr, f_ptr, wide_ptr, out_ptr, B: fx.constexpr):
     e2, o2 = dev.bf16_pairs_again(words)
     zero = (fx.sum(e1 * e1, axis=1) + 1.0).to(fx.int32, bitcast=True) >> 31  # a positive value's sign bit
     e3, o3 = dev.bf16_pairs_third(words, zero[:, None])
+    _store_pair(wide_ptr, c, e1, o1)
+    _store_pair(wide_ptr + 2 * B, c, e2, o2)
+    _store_pair(wide_ptr + 4 * B, c, e3, o3)
     late = dev.offsets_after(c + fx.zeros_like(words), words, 4)
-    for k, (e, o) in enumerate(((e1, o1), (e2, o2), (e3, o3))):
-        fx.store(wide_ptr + k * 2 * B + 2 * c, e)
-        fx.store(wide_ptr + k * 2 * B + 2 * c + 1, o)
-    f = fx.load(f_ptr + 2 * late), fx.load(f_ptr + 2 * late + 1)
-    fx.store(out_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c, dev.bf16_words(f[0], f[1]))
+    packed = dev.bf16_words(fx.load(f_ptr + 2 * late), fx.load(f_ptr + 2 * late + 1))
+    fx.store(out_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c, packed)
 
 
 def test_packed_bf16_pairs_round_trip(device):

@@ -41,6 +41,8 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   exchange between programs: each program walks its rows, re-reads each from L2 for dx, and keeps its
   fp32 weight-gradient row in L2 (read, added to, written back a row at a time), against the library's
   backward at 16K-64K.
+- ``bwd_diag``: the tiled split backward at 16K/32K as shipped and with its waits cut short (v11): what
+  the exchange's waits cost.
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -553,6 +555,29 @@ def _bwd_op_case(n, cfg, copy, is_rms=True):
                 frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_resident=err)  # fmt: skip
 
 
+def _bwd_diag(copy: float) -> list[dict]:
+    """v11 diagnosis of the tiled split backward at 16K/32K (shipped config): as shipped, then with its waits
+    cut short (``split._SPIN_LIMIT`` = 0: a program reads its peers' row sums once and goes on, so dx is
+    poisoned where they were not yet published, but no program stalls). The difference is what the
+    exchange's waits cost; what remains is the kernel's own pace."""
+    from fly_norm._kernels import split
+
+    out = []
+    limit, shipped = split._SPIN_LIMIT, {True: split.BWD_TILED, False: split.LN_BWD_TILED}
+    for n in (16384, 32768):
+        for is_rms in (True, False):
+            for spin in (limit, 0):
+                split._SPIN_LIMIT = spin
+                try:
+                    r = dict(_bwd_op_case(n, shipped[is_rms], copy, is_rms), spin_limit=spin)
+                finally:
+                    split._SPIN_LIMIT = limit
+                    split.BWD_TILED, split.LN_BWD_TILED = shipped[True], shipped[False]
+                print(r, flush=True)
+                out.append(r)
+    return out
+
+
 def _bwd_ab(copy: float) -> list[dict]:
     """Default vs searched single-pass backward configs, alternated in one process (see the module doc)."""
     import dataclasses
@@ -677,6 +702,8 @@ def main() -> None:
                     print(r, flush=True)
                     rows.append(r)
                     torch.cuda.empty_cache()
+    if "bwd_diag" in args.part:
+        rows += _bwd_diag(copy)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
             for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),
