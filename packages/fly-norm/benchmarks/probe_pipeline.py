@@ -43,8 +43,6 @@ fraction of a device copy of the same bytes measured in the same run. Parts
   backward at 16K-64K.
 - ``bwd_diag``: the tiled split backward at 16K/32K as shipped and with its waits cut short (v11): what
   the exchange's waits cost.
-- ``bwd_roles``: the norm backward at 16K/32K through the two-role kernel (v11c, ``ROLES_CFGS``) against
-  the shipped split kernel.
 - ``bwd_tile``: the norm split backward, the register-resident kernel (v3)
   against the tiled one (``split.BWD_TILED``: a program owns a column slice
   and walks tiles of ROWS rows; pass 1 loads the tile (evict_last) and
@@ -580,59 +578,6 @@ def _bwd_diag(copy: float) -> list[dict]:
     return out
 
 
-# The two-role backward's configs (v11c, roles.py): (dx chunk columns, slice columns, rows a sums step,
-# warps, register cap). sm_90 offline: 16 warps 94-128 registers (one program an SM), 8 warps 92-112 (two).
-ROLES_CFGS = ((4096, 2048, 4, 16, None), (2048, 1024, 4, 8, None), (2048, 2048, 2, 8, 128),
-              (1024, 1024, 4, 4, 128), (4096, 1024, 2, 16, None))  # fmt: skip
-
-
-def _bwd_roles(copy: float) -> list[dict]:
-    """v11c: the whole norm backward at 16K/32K through the two-role kernel (``ROLES_CFGS``) against the
-    shipped tiled split kernel, through autograd as the benchmark times it; gradients checked against the
-    split kernel's."""
-    out = []
-    for n in (16384, 32768):
-        for is_rms in (True, False):
-            out += _bwd_roles_case(n, is_rms, copy)
-            torch.cuda.empty_cache()
-    return out
-
-
-def _bwd_roles_case(n: int, is_rms: bool, copy: float) -> list[dict]:
-    from fly_norm import layer_norm, rms_norm
-    from fly_norm._kernels import roles
-
-    m = (1 << 27) // n
-    x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
-    w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
-    b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
-    dy = torch.randn(m, n, dtype=_DT, device="cuda")
-    params = (x, w) if is_rms else (x, w, b)
-    y = rms_norm(x, w, 1e-6) if is_rms else layer_norm(x, w, b, 1e-5)
-    nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
-    op = "rms_bwd" if is_rms else "ln_bwd"
-
-    def grads():
-        return torch.autograd.grad(y, params, dy, retain_graph=True)
-
-    ref = grads()
-    out = []
-    for cfg in (None, *ROLES_CFGS):
-        roles.ROUTED, roles.ROLES_CONFIG = cfg is not None, cfg or roles.ROLES_CONFIG
-        try:
-            err = max(_rel_err(g, r) for g, r in zip(grads(), ref, strict=True))
-            us = bench(grads).median_us
-            r = dict(N=n, op=op, cfg=cfg or "split (shipped)", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy,
-                     rel_err_vs_split=err)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-            r = dict(N=n, op=op, cfg=cfg, error=repr(e)[:300])
-        finally:
-            roles.ROUTED = False
-        print(r, flush=True)
-        out.append(r)
-    return out
-
-
 def _bwd_ab(copy: float) -> list[dict]:
     """Default vs searched single-pass backward configs, alternated in one process (see the module doc)."""
     import dataclasses
@@ -759,8 +704,6 @@ def main() -> None:
                     torch.cuda.empty_cache()
     if "bwd_diag" in args.part:
         rows += _bwd_diag(copy)
-    if "bwd_roles" in args.part:
-        rows += _bwd_roles(copy)
     if "bwd_tile" in args.part:
         for n in (16384, 32768, 65536):
             for cfg in (None, (1024, 4, None, 4), (2048, 4, None, 2), (1024, 4, None, 8), (2048, 4, None, 4),

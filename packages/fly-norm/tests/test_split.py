@@ -1,5 +1,4 @@
-"""The split paths (rows of 16K-32K+ columns over several programs of one wave; GPU only): norm forward, softmax;
-the two-role backward (any device)."""
+"""The split paths (rows of 16K-32K+ columns over several programs of one wave; GPU only): norm forward, softmax."""
 
 from __future__ import annotations
 
@@ -112,20 +111,18 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tiled",
-    [None, (1024, 4, None, 4), (1024, 4, None, 4, 1), (1024, 4, None, 2, 2), "roles"],
-    ids=["resident", "tiled", "lead", "lead2", "roles"],
+    [None, (1024, 4, None, 4), (1024, 4, None, 4, 1), (1024, 4, None, 2, 2)],
+    ids=["resident", "tiled", "lead", "lead2"],
 )
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
-    register-resident kernel, the default, and the tiled one, with and without its lead; the two-role kernel)."""
-    from fly_norm._kernels import roles, split
+    register-resident kernel, the default, and the tiled one, with and without its lead)."""
+    from fly_norm._kernels import split
 
-    monkeypatch.setattr(roles, "ROUTED", tiled == "roles")
-    if tiled != "roles":
-        monkeypatch.setattr(split, "BWD_TILED", tiled)
-        monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
+    monkeypatch.setattr(split, "BWD_TILED", tiled)
+    monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
     w = randn(n, device="cuda", seed=2) * 0.1
@@ -147,29 +144,6 @@ def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     expected = reference_grads(ref, (x, r, w) if is_rms else (x, r, w, b), (dy, dh))
     for leaf, exp, name in zip(leaves, expected, ["x", "residual", "weight", "bias"], strict=False):
         assert_rel_close(leaf.grad, exp, name=f"d{name}", tol=tolerance(torch.bfloat16))
-
-
-@pytest.mark.parametrize("is_rms", [True, False])
-@pytest.mark.parametrize("m,n,cfg", [(7, 300, (64, 64, 2, 2, None)), (3, 130, (128, 32, 4, 1, None))])
-def test_roles_backward_matches_reference(device, is_rms, m, n, cfg):
-    """The two-role backward kernel on its own (any device, the interpreter included): dx with the residual's
-    gradient, and its weight-gradient partials summed, against the fp64 reference; rows of several chunks and
-    slices, the last ones partial, and more rows than an iteration covers."""
-    from fly_norm._kernels import norm, roles
-
-    h = randn(m, n, device=device, scale=2.0) + (0.0 if is_rms else 3.0)
-    w = randn(n, device=device, seed=1)
-    dy = randn(m, n, device=device, seed=2)
-    dres = randn(m, n, device=device, seed=3)
-    mean = None if is_rms else h.mean(-1)
-    rstd = torch.rsqrt((h * h).mean(-1) if is_rms else h.var(-1, unbiased=False) + 1e-5)
-    dx = empty_poisoned((m, n), dtype=torch.float32, device=device)
-    dwp, dbp = roles.launch_bwd_roles(h, w, dy, dres, mean, rstd, dx, True, not is_rms, 0.5, is_rms, cfg)
-    dx_ref, dw_ref, db_ref = norm.backward_reference(h, w, dy, dres, mean, rstd, 0.5, True, not is_rms)
-    assert_rel_close(dx, dx_ref, name="dx")
-    assert_rel_close(dwp.sum(0), dw_ref, name="dweight")
-    if not is_rms:
-        assert_rel_close(dbp.sum(0), db_ref, name="dbias")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""Device helpers shared by the norm kernel files (:mod:`.norm`, :mod:`.split`, :mod:`.roles`).
+"""Device helpers shared by both norm kernel files (:mod:`.norm`, :mod:`.split`).
 
-The weight (with its offset), the backward's row loads and its input gradient.
+The weight (with its offset) and the backward's row loads.
 """
 
 from __future__ import annotations
@@ -41,15 +41,3 @@ def load_bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, M, c, cmask, stride_h
     else:
         mean = fx.load(mean_ptr + rows, mask=ok, other=0.0)
     return h, dy, rstd, mean
-
-
-@flyc.func
-def input_grad(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
-    """The norm backward's dx for [rows, columns] blocks (fp32) from the row statistics c1 = mean(g * xhat),
-    c2 = mean(g) (g = dy * w; c2 unused for RMSNorm)."""
-    xhat = (h - mean[:, None]) * rstd[:, None]
-    g = dy * w
-    if IS_RMS:
-        return (g - xhat * c1[:, None]) * rstd[:, None]
-    else:
-        return (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]

@@ -61,8 +61,7 @@ from flydsl_common.device import (
 )
 from flydsl_common.rows import RowConfig, as_rows
 
-from . import roles
-from .affine import input_grad, load_bwd_rows, load_weight
+from .affine import load_bwd_rows, load_weight
 from .eager import launch as eager_launch
 from .eager import may_launch, plain_rows
 from .passes import (
@@ -306,6 +305,19 @@ def _norm_fwd_kernel(
         fx.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
+@flyc.func
+def _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
+    """Input gradient of a chunk from the row statistics c1 = mean(g * xhat), c2 = mean(g)."""
+    xhat = (h - mean[:, None]) * rstd[:, None]
+    g = dy * w
+    if IS_RMS:
+        return (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        return (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+
+
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_kernel(
@@ -358,7 +370,7 @@ def _norm_bwd_kernel(
                 c1, c2 = sum2_f32(g * xhat, g, 1)  # one exchange between warps for both row sums
                 c1 = c1 / N
                 c2 = c2 / N
-            dx = input_grad(h, dy, w, mean, rstd, c1, c2, IS_RMS)
+            dx = _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS)
             if HAS_DRES:
                 dres = fx.load(dres_ptr + row_offset(rows, stride_dres)[:, None] + cols[None, :], mask=mask, other=0.0)
                 dx += dres.to(fx.float32)
@@ -426,7 +438,7 @@ def _norm_bwd_kernel(
                 dy = fx.load(dy_ptr + row_offset(r1, stride_dy)[:, None] + c[None, :], mask=cmask, other=0.0)
                 h = h.to(fx.float32)
                 dy = dy.to(fx.float32)
-                dx = input_grad(h, dy, w, mean, rstd, c1, c2, IS_RMS)
+                dx = _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS)
                 if HAS_DRES:
                     dres_row = dres_ptr + row_offset(r1, stride_dres)[:, None]
                     dx += fx.load(dres_row + c[None, :], mask=cmask, other=0.0).to(fx.float32)
@@ -885,9 +897,8 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
         return
     dev = h2.device
     split = None
-    if split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: roles.py, or split over one wave
-        launch = roles.launch_bwd_roles if roles.ROUTED else launch_bwd_split
-        split = launch(
+    if split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave (split.py)
+        split = launch_bwd_split(
             h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms
         )  # fmt: skip
     if split is not None:
