@@ -156,11 +156,13 @@ def packed_candidates(key, arch: str) -> list[RowConfig]:
 # Register caps the backward's search tries beside each uncapped config (sm_90, `tools/sm90_compile.py`:
 # layer_norm's 16-element configs take 143-147 registers, one 8-warp program an SM or three of 4 warps;
 # at 128 two and four fit without spilling, at 96 five of 4 warps with a small spill; 16 warps at 64: two).
-_BWD_CAPS = {4: (128, 96), 8: (128,), 16: (64,)}
+_BWD_CAPS = {4: (128, 96), 8: (128,), 16: (64,), 32: ()}
 
 
 def bwd_candidates(key, arch: str) -> list[RowConfig]:
-    """The backward's space: single pass at 8 or 16 elements a thread and 4-16 warps (more spill; see above).
+    """The backward's space: single pass at 8 or 16 elements a thread and 4-16 warps (more spill; see above),
+    and on NVIDIA 32 warps at 8 elements (64 registers: one program an SM, more warps to cover its
+    reductions).
 
     Rows wider than the single-pass limit take the split paths on a GPU (not steered by a row config), so
     only single-pass configs are searched: about six per key, each also with the register caps of
@@ -168,8 +170,8 @@ def bwd_candidates(key, arch: str) -> list[RowConfig]:
     """
     n = key["n_bucket"]
     out = []
-    for warps in (4, 8, 16):
-        for elems in (8, 16):
+    for warps in (4, 8, 16) if arch.startswith("gfx") else (4, 8, 16, 32):  # gfx: 16 warps of 64 at most
+        for elems in (8, 16) if warps < 32 else (8,):
             per_program = 32 * warps * elems
             if per_program < n or per_program // n > 64:
                 continue
