@@ -187,6 +187,13 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
 
 
 @flyc.func
+def as_words(ptr):
+    """A 16-bit tensor's pointer viewed as int32 words (two elements each, the even one in the low half):
+    how a kernel reads and writes bf16 rows as packed pairs (:func:`bf16_pairs`, :func:`bf16_words`)."""
+    return ptr.to(fx.pointer_type(fx.int32), bitcast=True)
+
+
+@flyc.func
 def bf16_pairs(words):
     """(even, odd) elements in fp32 of int32 ``words`` that each hold two bf16 (the even one in the low
     half, as a bf16 row read through an int32 view): bf16 -> fp32 is exact, the bits shifted up by 16."""

@@ -47,7 +47,7 @@ from flydsl.checks import (
 )
 from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
-from flydsl_common.device import bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
+from flydsl_common.device import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
 from ._kernels.eager import launch as eager_launch
@@ -100,8 +100,7 @@ def _packed_softmax_rows(x_rows, y_rows, row_ok, N, BLOCK_N: fx.constexpr):
     reductions (half the registers: two programs an SM at 32K columns over 8 warps)."""
     c2 = fx.arange(0, BLOCK_N // 2)
     mask2 = row_ok[:, None] & (c2 < N // 2)[None, :]
-    words = fx.load(x_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], mask=mask2,
-                    other=_NEG_INF_PAIR)  # fmt: skip
+    words = fx.load(as_words(x_rows) + c2[None, :], mask=mask2, other=_NEG_INF_PAIR)
     e, o = bf16_pairs(words)
     m = finite_or_zero(fx.max(fx.maximum(e, o), axis=1))[:, None]
     e, o = bf16_pairs_again(words)
@@ -111,7 +110,7 @@ def _packed_softmax_rows(x_rows, y_rows, row_ok, N, BLOCK_N: fx.constexpr):
     e, o = bf16_pairs_third(words, (s.to(fx.int32, bitcast=True) >> 31)[:, None])
     inv = inv[:, None]
     out = bf16_words(fx.exp2((e - m) * LOG2E) * inv, fx.exp2((o - m) * LOG2E) * inv)
-    fx.store(y_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], out, mask=mask2)
+    fx.store(as_words(y_rows) + c2[None, :], out, mask=mask2)
 
 
 @flyc.kernel(do_not_specialize=["M"])

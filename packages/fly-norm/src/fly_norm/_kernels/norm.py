@@ -50,6 +50,7 @@ from flydsl.testing import tolerance
 from flydsl_common.device import (
     FP8_E4M3_MAX,
     INT8_MAX,
+    as_words,
     bf16_pairs,
     bf16_pairs_again,
     bf16_pairs_third,
@@ -124,8 +125,8 @@ def _packed_quant_rows(
     c2 = fx.arange(0, BLOCK_N // 2)
     ok2 = (c2 < N // 2)[None, :]
     mask2 = row_ok[:, None] & ok2
-    words = fx.load(x_rows.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :], mask=mask2, other=0)
-    w_words = w_ptr.to(fx.pointer_type(fx.int32), bitcast=True) + c2[None, :]
+    words = fx.load(as_words(x_rows) + c2[None, :], mask=mask2, other=0)
+    w_words = as_words(w_ptr) + c2[None, :]
     we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0))
     he, ho = bf16_pairs(words)
     # u = h * w (passes.weighted): the sum of squares and max |u| in one exchange
@@ -172,13 +173,11 @@ def _write_part(
     ye = (ye - mean[:, None]) * rstd[:, None]
     yo = (yo - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
-        w_words = w_ptr.to(fx.pointer_type(fx.int32), bitcast=True)
-        we, wo = bf16_pairs(fx.load(w_words + late, mask=ok, other=0, eviction_policy="evict_last"))
+        we, wo = bf16_pairs(fx.load(as_words(w_ptr) + late, mask=ok, other=0, eviction_policy="evict_last"))
         ye = ye * we
         yo = yo * wo
     if HAS_BIAS:
-        b_words = b_ptr.to(fx.pointer_type(fx.int32), bitcast=True)
-        be, bo = bf16_pairs(fx.load(b_words + late, mask=ok, other=0, eviction_policy="evict_last"))
+        be, bo = bf16_pairs(fx.load(as_words(b_ptr) + late, mask=ok, other=0, eviction_policy="evict_last"))
         ye = ye + be
         yo = yo + bo
     out = bf16_words(ye, yo)
@@ -198,7 +197,7 @@ def _packed_norm_rows(
     choice otherwise, they took 128 registers beside the row's 64 words at 32K columns over 8 warps (sm_90:
     234 registers in all). (mean, rstd)."""
     c = fx.arange(0, BLOCK_N // 8)
-    x_words = x_rows.to(fx.pointer_type(fx.int32), bitcast=True)
+    x_words = as_words(x_rows)
     w0, k0 = _row_part(x_words, row_ok, c, 0, N)
     w1, k1 = _row_part(x_words, row_ok, c, 1, N)
     w2, k2 = _row_part(x_words, row_ok, c, 2, N)
@@ -210,7 +209,7 @@ def _packed_norm_rows(
     mean = fx.sum((e0 + o0) + (e1 + o1) + (e2 + o2) + (e3 + o3), axis=1) / N  # masked words are 0
     m2 = _part_m2(w0, k0, mean) + _part_m2(w1, k1, mean) + _part_m2(w2, k2, mean) + _part_m2(w3, k3, mean)
     rstd = fx.rsqrt(fx.sum(m2, axis=1) / N + eps)
-    y_words = y_rows.to(fx.pointer_type(fx.int32), bitcast=True)
+    y_words = as_words(y_rows)
     first = fx.zeros_like(w0) + rstd[:, None].to(fx.int32, bitcast=True)  # part 0's reads wait for rstd
     after = _write_part(y_words, w_ptr, b_ptr, w0, k0, c, 0, mean, rstd, first, HAS_WEIGHT, HAS_BIAS)
     after = _write_part(y_words, w_ptr, b_ptr, w1, k1, c, 1, mean, rstd, after, HAS_WEIGHT, HAS_BIAS)
