@@ -99,8 +99,12 @@ def quant_bench() -> Bench:
     # setup returns (x, mode, dtype name, static scale or None); rotating_copies clones only tensors.
     def setup(case: Case, device):
         p = case.params
-        # Random data, never zeros: zero rows take the scale-0 path and hide bugs.
-        x = torch.randn(p["M"], p["N"], device=device, dtype=torch.bfloat16)
+        # Random data, never zeros: zero rows take the scale-0 path and hide bugs. Seeded, so a case's check
+        # judges the same data every run: bf16 rows put many elements exactly on a rounding tie, and which
+        # ones flip a step (a last-bit difference in x * QMAX / amax) makes the error of a small case
+        # (--quick: 4K elements) vary from run to run around the fp8 budget (1.03e-2 seen once in ~10 runs).
+        gen = torch.Generator(device=device).manual_seed(p["M"] * 7919 + p["N"])
+        x = torch.randn(p["M"], p["N"], device=device, dtype=torch.bfloat16, generator=gen)
         # Static mode: a calibrated scale (here the tensor's own), given to every provider.
         scale = (x.float().abs().amax() / 127.0).reshape(()) if p["mode"] == "per_tensor_static" else None
         return (x, p["mode"], p["dtype"], scale)
