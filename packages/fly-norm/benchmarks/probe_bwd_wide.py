@@ -1,0 +1,394 @@
+"""Probes of the norm backward at 8K-16K columns (PERF.md v14): python probe_bwd_wide.py [--part cols pipe]
+
+Design probes, not the benchmark; bf16, M * N = 2^27, against the shipped backward in the same process.
+
+Part ``pipe``: the single-pass backward (one program a row at a time, a persistent loop) with the row's h
+and dy loaded as int32 words (two columns each) through the software pipeliner (``fx.range(...,
+num_stages=STAGES)``: cp.async into shared memory, the next rows' bytes in flight without registers),
+widened once for the row sums and again for dx. Registers then hold one packed row and the per-column
+weight-gradient sums, which at 16K fit one 16-warp program (the shipped single pass holds the row in fp32
+and the next one in registers: it spills past 8K, where the split kernels take over at 58-69%).
+
+Part ``cols``: rows and columns in two roles. Every program of one resident wave does two jobs each
+step of a persistent loop:
+
+- role A (rows): the row sum c1 = mean(g * xhat) of one row chunk (the program's row of the current
+  band; a band is one row per program), read from memory; at the row's last chunk it publishes c1 in
+  the row's slot (a tagged word);
+- role B (columns): for a column slice it owns for the whole launch, dx of the rows of a band that role
+  A finished LAG steps earlier, re-read from L2, and the dweight sums of its slice: no per-program
+  partial rows, no exchange of partial sums, no column sum kernel after.
+
+Role A's loads for a step are issued before role B's work and consumed after it, so a row's bytes are
+in flight while the program works from L2. Each element is read from memory once (role A) and from L2
+once (role B); the bands role A has read and role B has not fit L2 (about 8 MB a step).
+
+RMSNorm, bf16, even N, stride even. Compared with the shipped backward (the tiled split kernel) in one
+process: the op's own launches (backward_into) and this kernel, % of the copy measured in the same run.
+"""
+
+# ruff: noqa: B023 - each closure runs within its own loop iteration
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import flydsl  # noqa: F401
+import flydsl.arch
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.autotune.timer import bench
+from flydsl_common.bench import copy_gbps
+from flydsl_common.device import (
+    as_words,
+    bf16_pairs,
+    bf16_pairs_again,
+    bf16_pairs_third,
+    bf16_words,
+    collect,
+    publish,
+    row_offset,
+    sum2_f32,
+)
+
+_DT = torch.bfloat16
+# (programs, warps, columns a chunk, lag, ahead, spin limit: 0 reads the row sums once, unsynchronized)
+CASES = (
+    (128, 16, 8192, 3, 1, 1 << 20),
+    (128, 16, 8192, 3, 1, 0),
+    (256, 8, 4096, 3, 1, 1 << 20),
+    (256, 8, 4096, 3, 1, 0),
+    (256, 8, 2048, 3, 2, 0),
+)
+
+
+@flyc.func
+def _a_loads(h_words, dy_words, t, R, pid, M, cw, amask, stride_h, stride_dy, Q: fx.constexpr):
+    """Role A's loads for step ``t``: the int32 words of its chunk of h and dy (zeros past the last row)."""
+    row = t * R + pid // Q
+    ok = amask & (row < M)
+    hw = fx.load(h_words + row_offset(row, stride_h // 2) + cw, mask=ok, other=0)
+    dyw = fx.load(dy_words + row_offset(row, stride_dy // 2) + cw, mask=ok, other=0)
+    return hw, dyw
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _bwd_cols_kernel(
+    h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_ptr, slot_ptr, M, N, stride_h, stride_dy, stride_dx,
+    CH: fx.constexpr, Q: fx.constexpr, SLICE: fx.constexpr, RB: fx.constexpr, LAG: fx.constexpr,
+    AHEAD: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+):
+    # fmt: on
+    # A step's rows: R = P / Q (Q chunks of CH columns a row, P a multiple of Q). Role A: program pid
+    # reduces chunk pid % Q of the step's row pid // Q and publishes the chunk's sum of dy * w * h in
+    # slot [row, chunk]; its loads are issued AHEAD (1 or 2) steps early. Role B: dx of the R rows of step
+    # t - LAG over this program's SLICE columns; its tile loads are issued before it waits for the rows'
+    # sums, and its dweight sums accumulate per element, reduced once after the loop.
+    pid = fx.program_id(0)
+    P = fx.num_programs(0)
+    R = P // Q
+    cw = (pid % Q) * (CH // 2) + fx.arange(0, CH // 2)  # role A: int32 words (column pairs) of its chunk
+    amask = cw < N // 2
+    c = pid * SLICE + fx.arange(0, SLICE)  # role B: this program's columns
+    smask = c < N
+    w_b = fx.load(w_ptr + c, mask=smask, other=0.0).to(fx.float32)
+    dw = fx.zeros([RB, SLICE], dtype=fx.float32)
+    rb = fx.arange(0, RB)
+    qk = fx.arange(0, Q)
+    h_words = as_words(h_ptr)
+    dy_words = as_words(dy_ptr)
+    w_words = as_words(w_ptr)
+    hw0, dyw0 = _a_loads(h_words, dy_words, 0, R, pid, M, cw, amask, stride_h, stride_dy, Q)
+    hw1, dyw1 = _a_loads(h_words, dy_words, AHEAD - 1, R, pid, M, cw, amask, stride_h, stride_dy, Q)
+    for t in range(0, fx.cdiv(M, R) + LAG):
+        hw2, dyw2 = _a_loads(h_words, dy_words, t + AHEAD, R, pid, M, cw, amask, stride_h, stride_dy, Q)
+        # role B: the rows role A took LAG steps ago
+        if t >= LAG:
+            rows = (t - LAG) * R + rb
+            rok = (rb < R) & (rows < M)
+            m2 = rok[:, None] & smask[None, :]
+            hb = fx.load(h_ptr + row_offset(rows, stride_h)[:, None] + c[None, :], mask=m2, other=0.0)
+            dyb = fx.load(dy_ptr + row_offset(rows, stride_dy)[:, None] + c[None, :], mask=m2, other=0.0)
+            rs = fx.load(rstd_ptr + rows, mask=rok, other=0.0)
+            slots = slot_ptr + row_offset(rows, Q)[:, None] + qk[None, :]
+            if SPIN_LIMIT:
+                parts, ok = collect(slots, rok[:, None] & (qk[None, :] < Q), SPIN_LIMIT)
+            else:  # diagnosis: the slots read once, with the tile, unpublished ones as 0 (dx then wrong)
+                words = fx.load(slots, mask=rok[:, None] & (qk[None, :] < Q), other=0, volatile=True)
+                parts = words.to(fx.int32).to(fx.float32, bitcast=True)
+                ok = True
+            c1 = fx.sum(parts, axis=1) * rs / N
+            xhat = hb.to(fx.float32) * rs[:, None]
+            dyf = dyb.to(fx.float32)
+            dx = (dyf * w_b[None, :] - xhat * c1[:, None]) * rs[:, None]
+            dx = fx.where(ok, dx, float("nan"))
+            fx.store(dx_ptr + row_offset(rows, stride_dx)[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=m2)  # fmt: skip
+            dw += dyf * xhat
+        # role A: reduce step t's chunk and publish its sum
+        row = t * R + pid // Q
+        ww = fx.load(w_words + cw, mask=amask, other=0)
+        he, ho = bf16_pairs(hw0)
+        de, do = bf16_pairs(dyw0)
+        we, wo = bf16_pairs(ww)
+        publish(slot_ptr + row_offset(row, Q) + pid % Q, fx.sum(de * we * he + do * wo * ho, axis=0), row < M)
+        if AHEAD == 1:
+            hw0, dyw0 = hw2, dyw2
+        else:
+            hw0, dyw0 = hw1, dyw1
+            hw1, dyw1 = hw2, dyw2
+    fx.store(dw_ptr + c, fx.sum(dw, axis=0), mask=smask)
+
+
+def launch_cols(h, w, dy, rstd, dx, dw, programs, ch=16384, lag=1, warps=16, ahead=1, spin=1 << 20):
+    m, n = h.shape
+    ch = min(ch, flyc.next_power_of_2(n))
+    q = flyc.cdiv(n, ch)
+    programs = programs // q * q
+    sl = flyc.cdiv(flyc.cdiv(n, programs), 64) * 64  # role B's columns a program
+    assert flyc.cdiv(n, sl) <= programs
+    rb = flyc.next_power_of_2(programs // q)
+    slots = torch.zeros(m, q, dtype=torch.int64, device=h.device)
+    args = (h, w, dy, rstd, dx, dw, slots, m, n, h.stride(0), dy.stride(0), dx.stride(0))
+    meta = dict(CH=ch, Q=q, SLICE=sl, RB=rb, LAG=lag, AHEAD=ahead, SPIN_LIMIT=spin, num_warps=warps)
+    if not flyc.interpreting():  # every program must be resident: they wait for each other
+        wave = flyc.programs_per_sm(_bwd_cols_kernel, *args, **meta) * flydsl.arch.current(h.device).sm_count
+        assert programs <= wave, f"{programs} programs, a wave holds {wave}"
+    flyc.launch(_bwd_cols_kernel, (programs,), *args, **meta)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------ part pipe
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _bwd_pipe_kernel(
+    h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, M, N, stride_h, stride_dy, stride_dx,
+    IS_RMS: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr, W_IN_LOOP: fx.constexpr,
+):
+    # fmt: on
+    pid = fx.program_id(0)
+    programs = fx.num_programs(0)
+    c2 = fx.arange(0, BLOCK_N // 2)
+    ok2 = c2 < N // 2
+    w_words = as_words(w_ptr) + c2
+    dwe = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    dwo = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    dbe = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    dbo = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    # W_IN_LOOP: 0 the weight held in fp32, 1 loaded each row (pipelined with the row), 2 held packed and
+    # widened each row through an operand the compiler cannot hoist (a zero from rstd's sign bit)
+    if W_IN_LOOP == 0:
+        we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0))
+    if W_IN_LOOP == 2:
+        w_held = fx.load(w_words, mask=ok2, other=0)
+    # the row statistics one row ahead by hand (scalars: cheap to hold, and not left to the pipeliner)
+    rstd_nx = fx.load(rstd_ptr + pid, mask=pid < M, other=0.0)
+    mean_nx = 0.0 if IS_RMS else fx.load(mean_ptr + pid, mask=pid < M, other=0.0)
+    for row in fx.range(pid, M, programs, num_stages=STAGES):
+        hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2, other=0)
+        dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2, other=0)
+        rstd = rstd_nx
+        mean = mean_nx
+        nxt = row + programs
+        rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
+        if not IS_RMS:
+            mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
+        if W_IN_LOOP == 1:
+            we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0, eviction_policy="evict_last"))
+        if W_IN_LOOP == 2:
+            we, wo = bf16_pairs_third(w_held, rstd.to(fx.int32, bitcast=True) >> 31)
+        he, ho = bf16_pairs(hw)
+        de, do = bf16_pairs(dyw)
+        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+        if IS_RMS:
+            c1 = fx.sum(de * we * xe + do * wo * xo, axis=0) / N
+            c0 = 0.0
+        else:
+            s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
+            c1 = s1 / N
+            c0 = s0 / N
+        # the row again, widened anew after the sums (no fp32 copy held through them)
+        he, ho = bf16_pairs_again(hw)
+        de, do = bf16_pairs_again(dyw)
+        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+        dxe = (de * we - c0 - xe * c1) * rstd
+        dxo = (do * wo - c0 - xo * c1) * rstd
+        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
+        dwe += de * xe
+        dwo += do * xo
+        if not IS_RMS:
+            dbe += de
+            dbo += do
+    part = row_offset(pid, N) + 2 * c2
+    fx.store(dwp_ptr + part, dwe, mask=ok2)
+    fx.store(dwp_ptr + part + 1, dwo, mask=ok2)
+    if not IS_RMS:
+        fx.store(dbp_ptr + part, dbe, mask=ok2)
+        fx.store(dbp_ptr + part + 1, dbo, mask=ok2)
+
+
+def launch_pipe(h, w, dy, mean, rstd, dx, dw, db, warps=16, stages=2, w_in_loop=False, per_sm=None):
+    """The pipelined packed backward and the partials' column sums: dx, dw (and db for layer_norm)."""
+    from fly_norm._kernels.norm import launch_sum_partials
+
+    m, n = h.shape
+    is_rms = mean is None
+    meta = dict(IS_RMS=is_rms, BLOCK_N=flyc.next_power_of_2(n), STAGES=stages, W_IN_LOOP=w_in_loop, num_warps=warps)
+    probe = (h, w, dy, rstd if is_rms else mean, rstd, dx, rstd, rstd, m, n, h.stride(0), dy.stride(0), dx.stride(0))
+    fit = 1 if flyc.interpreting() else flyc.programs_per_sm(_bwd_pipe_kernel, *probe, **meta)
+    sms = 1 if flyc.interpreting() else flydsl.arch.current(h.device).sm_count
+    programs = min(m, min(per_sm or fit, fit) * sms)
+    dwp = torch.empty(programs, n, dtype=torch.float32, device=h.device)
+    dbp = dwp if is_rms else torch.empty(programs, n, dtype=torch.float32, device=h.device)
+    args = (h, w, dy, rstd if is_rms else mean, rstd, dx, dwp, dbp, m, n, h.stride(0), dy.stride(0), dx.stride(0))
+    flyc.launch(_bwd_pipe_kernel, (programs,), *args, **meta)
+    launch_sum_partials(dwp, dw)
+    if not is_rms:
+        launch_sum_partials(dbp, db)
+
+
+# (N, warps, stages, W_IN_LOOP, programs an SM at most)
+PIPE_CASES = (
+    (8192, 16, 2, 0, None),
+    (8192, 16, 3, 0, None),
+    (16384, 16, 3, 0, None),
+    (16384, 16, 2, 1, None),
+    (16384, 32, 2, 1, None),
+    (16384, 32, 2, 0, None),
+)
+
+
+def _stats(x, is_rms, eps):
+    xf = x.float()
+    if is_rms:
+        return None, torch.rsqrt(xf.square().mean(1) + eps)
+    mean = xf.mean(1)
+    return mean, torch.rsqrt((xf - mean[:, None]).square().mean(1) + eps)
+
+
+def _pipe_part(copy: float) -> list[dict]:
+    from fly_norm import layer_norm, rms_norm
+
+    out = []
+    for n in sorted({c[0] for c in PIPE_CASES}):
+        m = (1 << 27) // n
+        for is_rms in (True, False):
+            x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
+            w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
+            b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
+            dy = torch.randn(m, n, dtype=_DT, device="cuda")
+            params = (x, w) if is_rms else (x, w, b)
+            eps = 1e-6 if is_rms else 1e-5
+            y = rms_norm(x, w, eps) if is_rms else layer_norm(x, w, b, eps)
+            ref = torch.autograd.grad(y, params, dy, retain_graph=True)
+            nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
+            op = "rms" if is_rms else "layer"
+            us = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
+            r = dict(N=n, op=op, kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+            print(r, flush=True)
+            out.append(r)
+            h = x.detach()
+            mean, rstd = _stats(h, is_rms, eps)
+            for cn, warps, stages, w_in_loop, per_sm in PIPE_CASES:
+                if cn != n:
+                    continue
+                dx = torch.full_like(h, float("nan"))
+                dw = torch.full_like(w, float("nan"))
+                db = torch.full_like(b, float("nan"))
+                case = (warps, stages, w_in_loop, per_sm)
+                try:
+
+                    def run():
+                        launch_pipe(h, w.detach(), dy, mean, rstd, dx, dw, db, warps, stages, w_in_loop, per_sm)
+
+                    run()
+                    torch.cuda.synchronize()
+                    got = (dx, dw) if is_rms else (dx, dw, db)
+                    err = max(_rel(g, e) for g, e in zip(got, ref, strict=True))
+                    us = bench(run).median_us
+                    r = dict(N=n, op=op, kernel="pipe", case=case, us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy,
+                             rel_err=err)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                    r = dict(N=n, op=op, kernel="pipe", case=case, error=repr(e)[:300])
+                print(r, flush=True)
+                out.append(r)
+            torch.cuda.empty_cache()
+    return out
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--part", nargs="*", default=["pipe"])
+    args = ap.parse_args()
+    copy = copy_gbps(1 << 29)
+    rows = [dict(copy_GBps=copy)]
+    if "pipe" in args.part:
+        rows += _pipe_part(copy)
+    if "cols" in args.part:
+        rows += _cols_part(copy)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe-bwd-wide.json").write_text(json.dumps(rows, indent=1))
+
+
+def _cols_part(copy: float) -> list[dict]:
+    from fly_norm._kernels.norm import backward_into
+
+    rows = []
+    for n in (16384,):
+        m = (1 << 27) // n
+        h = torch.randn(m, n, dtype=_DT, device="cuda")
+        dy = torch.randn(m, n, dtype=_DT, device="cuda")
+        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
+        rstd = torch.rand(m, dtype=torch.float32, device="cuda") + 0.5
+        dx_ref, dw_ref = torch.empty_like(h), torch.empty_like(w)
+
+        def shipped():
+            backward_into(h, w, dy, None, None, rstd, dx_ref, dw_ref, None, 0.0, True, None)
+
+        shipped()
+        nbytes = 2 * 3 * m * n + 2 * 2 * n + 4 * m
+        us = bench(shipped).median_us
+        r = dict(N=n, kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+        print(r, flush=True)
+        rows.append(r)
+        for programs, warps, ch, lag, ahead, spin in CASES:
+            dx = torch.full_like(h, float("nan"))
+            dw32 = torch.full((n,), float("nan"), dtype=torch.float32, device="cuda")
+            try:
+
+                def run():
+                    launch_cols(h, w, dy, rstd, dx, dw32, programs, ch=ch, lag=lag, warps=warps, ahead=ahead, spin=spin)
+                    return dw32.to(_DT)
+
+                dwc = run()
+                torch.cuda.synchronize()
+                err = max(_rel(dx, dx_ref), _rel(dwc, dw_ref))
+                us = bench(run).median_us
+                r = dict(N=n, kernel="cols", case=(programs, warps, ch, lag, ahead, spin), us=us,
+                         frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err=err,
+                         nan_dx=bool(torch.isnan(dx).any()))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                r = dict(N=n, kernel="cols", case=(programs, warps, ch, lag, ahead, spin), error=repr(e)[:300])
+            print(r, flush=True)
+            rows.append(r)
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
