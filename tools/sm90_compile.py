@@ -73,13 +73,13 @@ def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=Fal
     return norm._norm_fwd_kernel, sig, consts, warps
 
 
-def _bwd(block_m, block_n, warps, single, is_rms=True, db=False):
+def _bwd(block_m, block_n, warps, single, is_rms=True, db=False, pipelined=0):
     sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dres_ptr": "*bf16", "mean_ptr": "*fp32",
            "rstd_ptr": "*fp32", "dx_ptr": "*bf16", "dwp_ptr": "*fp32", "dbp_ptr": "*fp32", "c_ptr": "*fp32",
            "M": "i32", "N": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
            "weight_offset": "fp32"}
     consts = dict(IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True, COMPUTE_DB=db,
-                  BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single)
+                  BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, PIPELINED=pipelined)
     return norm._norm_bwd_kernel, sig, consts, warps
 
 
@@ -171,7 +171,7 @@ CASES = {
          _bwd(c.block_m, c.block_n, c.num_warps, c.single_pass, is_rms=op == "rms", db=op == "ln"))
         for op, elems in (("rms", 16), ("ln", 8))
         for c in (bwd_default_row_config(n, "sm_90", elems) for n in (256, 1024, 2048, 4096, 8192, 16384))
-    ],
+    ] + [("rms pipelined 1x16384 w16", _bwd(1, 16384, 16, True, pipelined=norm.PIPELINED_BWD_STAGES))],
 }
 
 

@@ -186,7 +186,8 @@ def _bwd_pipe_kernel(
     dbe = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
     dbo = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
     # W_IN_LOOP: 0 the weight held in fp32, 1 loaded each row (pipelined with the row), 2 held packed and
-    # widened each row through an operand the compiler cannot hoist (a zero from rstd's sign bit)
+    # widened each row through an operand the compiler cannot hoist (a zero from rstd's sign bit), 3 read
+    # each row from L1 through an asm load the pipeliner does not see (neither held nor staged)
     if W_IN_LOOP == 0:
         we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0))
     if W_IN_LOOP == 2:
@@ -207,6 +208,10 @@ def _bwd_pipe_kernel(
             we, wo = bf16_pairs(fx.load(w_words, mask=ok2, other=0, eviction_policy="evict_last"))
         if W_IN_LOOP == 2:
             we, wo = bf16_pairs_third(w_held, rstd.to(fx.int32, bitcast=True) >> 31)
+        if W_IN_LOOP == 3:
+            w_now = fx.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [w_words], dtype=fx.int32,
+                                              is_pure=False, pack=1)  # fmt: skip
+            we, wo = bf16_pairs(fx.where(ok2, w_now, 0))
         he, ho = bf16_pairs(hw)
         de, do = bf16_pairs(dyw)
         xe = fx.where(ok2, (he - mean) * rstd, 0.0)

@@ -22,6 +22,7 @@ from norm_helpers import (
     reference_grads,
 )
 
+import fly_norm._kernels.norm as norm_mod
 import fly_norm.rmsnorm as rmsnorm_mod
 from fly_norm.autotune import bwd_default_row_config
 from fly_norm.reference import rms_norm_quant_ref, rms_norm_ref
@@ -262,6 +263,56 @@ def test_stats_only_when_grad_is_needed(device):
     assert_rel_close(rstd, expected)
 
 
+# (N, weight: "bf16" / "fp32" / None, weight_offset, rows strided, dweight asked for): the pipelined backward's
+# widths (past the single pass's 8K, to 16K) with each weight form; one below a power of two, one odd pair.
+PIPELINED_CASES = [
+    (8194, "bf16", 0.0, False, True),
+    (12286, "fp32", 1.0, True, True),
+    (16384, None, 0.0, False, False),
+]
+
+
+@pytest.mark.parametrize("n,wdtype,offset,strided,need_dw", PIPELINED_CASES)
+def test_pipelined_backward(device, n, wdtype, offset, strided, need_dw):
+    """RMSNorm's bf16 backward at 8K-16K columns runs the pipelined kernel (packed words through the software
+    pipeliner): dx and dweight against the fp64 reference, dx's every element written (poisoned first)."""
+    m = 3
+    base = randn(m, n + 6 if strided else n, dtype=torch.bfloat16, device=device)
+    x = base[:, :n]  # strided rows when the base is wider
+    w = None if wdtype is None else randn(n, dtype=getattr(torch, {"bf16": "bfloat16"}.get(wdtype, "float32")),
+                                          device=device, seed=1)  # fmt: skip
+    dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=2)
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
+    dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    dw = empty_poisoned(n, dtype=w.dtype, device=device) if need_dw and w is not None else None
+    x2, dy2 = x.detach(), dy
+    cfg, stages = norm_mod._bwd_plan(x2, w, dy2, None, dx, True, bwd_default_row_config(n))
+    assert stages and cfg.block_n == 16384  # the path under test
+    norm_mod.backward_into(x2, w, dy2, None, None, rstd, dx, dw, None, offset, True, bwd_default_row_config(n))
+    xs = x.detach().clone().requires_grad_()
+    ws = None if w is None else w.detach().clone().requires_grad_()
+    gx, gw = reference_grads(lambda a, b: rms_norm_ref(a, b, 1e-6, None, offset), (xs, ws), (dy,))
+    assert_rel_close(dx, gx, name="dx")
+    if dw is not None:
+        assert_rel_close(dw, gw, tol=tolerance(w.dtype), name="dweight")
+
+
+def test_pipelined_backward_plan():
+    """Only RMSNorm's bf16 rows of 8K-16K columns, even widths and strides, 4-byte aligned, with no residual
+    gradient take the pipelined backward; everything else keeps its config."""
+    cfg = bwd_default_row_config(12288)
+
+    def plan(n=12288, dtype=torch.bfloat16, is_rms=True, dres=False, offset=0, stride=None):
+        x = torch.zeros(2, (stride or n) + offset, dtype=dtype)[:, offset : offset + n]
+        return norm_mod._bwd_plan(x, None, x, x if dres else None, x, is_rms, cfg)[1]
+
+    assert plan() and plan(8194) and plan(16384) and plan(stride=12300)
+    assert not plan(8192) and not plan(16386) and not plan(12287)  # the single pass's widths; too wide; odd
+    assert not plan(dtype=torch.float16) and not plan(dtype=torch.float32)
+    assert not plan(is_rms=False) and not plan(dres=True)
+    assert not plan(offset=1) and not plan(stride=12289)  # rows off 4-byte boundaries
+
+
 @pytest.mark.parametrize("n", [1, 7, 256, 1000, 1024, 4096, 8192, 8193, 16384, 65537, 262144])
 def test_backward_default_config(n):
     """The backward's default keeps <= 16 elements per thread (no register spills) and is valid."""
@@ -424,8 +475,10 @@ def test_torch_compile_fullgraph(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "m,n", [(1, 1024), (4096, 1024), (2048, 4096), (1000, 8192), (64, 65536), (16, 262144), (3, 65537), (7, 4097)]
-)
+    "m,n",
+    [(1, 1024), (4096, 1024), (2048, 4096), (1000, 8192), (300, 16384), (64, 65536), (16, 262144), (3, 65537),
+     (7, 4097)],
+)  # fmt: skip
 def test_gpu_shapes(dtype, m, n):
     x = randn(m, n, dtype=dtype, device="cuda")
     w = randn(n, device="cuda", seed=1)

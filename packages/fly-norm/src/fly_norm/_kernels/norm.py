@@ -31,7 +31,11 @@ dweight/dbias are reduced deterministically without float atomics: each
 program accumulates its rows into fp32 registers and writes one row of a
 ``[programs, N]`` partial buffer; a second small kernel sums the partials
 column-wise in a fixed order. Rows wider than 8K columns on a GPU go through the
-split backward of :mod:`.split` (same partials, one row per row group).
+split backward of :mod:`.split` (same partials, one row per row group), except
+RMSNorm's bf16 rows of up to 16K columns (``PIPELINED``, :func:`_pipelined_bwd_rows`):
+one row a program at a time, its h and dy read as int32 words (two columns each)
+through the software pipeliner, so the next rows' bytes wait in shared memory
+rather than in registers.
 """
 
 from __future__ import annotations
@@ -317,6 +321,50 @@ def _dx(h, dy, w, mean, rstd, c1, c2, IS_RMS: fx.constexpr):
 
 
 
+@flyc.func
+def _pipelined_bwd_rows(
+    h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, stride_h, stride_dy, stride_dx, weight_offset,
+    HAS_WEIGHT: fx.constexpr, COMPUTE_DW: fx.constexpr, BLOCK_N: fx.constexpr, STAGES: fx.constexpr,
+):  # fmt: skip
+    """RMSNorm's backward over bf16 rows, one row at a time (row = pid, pid + programs, ...), no residual
+    gradient. The row loop is software-pipelined STAGES deep (``num_stages``: the loads of the next rows go
+    to shared memory by cp.async while this row is worked on), and h and dy are read as int32 words, two
+    columns each, widened once for the row sum and again after it (:func:`.device.bf16_pairs_again`): the
+    registers hold one packed row, the weight and the per-column dweight sums. The held-in-registers single
+    pass spills at 16K columns (one row in fp32 and the next one ahead); this one fits one 16-warp program an
+    SM (PERF.md v14). rstd is read a row ahead by hand (a scalar; not left to the pipeliner)."""
+    pid = fx.program_id(0)
+    programs = fx.num_programs(0)
+    c2 = fx.arange(0, BLOCK_N // 2)
+    ok2 = c2 < N // 2
+    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
+    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
+    dwe = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    dwo = fx.zeros([BLOCK_N // 2], dtype=fx.float32)
+    rstd_nx = fx.load(rstd_ptr + pid, mask=pid < M, other=0.0)
+    for row in fx.range(pid, M, programs, num_stages=STAGES):
+        hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2, other=0)
+        dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2, other=0)
+        rstd = rstd_nx
+        rstd_nx = fx.load(rstd_ptr + row + programs, mask=row + programs < M, other=0.0)
+        he, ho = bf16_pairs(hw)
+        de, do = bf16_pairs(dyw)
+        c1 = fx.sum(de * we * he + do * wo * ho, axis=0) * rstd / N  # mean(g * xhat), xhat = h * rstd
+        he, ho = bf16_pairs_again(hw)  # the row again, widened anew after the sum
+        de, do = bf16_pairs_again(dyw)
+        xe = he * rstd
+        xo = ho * rstd
+        dx = bf16_words((de * we - xe * c1) * rstd, (do * wo - xo * c1) * rstd)
+        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
+        if COMPUTE_DW:
+            dwe += de * xe
+            dwo += do * xo
+    if COMPUTE_DW:
+        part = row_offset(pid, N) + 2 * c2
+        fx.store(dwp_ptr + part, dwe, mask=ok2)
+        fx.store(dwp_ptr + part + 1, dwo, mask=ok2)
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_kernel(
@@ -325,6 +373,7 @@ def _norm_bwd_kernel(
     M, N, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SINGLE_PASS: fx.constexpr,
+    PIPELINED: fx.constexpr = 0,
 ):
     # fmt: on
     pid = fx.program_id(0)
@@ -332,7 +381,10 @@ def _norm_bwd_kernel(
     cols = fx.arange(0, BLOCK_N)
     part = row_offset(pid, N)  # this program's row of the [programs, N] partial buffers
 
-    if SINGLE_PASS:
+    if PIPELINED:  # RMSNorm, bf16 rows, no residual gradient, the stages of the row loop (_bwd_plan)
+        _pipelined_bwd_rows(h_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, stride_h, stride_dy, stride_dx,
+                            weight_offset, HAS_WEIGHT, COMPUTE_DW, BLOCK_N, PIPELINED)  # fmt: skip
+    elif SINGLE_PASS:
         # Persistent loop over row blocks (blk = pid, pid + programs, ...). The
         # next block's h and dy are loaded, in their storage dtype, before this
         # block is reduced and written: the loads stay in flight through the
@@ -544,7 +596,9 @@ def _fwd_meta(is_rms, r2, w, b, s, store_stats: bool, qdtype, cfg: RowConfig, n:
     )
 
 
-def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg: RowConfig):
+def _bwd_call(
+    h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg: RowConfig, pipelined: int = 0
+):
     """(args, meta) of the backward kernel; absent operands are replaced by ``rstd``, which they never touch."""
     m, n = h2.shape
     # fmt: off
@@ -557,10 +611,35 @@ def _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offs
     meta = dict(
         IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
         COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        **cfg.launch_options(),
+        PIPELINED=pipelined, **cfg.launch_options(),
     )
     # fmt: on
     return args, meta
+
+
+# RMSNorm's bf16 backward past the single pass's widths, up to PIPELINED_BWD.block_n columns, runs pipelined
+# (_pipelined_bwd_rows): one 16-warp program an SM, the row loop PIPELINED_BWD_STAGES deep (192 KB of shared
+# memory at 16K columns). H200 (PERF.md v14): 90% of copy at 16K against the tiled split kernel's 69%; 2
+# stages 78%. LayerNorm's (also the bias gradient's sums) spills in this form and stays split.
+PIPELINED_BWD = RowConfig(1, 16384, 16, True)
+PIPELINED_BWD_STAGES = 3
+
+
+def _bwd_plan(h2, w, dy2, dres2, dx2, is_rms, cfg: RowConfig) -> tuple[RowConfig, int]:
+    """(config, PIPELINED) of a backward launch: PIPELINED_BWD and its stages for RMSNorm's bf16 rows of
+    SPLIT_MIN_N_BWD to PIPELINED_BWD.block_n columns with no residual gradient, even widths and strides,
+    4-byte aligned rows, where a program may take the stages' shared memory; else ``cfg`` and 0."""
+    n = h2.shape[1]
+    stages, block_n = PIPELINED_BWD_STAGES, PIPELINED_BWD.block_n
+    arch = flydsl.arch.current(h2.device)
+    fits = arch.backend != "hip" and arch.smem_per_block >= stages * 4 * block_n  # h and dy, bf16, a stage
+    pipelined = (
+        is_rms and dres2 is None and SPLIT_MIN_N_BWD <= n <= block_n and fits
+        and all(t.dtype == torch.bfloat16 for t in (h2, dy2, dx2))
+        and all(v % 2 == 0 for v in (n, h2.stride(0), dy2.stride(0), dx2.stride(0)))
+        and all(t.data_ptr() % 4 == 0 for t in (h2, dy2, dx2))
+    )  # fmt: skip
+    return (PIPELINED_BWD, stages) if pipelined else (cfg, 0)
 
 
 def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
@@ -571,7 +650,9 @@ def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | Non
     return max(1, min(flyc.cdiv(m, cfg.block_m), per_sm * sms))
 
 
-def bwd_resident(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, cfg) -> int | None:
+def bwd_resident(
+    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, cfg, pipelined: int = 0
+) -> int | None:
     """Programs of this backward specialization an SM holds at once (None in the interpreter).
 
     The backward grid is exactly one resident wave: throughput follows the row bytes an SM keeps in
@@ -583,21 +664,24 @@ def bwd_resident(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_of
         return None
     part = rstd  # sizing: any fp32 buffer keys the same specialization as the partials
     args, meta = _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, part if need_dw else None, part if need_db else None,
-                           None if cfg.single_pass else rstd, weight_offset, is_rms, cfg)  # fmt: skip
+                           None if cfg.single_pass else rstd, weight_offset, is_rms, cfg, pipelined)  # fmt: skip
     return flyc.programs_per_sm(_norm_bwd_kernel, *args, **meta)
 
 
 @flyc.jit(skip_empty=False)
 def launch_bwd(
-    h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg: RowConfig, stream=None
+    h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg: RowConfig,
+    pipelined: int = 0, stream=None,
 ):
     """Launch the backward kernel: dx2 and the [programs, N] fp32 partials dwp/dbp (when given).
 
-    ``scratch`` (fp32 [2, M]) is needed by the chunked path only.
+    ``scratch`` (fp32 [2, M]) is needed by the chunked path only; ``pipelined``: :func:`_bwd_plan`'s.
     """
     if h2.shape[0] == 0:
         return
-    args, meta = _bwd_call(h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg)
+    args, meta = _bwd_call(
+        h2, w, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, cfg, pipelined
+    )  # fmt: skip
     flyc.launch(_norm_bwd_kernel, (programs,), *args, **meta)
 
 
@@ -896,7 +980,8 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
         return
     dev = h2.device
     split = None
-    if split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave (split.py)
+    cfg, pipelined = _bwd_plan(h2, weight, dy2, dres2, dx2, is_rms, cfg)
+    if not pipelined and split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave
         split = launch_bwd_split(
             h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms
         )  # fmt: skip
@@ -905,12 +990,15 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
     else:
         scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
         per_sm = bwd_resident(
-            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms, cfg
+            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms, cfg,
+            pipelined,
         )  # fmt: skip
         programs = bwd_programs(m, cfg, dev, per_sm)
         dwp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dweight is not None else None
         dbp = torch.empty(programs, n, dtype=torch.float32, device=dev) if dbias is not None else None
-        launch_bwd(h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg)
+        launch_bwd(
+            h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg, pipelined
+        )  # fmt: skip
     if dwp is not None:
         launch_sum_partials(dwp, dweight)
     if dbp is not None:
