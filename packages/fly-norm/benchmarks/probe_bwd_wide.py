@@ -41,6 +41,7 @@ import flydsl  # noqa: F401
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+from fly_norm._kernels.affine import load_weight
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 from flydsl_common.device import (
@@ -334,6 +335,187 @@ def _pipe_part(copy: float) -> list[dict]:
 
 
 
+# ------------------------------------------------------------------ part pipe_split
+
+# Wait for a published tagged word (flydsl_common.device.publish) inside one asm statement, so the row loop
+# holds no scf.while and the software pipeliner still stages its loads: $0 <- the word's fp32 bits once its
+# tag is set (0 where the mask $2 is 0; a quiet NaN after 2^20 polls).
+_SPIN_WAIT = fx.constexpr("""{
+.reg .pred %p;
+.reg .b32 %lo, %hi, %n;
+.reg .b64 %w;
+mov.b32 $0, 0;
+setp.eq.s32 %p, $2, 0;
+@%p bra DONE${:uid};
+mov.u32 %n, 0;
+SPIN${:uid}:
+ld.relaxed.gpu.global.b64 %w, [$1];
+mov.b64 {%lo, %hi}, %w;
+mov.b32 $0, %lo;
+setp.ne.b32 %p, %hi, 0;
+@%p bra DONE${:uid};
+add.u32 %n, %n, 1;
+setp.lt.u32 %p, %n, 1048576;
+@%p bra SPIN${:uid};
+mov.b32 $0, 0x7FC00000;
+DONE${:uid}:
+}""")
+
+
+@flyc.func
+def _spin_collect(slots, mask):
+    """fp32 values of the int64 tagged ``slots`` (0 where ``mask`` is off), each polled until published."""
+    bits = fx.inline_asm_elementwise(_SPIN_WAIT, "=r,l,r", [slots, mask.to(fx.int32)], dtype=fx.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+    return bits.to(fx.float32, bitcast=True)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _bwd_pipe_split_kernel(
+    h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr, M, N, parts, stride_h, stride_dy,
+    stride_dx, IS_RMS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr,
+):
+    # fmt: on
+    # A row over ``parts`` programs (SLICE columns each) of one resident wave; each program's slice of its rows
+    # (row = group, group + groups, ...) loaded as packed words through the pipeliner, the slices' sums
+    # exchanged as tagged words and awaited in asm (no loop the pipeliner would refuse).
+    pid = fx.program_id(0)
+    groups = fx.num_programs(0) // parts
+    group = pid // parts
+    part = pid - group * parts
+    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
+    ok2 = c2 < N // 2
+    we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
+    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
+    dwe = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
+    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots: [part, value] flattened
+    kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
+    live = group < fx.minimum(M, groups)  # programs past the last full group take no rows
+    rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
+    mean_nx = 0.0 if IS_RMS else fx.load(mean_ptr + group, mask=group < M, other=0.0)
+    for row in fx.range(group, M * live, groups, num_stages=STAGES):
+        hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2, other=0)
+        dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2, other=0)
+        rstd = rstd_nx
+        mean = mean_nx
+        nxt = row + groups
+        rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
+        if not IS_RMS:
+            mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
+        he, ho = bf16_pairs(hw)
+        de, do = bf16_pairs(dyw)
+        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+        if IS_RMS:
+            publish(base + 2 * part, fx.sum(de * we * xe + do * wo * xo, axis=0), row < M)
+        else:
+            s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
+            publish(base + 2 * part, s1, row < M)
+            publish(base + 2 * part + 1, s0, row < M)
+        vals = _spin_collect(base + k, kmask)
+        c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
+        c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
+        he, ho = bf16_pairs_again(hw)
+        de, do = bf16_pairs_again(dyw)
+        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+        dx = bf16_words((de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd)
+        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
+        dwe += de * xe
+        dwo += do * xo
+        if not IS_RMS:
+            dbe += de
+            dbo += do
+    pw = row_offset(group, N) + 2 * c2
+    fx.store(dwp_ptr + pw, dwe, mask=ok2 & live)
+    fx.store(dwp_ptr + pw + 1, dwo, mask=ok2 & live)
+    if not IS_RMS:
+        fx.store(dbp_ptr + pw, dbe, mask=ok2 & live)
+        fx.store(dbp_ptr + pw + 1, dbo, mask=ok2 & live)
+
+
+def launch_pipe_split(h, w, dy, mean, rstd, dx, dw, db, slice_cols=8192, warps=16, stages=3, per_sm=None):
+    """The pipelined split backward and the partials' column sums (GPU only: its programs wait for each other)."""
+    from fly_norm._kernels.norm import launch_sum_partials
+
+    m, n = h.shape
+    is_rms = mean is None
+    parts = flyc.cdiv(n, slice_cols)
+    pp = flyc.next_power_of_2(parts)
+    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, num_warps=warps)
+    slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=h.device)
+    probe = (h, w, dy, rstd if is_rms else mean, rstd, dx, rstd, rstd, slots, m, n, parts, h.stride(0), dy.stride(0),
+             dx.stride(0))  # fmt: skip
+    fit = flyc.programs_per_sm(_bwd_pipe_split_kernel, *probe, **meta)
+    wave = min(per_sm or fit, fit) * flydsl.arch.current(h.device).sm_count
+    groups = max(1, min(m, wave // parts))
+    dwp = torch.empty(groups, n, dtype=torch.float32, device=h.device)
+    dbp = dwp if is_rms else torch.empty(groups, n, dtype=torch.float32, device=h.device)
+    args = (h, w, dy, rstd if is_rms else mean, rstd, dx, dwp, dbp, slots, m, n, parts, h.stride(0), dy.stride(0),
+            dx.stride(0))  # fmt: skip
+    flyc.launch(_bwd_pipe_split_kernel, (groups * parts,), *args, **meta)
+    launch_sum_partials(dwp, dw)
+    if not is_rms:
+        launch_sum_partials(dbp, db)
+
+
+# (slice, warps, stages, programs an SM at most)
+PIPE_SPLIT_CASES = ((8192, 16, 3, None), (8192, 16, 4, None), (4096, 8, 4, None), (4096, 8, 3, None))
+
+
+def _pipe_split_part(copy: float) -> list[dict]:
+    from fly_norm import layer_norm, rms_norm
+
+    out = []
+    for n in (16384, 32768):
+        m = (1 << 27) // n
+        for is_rms in (True, False):
+            x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
+            w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
+            b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
+            dy = torch.randn(m, n, dtype=_DT, device="cuda")
+            params = (x, w) if is_rms else (x, w, b)
+            eps = 1e-6 if is_rms else 1e-5
+            y = rms_norm(x, w, eps) if is_rms else layer_norm(x, w, b, eps)
+            ref = torch.autograd.grad(y, params, dy, retain_graph=True)
+            nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
+            op = "rms" if is_rms else "layer"
+            us = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
+            r = dict(N=n, op=op, kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+            print(r, flush=True)
+            out.append(r)
+            h = x.detach()
+            mean, rstd = _stats(h, is_rms, eps)
+            for case in PIPE_SPLIT_CASES:
+                dx = torch.full_like(h, float("nan"))
+                dw = torch.full_like(w, float("nan"))
+                db = torch.full_like(b, float("nan"))
+                try:
+
+                    def run():
+                        launch_pipe_split(h, w.detach(), dy, mean, rstd, dx, dw, db, *case)
+
+                    run()
+                    torch.cuda.synchronize()
+                    got = (dx, dw) if is_rms else (dx, dw, db)
+                    err = max(_rel(g, e) for g, e in zip(got, ref, strict=True))
+                    us = bench(run).median_us
+                    r = dict(N=n, op=op, kernel="pipe_split", case=case, us=us,
+                             frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err=err)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                    r = dict(N=n, op=op, kernel="pipe_split", case=case, error=repr(e)[:300])
+                print(r, flush=True)
+                out.append(r)
+            torch.cuda.empty_cache()
+    return out
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -343,6 +525,8 @@ def main() -> None:
     rows = [dict(copy_GBps=copy)]
     if "pipe" in args.part:
         rows += _pipe_part(copy)
+    if "pipe_split" in args.part:
+        rows += _pipe_split_part(copy)
     if "cols" in args.part:
         rows += _cols_part(copy)
     if args.out:
