@@ -370,11 +370,35 @@ def _spin_collect(slots, mask):
     return bits.to(fx.float32, bitcast=True)
 
 
+@flyc.func
+def _publish_slice(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
+                   IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr):  # fmt: skip
+    """Pass 1 of ``row`` (nothing past M): load its slice as words, publish the slice's sums; the words, rstd, mean."""
+    ok = row < M
+    hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
+    dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
+    rstd = fx.load(rstd_ptr + row, mask=ok, other=0.0)
+    mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
+    he, ho = bf16_pairs(hw)
+    de, do = bf16_pairs(dyw)
+    xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+    xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+    base = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+    if IS_RMS:
+        publish(base, fx.sum(de * we * xe + do * wo * xo, axis=0), ok)
+    else:
+        s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
+        publish(base, s1, ok)
+        publish(base + 1, s0, ok)
+    return hw, dyw, rstd, mean
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _bwd_pipe_split_kernel(
     h_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr, M, N, parts, stride_h, stride_dy,
     stride_dx, IS_RMS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr,
+    LEAD: fx.constexpr = False,
 ):
     # fmt: on
     # A row over ``parts`` programs (SLICE columns each) of one resident wave; each program's slice of its rows
@@ -395,42 +419,66 @@ def _bwd_pipe_split_kernel(
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots: [part, value] flattened
     kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
     live = group < fx.minimum(M, groups)  # programs past the last full group take no rows
-    rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
-    mean_nx = 0.0 if IS_RMS else fx.load(mean_ptr + group, mask=group < M, other=0.0)
-    for row in fx.range(group, M * live, groups, num_stages=STAGES):
-        hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2, other=0)
-        dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2, other=0)
-        rstd = rstd_nx
-        mean = mean_nx
-        nxt = row + groups
-        rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
-        if not IS_RMS:
-            mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
-        he, ho = bf16_pairs(hw)
-        de, do = bf16_pairs(dyw)
-        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
-        if IS_RMS:
-            publish(base + 2 * part, fx.sum(de * we * xe + do * wo * xo, axis=0), row < M)
-        else:
-            s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
-            publish(base + 2 * part, s1, row < M)
-            publish(base + 2 * part + 1, s0, row < M)
-        vals = _spin_collect(base + k, kmask)
-        c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
-        c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
-        he, ho = bf16_pairs_again(hw)
-        de, do = bf16_pairs_again(dyw)
-        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        dx = bf16_words((de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd)
-        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
-        dwe += de * xe
-        dwo += do * xo
-        if not IS_RMS:
-            dbe += de
-            dbo += do
+    if LEAD:
+        # pass 1 a row ahead: publish the next row's sums, then wait for this row's, published an iteration ago
+        hw_c, dyw_c, rstd_c, mean_c = _publish_slice(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we,
+                                                      wo, part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+        for row in fx.range(group, M * live, groups, num_stages=STAGES):
+            hw_n, dyw_n, rstd_n, mean_n = _publish_slice(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups, M,
+                                                          c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
+                                                          PARTS_POW2)  # fmt: skip
+            vals = _spin_collect(slot_ptr + row_offset(row, 2 * PARTS_POW2) + k, kmask)
+            c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
+            c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
+            he, ho = bf16_pairs_again(hw_c)
+            de, do = bf16_pairs_again(dyw_c)
+            xe = fx.where(ok2, (he - mean_c) * rstd_c, 0.0)
+            xo = fx.where(ok2, (ho - mean_c) * rstd_c, 0.0)
+            dx = bf16_words((de * we - c0 - xe * c1) * rstd_c, (do * wo - c0 - xo * c1) * rstd_c)
+            fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
+            dwe += de * xe
+            dwo += do * xo
+            if not IS_RMS:
+                dbe += de
+                dbo += do
+            hw_c, dyw_c, rstd_c, mean_c = hw_n, dyw_n, rstd_n, mean_n
+    else:
+        rstd_nx = fx.load(rstd_ptr + group, mask=group < M, other=0.0)
+        mean_nx = 0.0 if IS_RMS else fx.load(mean_ptr + group, mask=group < M, other=0.0)
+        for row in fx.range(group, M * live, groups, num_stages=STAGES):
+            hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2, other=0)
+            dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2, other=0)
+            rstd = rstd_nx
+            mean = mean_nx
+            nxt = row + groups
+            rstd_nx = fx.load(rstd_ptr + nxt, mask=nxt < M, other=0.0)
+            if not IS_RMS:
+                mean_nx = fx.load(mean_ptr + nxt, mask=nxt < M, other=0.0)
+            he, ho = bf16_pairs(hw)
+            de, do = bf16_pairs(dyw)
+            xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+            xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+            base = slot_ptr + row_offset(row, 2 * PARTS_POW2)
+            if IS_RMS:
+                publish(base + 2 * part, fx.sum(de * we * xe + do * wo * xo, axis=0), row < M)
+            else:
+                s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
+                publish(base + 2 * part, s1, row < M)
+                publish(base + 2 * part + 1, s0, row < M)
+            vals = _spin_collect(base + k, kmask)
+            c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
+            c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
+            he, ho = bf16_pairs_again(hw)
+            de, do = bf16_pairs_again(dyw)
+            xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+            xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+            dx = bf16_words((de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd)
+            fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
+            dwe += de * xe
+            dwo += do * xo
+            if not IS_RMS:
+                dbe += de
+                dbo += do
     pw = row_offset(group, N) + 2 * c2
     fx.store(dwp_ptr + pw, dwe, mask=ok2 & live)
     fx.store(dwp_ptr + pw + 1, dwo, mask=ok2 & live)
@@ -439,7 +487,8 @@ def _bwd_pipe_split_kernel(
         fx.store(dbp_ptr + pw + 1, dbo, mask=ok2 & live)
 
 
-def launch_pipe_split(h, w, dy, mean, rstd, dx, dw, db, slice_cols=8192, warps=16, stages=3, per_sm=None):
+def launch_pipe_split(h, w, dy, mean, rstd, dx, dw, db, slice_cols=8192, warps=16, stages=3, per_sm=None,
+                      lead=False):
     """The pipelined split backward and the partials' column sums (GPU only: its programs wait for each other)."""
     from fly_norm._kernels.norm import launch_sum_partials
 
@@ -447,7 +496,7 @@ def launch_pipe_split(h, w, dy, mean, rstd, dx, dw, db, slice_cols=8192, warps=1
     is_rms = mean is None
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
-    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, num_warps=warps)
+    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, LEAD=lead, num_warps=warps)
     slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=h.device)
     probe = (h, w, dy, rstd if is_rms else mean, rstd, dx, rstd, rstd, slots, m, n, parts, h.stride(0), dy.stride(0),
              dx.stride(0))  # fmt: skip
@@ -464,8 +513,14 @@ def launch_pipe_split(h, w, dy, mean, rstd, dx, dw, db, slice_cols=8192, warps=1
         launch_sum_partials(dbp, db)
 
 
-# (slice, warps, stages, programs an SM at most)
-PIPE_SPLIT_CASES = ((8192, 16, 3, None), (8192, 16, 4, None), (4096, 8, 4, None), (4096, 8, 3, None))
+# (slice, warps, stages, programs an SM at most, lead)
+PIPE_SPLIT_CASES = (
+    (8192, 16, 3, None, True),
+    (4096, 8, 4, None, False),
+    (4096, 8, 4, None, True),
+    (4096, 8, 3, None, True),
+    (2048, 4, 4, None, True),
+)
 
 
 def _pipe_split_part(copy: float) -> list[dict]:
