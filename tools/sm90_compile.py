@@ -131,6 +131,18 @@ def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3], LEAD=lead), cfg[1:3]
 
 
+def _bwd_staged(is_rms=True, dres=False, cfg=None):
+    """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows."""
+    _, sig, consts, _ = _bwd_split(is_rms)
+    slice_cols, warps, stages = cfg or split.BWD_STAGED
+    consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4)
+    del consts["ROWS"]
+    if dres:
+        del consts["dres_ptr"]
+        sig = dict(sig, dres_ptr="*bf16")
+    return split._norm_bwd_staged_kernel, sig, consts, warps
+
+
 def _softmax_fwd(block_m, block_n, warps, single):
     """The softmax forward kernel (fly_norm.softmax) at one row config."""
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "stride_y": "i32"}
@@ -150,7 +162,10 @@ CASES = {
                    ("ln bwd tiled 1024x4 w4 lead", _bwd_tiled(is_rms=False, cfg=(1024, 4, None, 4, 1))),
                    ("rms bwd tiled 2048x2 w4 lead", _bwd_tiled(cfg=(2048, 4, None, 2, 1))),
                    ("rms bwd tiled 2048x2 w4 lead2", _bwd_tiled(cfg=(2048, 4, None, 2, 2))),
-                   ("ln bwd tiled 1024x4 w4 lead2", _bwd_tiled(is_rms=False, cfg=(1024, 4, None, 4, 2)))],
+                   ("ln bwd tiled 1024x4 w4 lead2", _bwd_tiled(is_rms=False, cfg=(1024, 4, None, 4, 2))),
+                   ("rms bwd staged", _bwd_staged()), ("ln bwd staged", _bwd_staged(is_rms=False)),
+                   ("rms bwd staged dres", _bwd_staged(dres=True)),
+                   ("ln bwd staged dres", _bwd_staged(is_rms=False, dres=True))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)

@@ -146,3 +146,33 @@ def test_packed_bf16_pairs_round_trip(device):
     for k in range(3):
         assert torch.equal(wide[k], x.float()), k
     assert torch.equal(out, f.to(torch.bfloat16))
+
+
+@flyc.kernel
+def _exchange_kernel(slot_ptr, out_ptr, P, ROUNDS: fx.constexpr, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+    """Each of P programs publishes (pid + 1) * (r + 1) in its slot of round r, then sums every program's
+    slot of that round through peek + collect_from, inside a pipelined loop; out[pid, r] = the sum."""
+    pid = fx.program_id(0)
+    k = fx.arange(0, B)
+    for r in fx.range(0, ROUNDS, num_stages=2):
+        slots = slot_ptr + r * B + k
+        early = dev.peek(slots)
+        dev.publish(slot_ptr + r * B + pid, ((pid + 1) * (r + 1)).to(fx.float32), pid < P)
+        vals = dev.collect_from(early, slots, k < P, SPIN_LIMIT)
+        fx.store(out_ptr + pid * ROUNDS + r, fx.sum(vals, axis=0))
+
+
+def test_collect_from_sums_every_published_slot(device):
+    """peek + collect_from between the programs of one wave: on a GPU every program sees every slot of each
+    round (also the ones published after its peek); in the interpreter (programs one after another) only the
+    last program does, and the earlier ones give up after SPIN_LIMIT reads and return NaN (no hang)."""
+    p, rounds, b = 4, 3, 8
+    slots = torch.zeros(rounds, b, dtype=torch.int64, device=device)
+    out = empty_poisoned(p, rounds, dtype=torch.float32, device=device)
+    _exchange_kernel[(p,)](slots, out, p, rounds, b, 1 << 20 if device == "cuda" else 3)
+    expected = torch.tensor([float(sum(range(1, p + 1)) * (r + 1)) for r in range(rounds)], device=device)
+    if flyc.interpreting():
+        assert torch.isnan(out[:-1]).all()
+        torch.testing.assert_close(out[-1], expected)
+    else:
+        torch.testing.assert_close(out, expected.expand(p, rounds))

@@ -111,18 +111,21 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tiled",
-    [None, (1024, 4, None, 4), (1024, 4, None, 4, 1), (1024, 4, None, 2, 2)],
-    ids=["resident", "tiled", "lead", "lead2"],
+    ["staged", None, (1024, 4, None, 4), (1024, 4, None, 4, 1), (1024, 4, None, 2, 2)],
+    ids=["staged", "resident", "tiled", "lead", "lead2"],
 )
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", [(300, 16384), (5, 40000), (2, 262144)])
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
-    register-resident kernel, the default, and the tiled one, with and without its lead)."""
+    staged kernel, bf16's default; the register-resident kernel and the tiled one, with and without its
+    lead). RMSNorm at 16K with a residual gradient: not the single pipelined pass (norm._bwd_plan)."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_TILED", tiled)
-    monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
+    if tiled != "staged":
+        monkeypatch.setattr(split, "BWD_STAGED", None)
+        monkeypatch.setattr(split, "BWD_TILED", tiled)
+        monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     r = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=1)
     w = randn(n, device="cuda", seed=2) * 0.1
@@ -312,6 +315,74 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-5)
     if not is_rms:
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+@pytest.mark.parametrize("dres", [False, True])
+def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
+    """The staged backward (bf16 rows read as words, pass 1 a row ahead, the row loop pipelined) with one slice
+    a row: dx (+ the residual's gradient), dweight of an fp32 weight with (1 + w), dbias."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
+    m, n = 7, 300
+    h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0) + 1.0
+    w = randn(n, device=device, seed=1)
+    dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=2)
+    dr = randn(m, n, dtype=torch.bfloat16, device=device, seed=3) if dres else None
+    hd = h.double()
+    mu = torch.zeros(m, dtype=torch.float64, device=device) if is_rms else hd.mean(-1)
+    var = hd.pow(2).mean(-1) if is_rms else hd.var(-1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-5).float()
+    dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    assert split._staged(h, dy, dr, dx)
+    dwp, dbp = split.launch_bwd_split(h, w, dy, dr, None if is_rms else mu.float(), rstd, dx, True, not is_rms, 1.0,
+                                      is_rms)  # fmt: skip
+    xhat = (hd - mu[:, None]) * rstd.double()[:, None]
+    g = dy.double() * (w.double() + 1.0)
+    ref = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not is_rms:
+        ref = ref - g.mean(-1, keepdim=True)
+    ref = ref * rstd.double()[:, None] + (0.0 if dr is None else dr.double())
+    assert_rel_close(dx, ref)
+    assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-5)
+    if not is_rms:
+        assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
+
+
+def test_staged_backward_takes_only_word_aligned_bf16_rows():
+    from fly_norm._kernels import split
+
+    rows = torch.zeros(4, 1000, dtype=torch.bfloat16)
+    assert split._staged(rows, rows, None, rows) and split._staged(rows, rows, rows, rows)
+    assert not split._staged(rows.float(), rows.float(), None, rows.float())
+    assert not split._staged(rows.half(), rows.half(), None, rows.half())
+    assert not split._staged(rows, rows, rows.float(), rows)  # a residual gradient in another dtype
+    assert not split._staged(rows[:, :999], rows[:, :999], None, rows[:, :999])  # an odd width
+    assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
+
+
+def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
+    """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's fallback) gives
+    up after SPIN_LIMIT reads on the row's first slice (NaN), and the row's last program, which sees both
+    slices' sums, writes its slice right."""
+    if not flyc.interpreting():
+        pytest.skip("on a GPU both programs of a row run at once")
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "BWD_STAGED", (64, 4, 3))
+    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    m, n = 3, 100  # slices of 64 and 36 columns
+    x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5
+    dy = randn(m, n, dtype=torch.bfloat16, seed=2)
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
+    dx = empty_poisoned(m, n, dtype=torch.bfloat16)
+    split.launch_bwd_split(x, None, dy, None, None, rstd, dx, False, False, 0.0, True)
+    xhat = x.double() * rstd.double()[:, None]
+    g = dy.double()
+    ref = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    assert torch.isnan(dx[:, :64]).all()
+    assert_rel_close(dx[:, 64:], ref[:, 64:])
 
 
 def test_one_slice_softmax(device):

@@ -12,7 +12,7 @@ assembly is used only where kernels compile for NVIDIA, with a portable twin).
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
 - epilogue activations on fp32 values, selected by a constexpr code;
 - programmatic dependent launch (wait, let dependents launch) and L2 prefetch, on NVIDIA;
-- tagged-word exchange (``publish`` / ``collect``) between programs of one
+- tagged-word exchange (``publish`` / ``collect`` / ``peek`` + ``collect_from``) between programs of one
   resident wave that work on the same row (compiled only: the interpreter
   runs programs one after another).
 """
@@ -181,6 +181,64 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     # barrier orders it after the poll that saw them all), so every copy now holds its word.
     w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
+
+
+# The wait of collect_from inside one asm statement (NVIDIA): $0 <- the fp32 bits of the word at $2 once
+# its tag is set, starting from $1, the word read earlier; 0 where the mask $3 is 0; a quiet NaN once $4
+# further reads found it unpublished. Labels are unique per statement (${:uid}).
+_AWAIT_PTX = fx.constexpr("""{
+.reg .pred %p;
+.reg .b32 %lo, %hi, %n;
+.reg .b64 %w;
+mov.b32 $0, 0;
+setp.eq.s32 %p, $3, 0;
+@%p bra DONE${:uid};
+mov.b64 %w, $1;
+mov.u32 %n, 0;
+CHECK${:uid}:
+mov.b64 {%lo, %hi}, %w;
+mov.b32 $0, %lo;
+setp.ne.b32 %p, %hi, 0;
+@%p bra DONE${:uid};
+setp.ge.u32 %p, %n, $4;
+@%p bra FAIL${:uid};
+add.u32 %n, %n, 1;
+ld.relaxed.gpu.global.b64 %w, [$2];
+bra CHECK${:uid};
+FAIL${:uid}:
+mov.b32 $0, 0x7FC00000;
+DONE${:uid}:
+}""")
+
+
+@flyc.func
+def peek(slot_ptrs):
+    """One read of the int64 slots (a block of any shape), for :func:`collect_from`. NVIDIA: a relaxed load in
+    an asm statement, issued where it is written (the compiler neither moves it nor merges it with another)."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", [slot_ptrs], dtype=fx.int64, is_pure=False, pack=1
+        )
+    return fx.load(slot_ptrs, volatile=True)
+
+
+@flyc.func
+def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
+    """:func:`collect` for a loop the software pipeliner should still stage: the fp32 values of the masked
+    slots (0 where masked off; NaN where SPIN_LIMIT more reads found a slot unpublished, which poisons what
+    is computed from it), waiting from ``words``, the slots as :func:`peek` read them earlier, so that when
+    they were published by then no read is on the critical path. NVIDIA: each thread waits for its copies in
+    one asm statement (no loop in the kernel's IR: Triton pipelines only loops without nested loops).
+    Elsewhere :func:`collect`."""
+    if _PTX:
+        limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
+        bits = fx.inline_asm_elementwise(
+            _AWAIT_PTX, "=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit], dtype=fx.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+        return bits.to(fx.float32, bitcast=True)
+    values, ok = collect(slot_ptrs, mask, SPIN_LIMIT)
+    return fx.where(ok, fx.where(mask, values, 0.0), float("nan"))
 
 
 # ------------------------------------------------------------ packed bf16 pairs

@@ -80,7 +80,9 @@ from .passes import (
     quantize_pairs,
     row_meta,
     row_ptrs,
+    stages_fit,
     weighted,
+    word_aligned,
     write_y,
 )
 from .split import (
@@ -629,15 +631,11 @@ def _bwd_plan(h2, w, dy2, dres2, dx2, is_rms, cfg: RowConfig) -> tuple[RowConfig
     """(config, PIPELINED) of a backward launch: PIPELINED_BWD and its stages for RMSNorm's bf16 rows of
     SPLIT_MIN_N_BWD to PIPELINED_BWD.block_n columns with no residual gradient, even widths and strides,
     4-byte aligned rows, where a program may take the stages' shared memory; else ``cfg`` and 0."""
-    n = h2.shape[1]
     stages, block_n = PIPELINED_BWD_STAGES, PIPELINED_BWD.block_n
-    arch = flydsl.arch.current(h2.device)
-    fits = arch.backend != "hip" and arch.smem_per_block >= stages * 4 * block_n  # h and dy, bf16, a stage
     pipelined = (
-        is_rms and dres2 is None and SPLIT_MIN_N_BWD <= n <= block_n and fits
-        and all(t.dtype == torch.bfloat16 for t in (h2, dy2, dx2))
-        and all(v % 2 == 0 for v in (n, h2.stride(0), dy2.stride(0), dx2.stride(0)))
-        and all(t.data_ptr() % 4 == 0 for t in (h2, dy2, dx2))
+        is_rms and dres2 is None and SPLIT_MIN_N_BWD <= h2.shape[1] <= block_n
+        and all(t.dtype == torch.bfloat16 for t in (h2, dy2, dx2)) and word_aligned(h2, dy2, dx2)
+        and stages_fit(h2.device, stages, 4 * block_n)  # h and dy, bf16, a row each
     )  # fmt: skip
     return (PIPELINED_BWD, stages) if pipelined else (cfg, 0)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
@@ -45,8 +46,8 @@ from flydsl_common.rows import RowConfig
 from .affine import load_weight
 
 __all__ = [
-    "CHUNKED", "FIXED_WIDTHS_MAX", "PACKED_MIN_N", "packed_plan", "row_meta", "LOG2E", "NEG_INF", "finite_or_zero",
-    "row_ptrs", "load_h",
+    "CHUNKED", "FIXED_WIDTHS_MAX", "PACKED_MIN_N", "packed_plan", "stages_fit", "word_aligned", "row_meta", "LOG2E",
+    "NEG_INF", "finite_or_zero", "row_ptrs", "load_h",
     "normalize", "weighted", "quantize", "quantize_pairs", "inverse_scale", "lane_stats", "lane_amax", "write_y",
     "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
@@ -80,13 +81,24 @@ def packed_plan(cfg: RowConfig, eligible: bool, x2, y2, vectors=()) -> tuple[Row
     run the chunked passes (``CHUNKED``). Other configs run as given."""
     if not (cfg.single_pass and cfg.block_n >= PACKED_MIN_N):
         return cfg, False
-    packs = (
-        eligible
-        and all(t.dtype == torch.bfloat16 for t in (x2, *vectors))
-        and all(v % 2 == 0 for v in (x2.shape[1], x2.stride(0), y2.stride(0)))
-        and all(t.data_ptr() % 4 == 0 for t in (x2, y2, *vectors))
-    )  # fmt: skip
+    packs = eligible and all(t.dtype == torch.bfloat16 for t in (x2, *vectors)) and word_aligned(x2, y2, *vectors)
     return (cfg, True) if packs else (CHUNKED, False)
+
+
+def stages_fit(device, stages: int, stage_bytes: int) -> bool:
+    """Whether a program on ``device`` may take the shared memory of a row loop software-pipelined ``stages``
+    deep (``fx.range(..., num_stages=)``) that stages ``stage_bytes`` an iteration: ``stages - 1`` buffers in
+    flight. Not on AMD (its pipeliner stages otherwise, in 64 KB); the interpreter has Hopper's sizes."""
+    arch = flydsl.arch.current(device)
+    return arch.backend != "hip" and arch.smem_per_block >= (stages - 1) * stage_bytes
+
+
+def word_aligned(*tensors) -> bool:
+    """Whether every row of each tensor ([M, N] row views, or [N] vectors) starts on a 4-byte boundary, with
+    an even width: a 16-bit row read and written as int32 words (two columns each; :func:`.device.as_words`)."""
+    return all(
+        t.shape[-1] % 2 == 0 and t.data_ptr() % 4 == 0 and (t.dim() == 1 or t.stride(0) % 2 == 0) for t in tensors
+    )
 
 
 # Each fixed width is a compilation of its own: past this many widths in a process (rows of many widths,

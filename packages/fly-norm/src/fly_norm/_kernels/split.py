@@ -54,11 +54,24 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, collect, publish, row_offset, sum2_f32
+from flydsl_common.device import (
+    as_words,
+    bf16_pairs,
+    bf16_pairs_again,
+    bf16_words,
+    cast_sat_fp8e4m3,
+    cast_sat_int8,
+    collect,
+    collect_from,
+    peek,
+    publish,
+    row_offset,
+    sum2_f32,
+)
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import LOG2E, NEG_INF
+from .passes import LOG2E, NEG_INF, stages_fit, word_aligned
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
@@ -98,6 +111,11 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
+# The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
+# loop's pipeline stages). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split): RMSNorm 32K 85.5% of copy,
+# LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps 81-85 / 53-60%,
+# 2048 x 4 warps 76-81 / 59-66%, 4 stages no better.
+BWD_STAGED = (8192, 16, 3)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -471,6 +489,100 @@ def _norm_bwd_tiled_kernel(
         fx.store(dbp_ptr + row_offset(group, N) + c, db, mask=cmask)
 
 
+@flyc.func
+def _staged_pass1(
+    h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
+):  # fmt: skip
+    """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
+    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean."""
+    ok = row < M
+    hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
+    dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
+    rstd = fx.load(rstd_ptr + row, mask=ok, other=0.0)
+    mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
+    he, ho = bf16_pairs(hw)
+    de, do = bf16_pairs(dyw)
+    xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+    xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+    if IS_RMS:
+        publish(mine, fx.sum(de * we * xe + do * wo * xo, axis=0), ok)
+    else:
+        s_gx, s_g = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)  # one exchange between warps
+        publish(mine, s_gx, ok)
+        publish(mine + 1, s_g, ok)
+    return hw, dyw, rstd, mean
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _norm_bwd_staged_kernel(
+    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # bf16 rows; fp32 statistics (None when absent)
+    dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,                   # dx, [groups, N] weight-gradient partials, row slots
+    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
+    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+    STAGES: fx.constexpr,
+):
+    # fmt: on
+    # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
+    # groups, ...) is read as int32 words through the software pipeliner (the row loop STAGES deep: the next
+    # rows' bytes wait in shared memory, not in registers), pass 1 runs a row ahead (the next row's sums are
+    # published before this row's are awaited, so the wait is on sums published an iteration ago), and the
+    # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
+    # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
+    group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
+    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)  # this slice's words (column pairs)
+    ok2 = c2 < N // 2
+    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
+    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
+    dwe = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
+    dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
+    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
+    kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
+    hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+    for row in fx.range(group, M, groups, num_stages=STAGES):
+        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
+        early = peek(slots)
+        hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
+                                                        M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
+                                                        PARTS_POW2)  # fmt: skip
+        sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
+        c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
+        c1 = c1 / N  # mean(g * xhat)
+        c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
+        he, ho = bf16_pairs_again(hw)
+        de, do = bf16_pairs_again(dyw)
+        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+        dxe = (de * we - c0 - xe * c1) * rstd
+        dxo = (do * wo - c0 - xo * c1) * rstd
+        if HAS_DRES:
+            re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
+                                        other=0))  # fmt: skip
+            dxe += re
+            dxo += ro
+        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
+        if COMPUTE_DW:
+            dwe += de * xe
+            dwo += do * xo
+        if COMPUTE_DB:
+            dbe += de
+            dbo += do
+        hw, dyw, rstd, mean = hw_nx, dyw_nx, rstd_nx, mean_nx
+    part_cols = row_offset(group, N) + 2 * c2
+    if COMPUTE_DW:
+        fx.store(dwp_ptr + part_cols, dwe, mask=ok2)
+        fx.store(dwp_ptr + part_cols + 1, dwo, mask=ok2)
+    if COMPUTE_DB:
+        fx.store(dbp_ptr + part_cols, dbe, mask=ok2)
+        fx.store(dbp_ptr + part_cols + 1, dbo, mask=ok2)
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -574,6 +686,16 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
 
 
+def _staged(h2, dy2, dres2, dx2) -> bool:
+    """Whether the split backward runs staged (:func:`_norm_bwd_staged_kernel`): bf16 rows (and residual
+    gradient) of even widths and strides on 4-byte boundaries, where a program may take the stages' shared
+    memory (BWD_STAGED None: never)."""
+    rows = [t for t in (h2, dy2, dres2, dx2) if t is not None]
+    if BWD_STAGED is None or not (all(t.dtype == torch.bfloat16 for t in rows) and word_aligned(*rows)):
+        return False
+    return stages_fit(h2.device, BWD_STAGED[2], 2 * BWD_STAGED[0] * (len(rows) - 1))  # the rows it loads
+
+
 @flyc.jit(skip_empty=False)
 def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None):
     """Backward of either norm on [M, N] row views through the split path: writes dx2 and returns the
@@ -598,18 +720,20 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
-            COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg),
+            COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
+            **({"STAGES": cfg[2], "num_warps": cfg[1]} if staged else _launch_opts(cfg)),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
         # fmt: on
         return args, meta
 
+    staged = _staged(h2, dy2, dres2, dx2)
     tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
-    tiled = tiled_cfg is not None
-    cfg = tiled_cfg if tiled else BWD_SLICE
-    tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms else 1)
-    kernel = _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
+    tiled = tiled_cfg is not None and not staged
+    cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
+    tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms and not staged else 1)
+    kernel = _norm_bwd_staged_kernel if staged else _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
     if not _launch_split(kernel, h2, 2, build, cfg[0], h2.device, tile_rows):
         return None
     return partials.get("dw"), partials.get("db")
