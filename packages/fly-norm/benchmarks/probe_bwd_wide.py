@@ -617,6 +617,62 @@ def _pipe_split_part(copy: float) -> list[dict]:
 
 
 
+def _staged_narrow_part(copy: float) -> list[dict]:
+    """The shipped staged split kernel (split.launch_bwd_split) on rows of one or two slices (4K-16K), where
+    the single pass or the pipelined single pass serve now: kernel + column sums against the whole backward."""
+    from fly_norm import layer_norm, rms_norm
+    from fly_norm._kernels import split
+    from fly_norm._kernels.norm import launch_sum_partials
+
+    out = []
+    for n in (4096, 8192, 16384):
+        m = (1 << 27) // n
+        for is_rms in (True, False):
+            x = torch.randn(m, n, dtype=_DT, device="cuda").requires_grad_()
+            w = (torch.rand(n, dtype=_DT, device="cuda") + 0.5).requires_grad_()
+            b = torch.randn(n, dtype=_DT, device="cuda").requires_grad_()
+            dy = torch.randn(m, n, dtype=_DT, device="cuda")
+            params = (x, w) if is_rms else (x, w, b)
+            eps = 1e-6 if is_rms else 1e-5
+            y = rms_norm(x, w, eps) if is_rms else layer_norm(x, w, b, eps)
+            ref = torch.autograd.grad(y, params, dy, retain_graph=True)
+            nbytes = 2 * 3 * m * n + (2 if is_rms else 4) * 2 * n + (1 if is_rms else 2) * 4 * m
+            op = "rms" if is_rms else "layer"
+            us = bench(lambda: torch.autograd.grad(y, params, dy, retain_graph=True)).median_us
+            r = dict(N=n, op=op, kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+            print(r, flush=True)
+            out.append(r)
+            h = x.detach()
+            mean, rstd = _stats(h, is_rms, eps)
+            for cfg in ((8192, 16, 3), (4096, 8, 3), (4096, 16, 3)):
+                dx = torch.full_like(h, float("nan"))
+                dw = torch.full_like(w, float("nan"))
+                db = torch.full_like(b, float("nan"))
+                split.BWD_STAGED = cfg
+                try:
+
+                    def run():
+                        dwp, dbp = split.launch_bwd_split(h, w.detach(), dy, None, mean, rstd, dx, True, not is_rms,
+                                                          0.0, is_rms)  # fmt: skip
+                        launch_sum_partials(dwp, dw)
+                        if not is_rms:
+                            launch_sum_partials(dbp, db)
+
+                    run()
+                    torch.cuda.synchronize()
+                    got = (dx, dw) if is_rms else (dx, dw, db)
+                    err = max(_rel(g, e) for g, e in zip(got, ref, strict=True))
+                    us = bench(run).median_us
+                    r = dict(N=n, op=op, kernel="staged", case=cfg, us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy,
+                             rel_err=err)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
+                    r = dict(N=n, op=op, kernel="staged", case=cfg, error=repr(e)[:300])
+                print(r, flush=True)
+                out.append(r)
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -626,6 +682,8 @@ def main() -> None:
     rows = [dict(copy_GBps=copy)]
     if "pipe" in args.part:
         rows += _pipe_part(copy)
+    if "staged_narrow" in args.part:
+        rows += _staged_narrow_part(copy)
     if "pipe_split" in args.part:
         rows += _pipe_split_part(copy)
     if "cols" in args.part:
