@@ -625,6 +625,7 @@ def _staged_narrow_part(copy: float) -> list[dict]:
     from fly_norm._kernels.norm import launch_sum_partials
 
     out = []
+    shipped_cfg = split.BWD_STAGED
     for n in (4096, 8192, 16384):
         m = (1 << 27) // n
         for is_rms in (True, False):
@@ -667,6 +668,8 @@ def _staged_narrow_part(copy: float) -> list[dict]:
                              rel_err=err)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
                     r = dict(N=n, op=op, kernel="staged", case=cfg, error=repr(e)[:300])
+                finally:
+                    split.BWD_STAGED = shipped_cfg  # r5 lacked this: its later "shipped" rows ran the last cfg
                 print(r, flush=True)
                 out.append(r)
             torch.cuda.empty_cache()
