@@ -385,6 +385,42 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
     assert_rel_close(dx[:, 64:], ref[:, 64:])
 
 
+@pytest.mark.parametrize("slices", [1, 2])
+def test_staged_rms_forward(device, slices, monkeypatch):
+    """The staged RMSNorm forward (bf16 rows as words, pass 1 a row ahead, the row loop pipelined): y and the
+    saved rstd with an fp32 weight and (1 + w). One slice a row anywhere; two on a GPU, and in the interpreter
+    (programs one after another) the row's first slice gives up its wait (NaN) while its last is right."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    monkeypatch.setattr(split, "_SPIN_LIMIT", 3 if flyc.interpreting() else split._SPIN_LIMIT)
+    m, n = 5, 200 if slices == 1 else 400
+    x = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0) + 0.5
+    w = randn(n, device=device, seed=1)
+    y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    rstd = empty_poisoned(m, dtype=torch.float32, device=device)
+    assert split._fwd_staged(x, y)
+    assert split.launch_fwd_split(x, None, w, None, None, y, None, None, rstd, None, 1e-6, 1.0, True, 0, 127.0)
+    ref = rms_norm_ref(x, w, 1e-6, None, 1.0)
+    if slices == 2 and flyc.interpreting():
+        assert torch.isnan(y[:, :256]).all()
+        assert_rel_close(y[:, 256:], ref[:, 256:])
+    else:
+        assert_rel_close(y, ref)
+        assert_rel_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6))
+
+
+def test_staged_rms_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
+    from fly_norm._kernels import split
+
+    rows = torch.zeros(2, split.FWD_STAGED_MIN_N + 2, dtype=torch.bfloat16)
+    assert split._fwd_staged(rows, rows)
+    assert not split._fwd_staged(rows[:, :-4], rows[:, :-4])  # narrower than FWD_STAGED_MIN_N
+    assert not split._fwd_staged(rows.half(), rows.half()) and not split._fwd_staged(rows, rows.float())
+    assert not split._fwd_staged(rows[:, :-1], rows[:, :-1]) and not split._fwd_staged(rows[:, 1:], rows[:, 1:])
+
+
 def test_one_slice_softmax(device):
     from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
 

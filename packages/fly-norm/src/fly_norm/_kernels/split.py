@@ -111,6 +111,12 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
+# The staged RMSNorm forward (_rms_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
+# smooth scale or quantized output): (columns a program owns, warps, stages). H200 (PERF.md v14c,
+# probe_fwd_wide.py): 91 / 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's
+# 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%).
+FWD_STAGED = (16384, 16, 3)
+FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
 # loop's pipeline stages). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split): RMSNorm 32K 85.5% of copy,
 # LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps 81-85 / 53-60%,
@@ -583,6 +589,48 @@ def _norm_bwd_staged_kernel(
         fx.store(dbp_ptr + part_cols + 1, dbo, mask=ok2)
 
 
+@flyc.func
+def _rms_staged_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
+    """The staged RMSNorm forward's pass 1 of ``row`` (nothing past M): its slice of x as int32 words, the
+    slice's sum of squares published. Returns the words."""
+    ok = row < M
+    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
+    xe, xo = bf16_pairs(xw)
+    publish(slot_ptr + row_offset(row, PARTS_POW2) + part, fx.sum(xe * xe + xo * xo, axis=0), ok)
+    return xw
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _rms_fwd_staged_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, slot_ptr, M, N, parts, stride_x, stride_y, eps, weight_offset,
+    HAS_WEIGHT: fx.constexpr, STORE_STATS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr,
+    SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
+):
+    # fmt: on
+    # RMSNorm's split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of
+    # each row read as int32 words through the software pipeliner, pass 1 (the slice's sum of squares) a
+    # row ahead, the wait from the slots as read before it. Part 0 of a row stores its rstd.
+    group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
+    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
+    ok2 = c2 < N // 2
+    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
+    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
+    k = fx.arange(0, PARTS_POW2)
+    xw = _rms_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
+    for row in fx.range(group, M, groups, num_stages=STAGES):
+        slots = slot_ptr + row_offset(row, PARTS_POW2) + k
+        early = peek(slots)
+        xw_nx = _rms_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x, PARTS_POW2)
+        rstd = fx.rsqrt(fx.sum(collect_from(early, slots, k < parts, SPIN_LIMIT), axis=0) / N + eps)
+        if STORE_STATS:
+            fx.store(rstd_ptr + row, rstd, mask=part == 0)
+        xe, xo = bf16_pairs_again(xw)
+        y = bf16_words(xe * rstd * we, xo * rstd * wo)
+        fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, y, mask=ok2)
+        xw = xw_nx
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -639,6 +687,8 @@ def launch_fwd_split(
     :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
     ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
     """
+    if is_rms and quant == 0 and r2 is None and s is None and _fwd_staged(x2, y2):
+        return x2.shape[0] == 0 or _launch_rms_fwd_staged(x2, w, y2, rstd, eps, weight_offset)
     cfg = _fwd_slice(x2.shape[1]) if is_rms else LN_FWD_SLICE
 
     def build(slots, parts, pp, groups):
@@ -658,6 +708,30 @@ def launch_fwd_split(
         return args, meta
 
     return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
+
+
+def _fwd_staged(x2, y2) -> bool:
+    """Whether a plain RMSNorm forward's rows take the staged kernel: bf16, FWD_STAGED_MIN_N+ columns, word
+    aligned, where a program may take the stages' shared memory (FWD_STAGED None: never)."""
+    if FWD_STAGED is None or x2.shape[1] < FWD_STAGED_MIN_N:
+        return False
+    if not (x2.dtype == y2.dtype == torch.bfloat16 and word_aligned(x2, y2)):
+        return False
+    return stages_fit(x2.device, FWD_STAGED[2], 2 * FWD_STAGED[0])
+
+
+def _launch_rms_fwd_staged(x2, w, y2, rstd, eps, weight_offset) -> bool:
+    """The staged RMSNorm forward through :func:`_launch_split` (False: not launched)."""
+    slice_cols, warps, stages = FWD_STAGED
+
+    def build(slots, parts, pp, groups):
+        m, n = x2.shape
+        args = (x2, w, y2, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), float(weight_offset))
+        meta = dict(HAS_WEIGHT=w is not None, STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp,
+                    SPIN_LIMIT=_SPIN_LIMIT, STAGES=stages, num_warps=warps)  # fmt: skip
+        return args, meta
+
+    return _launch_split(_rms_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
