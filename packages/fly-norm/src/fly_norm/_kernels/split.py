@@ -37,6 +37,14 @@ the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
 
+The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and RMSNorm's plain forward from 64K
+columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software
+pipeliner stage the next rows in shared memory (``fx.range(..., num_stages=)``). Pass 1 runs a row
+ahead: the next row's partial result is published before this row's are awaited. The wait starts
+from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
+:func:`~flydsl_common.device.collect_from`), inside one asm statement, since the pipeliner refuses
+loops with nested loops (PERF.md v14b-v14c).
+
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
 than SPLIT_MAX_PARTS slices are left to the chunked paths. A wait that does
