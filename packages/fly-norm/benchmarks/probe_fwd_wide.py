@@ -1,4 +1,4 @@
-"""Probe: the norm forward at 32K-256K columns, split and staged (PERF.md v14c): python probe_fwd_wide.py
+"""Probe: the row forwards at 32K-256K, split and staged (PERF.md v14c): python probe_fwd_wide.py [--ops 0 1 2 3]
 
 Design probe, not the benchmark; bf16, M * N = 2^27, against the shipped forward in the same process.
 
@@ -6,9 +6,11 @@ The split forwards hold their slice of a row in registers through the exchange o
 Staged as the v14b backward: a program's slice of each of its rows is read as int32 words (two columns
 each) through the software pipeliner (the row loop STAGES deep: the next rows' bytes wait in shared memory),
 pass 1 runs a row ahead (the next row's partial statistics are published before this row's are awaited),
-and the wait starts from the slots as read before pass 1 (``peek`` / ``collect_from``). RMSNorm publishes a
-slice's sum of squares; LayerNorm its sum and its M2 about its own mean (merged with Chan's formula).
-Plain forward: no residual, no saved statistics.
+and the wait starts from the slots as read before pass 1 (``peek`` / ``collect_from``). What a slice
+publishes, by OP: RMSNorm its sum of squares (0); LayerNorm its sum and its M2 about its own mean, merged
+with Chan's formula, from two reductions (1) or one, shifted by the slice's first value (2); softmax its
+max and its sum of exponentials, rescaled to the row's max (3). Plain forward: no residual, no saved
+statistics. r1 (PERF.md v14c) measured OP 0 and 1; OP 2 and 3 are written and checked on the CPU only.
 """
 
 # ruff: noqa: B023 - each closure runs within its own loop iteration
@@ -37,6 +39,7 @@ from flydsl_common.device import (
     peek,
     publish,
     row_offset,
+    sum2_f32,
 )
 
 _DT = torch.bfloat16
@@ -44,23 +47,42 @@ _DT = torch.bfloat16
 CASES = ((8192, 16, 3), (4096, 8, 4), (4096, 8, 3), (16384, 16, 3))
 
 
+RMS, LAYER, LAYER_SHIFTED, SOFTMAX = 0, 1, 2, 3  # OP: what pass 1 publishes (see _pass1)
+_RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX = (fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX))  # in kernels
+
+
 @flyc.func
-def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr):
-    """Pass 1 of ``row`` (nothing past M): its slice as words; publishes the slice's sum of squares (RMSNorm)
-    or its sum and M2 about its own mean (LayerNorm). Returns the words."""
+def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, OP: fx.constexpr, PARTS_POW2: fx.constexpr):
+    """Pass 1 of ``row`` (nothing past M): its slice as words; publishes the slice's sum of squares (RMS), its
+    sum and its M2 about its own mean (LAYER: two reductions; LAYER_SHIFTED: one, of x - s and (x - s)^2
+    with s the slice's first value, M2 = sum (x - s)^2 - (sum (x - s))^2 / n), or its max and its sum of
+    exp(x - max) (SOFTMAX). Returns the words."""
     ok = row < M
     xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
     xe, xo = bf16_pairs(xw)
     mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
-    if IS_RMS:
+    if OP == _RMS:
         publish(mine, fx.sum(xe * xe + xo * xo, axis=0), ok)
-    else:
+    elif OP == _LAYER:
         s = fx.sum(xe + xo, axis=0)
         m = s / n_mine
         de = fx.where(ok2, xe - m, 0.0)
         do = fx.where(ok2, xo - m, 0.0)
         publish(mine, s, ok)
         publish(mine + 1, fx.sum(de * de + do * do, axis=0), ok)
+    elif OP == _LAYER_SHIFTED:
+        first = fx.load(x_ptr + row_offset(row, stride_x) + part * 2 * (c2.shape[0]), mask=ok, other=0.0)
+        shift = first.to(fx.float32)
+        de = fx.where(ok2, xe - shift, 0.0)
+        do = fx.where(ok2, xo - shift, 0.0)
+        s1, s2 = sum2_f32(de + do, de * de + do * do, 0)
+        publish(mine, n_mine * shift + s1, ok)
+        publish(mine + 1, s2 - s1 * s1 / n_mine, ok)
+    else:
+        mx = fx.max(fx.where(ok2, fx.maximum(xe, xo), float("-inf")), axis=0)
+        ex = fx.where(ok2, fx.exp(xe - mx) + fx.exp(xo - mx), 0.0)
+        publish(mine, mx, ok)
+        publish(mine + 1, fx.sum(ex, axis=0), ok)
     return xw
 
 
@@ -68,7 +90,7 @@ def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, IS_RMS: fx.
 @flyc.kernel(do_not_specialize=["M"])
 def _fwd_staged_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y, eps,
-    IS_RMS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr,
+    OP: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr,
     SPIN_LIMIT: fx.constexpr,
 ):
     # fmt: on
@@ -79,48 +101,65 @@ def _fwd_staged_kernel(
     c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
     ok2 = c2 < N // 2
     n_mine = fx.minimum(SLICE, N - part * SLICE).to(fx.float32)
-    we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
-    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
-    if not IS_RMS:
+    if OP != _SOFTMAX:
+        we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
+        wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
+    if OP == _LAYER or OP == _LAYER_SHIFTED:
         be = fx.load(b_ptr + 2 * c2, mask=ok2, other=0.0).to(fx.float32)
         bo = fx.load(b_ptr + 2 * c2 + 1, mask=ok2, other=0.0).to(fx.float32)
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, value] flattened
     kp = k // 2
     first = k % 2 == 0
-    kmask = (kp < parts) & (k % 2 < 2 - IS_RMS)
+    kmask = (kp < parts) & (k % 2 < 2 - (OP == _RMS))
     n_k = fx.maximum(fx.minimum(SLICE, N - kp * SLICE), 1).to(fx.float32)  # each slot's slice width
-    xw = _pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
+    xw = _pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, OP, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
         early = peek(slots)
-        xw_nx = _pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
+        xw_nx = _pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, OP, PARTS_POW2)
         vals = collect_from(early, slots, kmask, SPIN_LIMIT)
-        if IS_RMS:
-            mean = 0.0
-            rstd = fx.rsqrt(fx.sum(vals, axis=0) / N + eps)
-        else:
-            mean = fx.sum(fx.where(first, vals, 0.0), axis=0) / N
-            dev = fx.where(first & kmask, vals / n_k - mean, 0.0)  # each slice's mean against the row's
-            m2 = fx.sum(fx.where(first, n_k * dev * dev, vals), axis=0)  # Chan: sum of M2s + the means' spread
-            rstd = fx.rsqrt(m2 / N + eps)
         xe, xo = bf16_pairs_again(xw)
-        ye = (xe - mean) * rstd * we
-        yo = (xo - mean) * rstd * wo
-        if not IS_RMS:
-            ye += be
-            yo += bo
+        if OP == _SOFTMAX:
+            mx = fx.max(fx.where(first & kmask, vals, float("-inf")), axis=0)
+            # the slices' sums, each rescaled from its max to the row's (vals at odd k; its max one before)
+            scale = fx.exp(fx.where(first & kmask, vals - mx, float("-inf")))
+            total = fx.sum(fx.where(first, scale * _next(vals), 0.0), axis=0)
+            ye = fx.exp(xe - mx) / total
+            yo = fx.exp(xo - mx) / total
+        else:
+            if OP == _RMS:
+                mean = 0.0
+                rstd = fx.rsqrt(fx.sum(vals, axis=0) / N + eps)
+            else:
+                mean = fx.sum(fx.where(first, vals, 0.0), axis=0) / N
+                dev = fx.where(first & kmask, vals / n_k - mean, 0.0)  # each slice's mean against the row's
+                m2 = fx.sum(fx.where(first, n_k * dev * dev, vals), axis=0)  # Chan: M2s + the means' spread
+                rstd = fx.rsqrt(m2 / N + eps)
+            ye = (xe - mean) * rstd * we
+            yo = (xo - mean) * rstd * wo
+            if OP != _RMS:
+                ye += be
+                yo += bo
         fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, bf16_words(ye, yo), mask=ok2)
         xw = xw_nx
 
 
-def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, spin=1 << 20):
+@flyc.func
+def _next(v):
+    """v[k + 1] at each even k of a [2P] block of (max, sum) pairs, through a [P, 2] view."""
+    pairs = fx.reshape(v, [v.shape[0] // 2, 2])
+    sums = fx.sum(fx.where(fx.arange(0, 2)[None, :] == 1, pairs, 0.0), axis=1)
+    return fx.reshape(fx.join(sums, sums), [v.shape[0]])
+
+
+def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, spin=1 << 20, op=None):
     m, n = x.shape
-    is_rms = b is None
+    op = (RMS if b is None else LAYER) if op is None else op
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
     slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=x.device)
-    args = (x, w, w if is_rms else b, y, slots, m, n, parts, x.stride(0), y.stride(0), float(eps))
-    meta = dict(IS_RMS=is_rms, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps)
+    args = (x, w, w if b is None else b, y, slots, m, n, parts, x.stride(0), y.stride(0), float(eps))
+    meta = dict(OP=op, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps)
     if flyc.interpreting():
         groups = m
     else:
@@ -135,29 +174,33 @@ def _rel(a, b):
 
 
 def main() -> None:
-    from fly_norm import layer_norm, rms_norm
+    from fly_norm import layer_norm, rms_norm, softmax
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--ops", nargs="*", type=int, default=[RMS, LAYER, LAYER_SHIFTED, SOFTMAX])
+    ap.add_argument("--widths", nargs="*", type=int, default=[32768, 65536, 131072, 262144])
     args = ap.parse_args()
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]
-    for n in (32768, 65536, 131072, 262144):
+    names = {RMS: "rms", LAYER: "layer", LAYER_SHIFTED: "layer_shifted", SOFTMAX: "softmax"}
+    for n in args.widths:
         m = (1 << 27) // n
         x = torch.randn(m, n, dtype=_DT, device="cuda") * 2 + 0.5
         w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
         b = torch.randn(n, dtype=_DT, device="cuda")
         nbytes = 2 * 2 * m * n
-        for is_rms in (True, False):
-            op = "rms" if is_rms else "layer"
-            eps = 1e-6 if is_rms else 1e-5
+        for op in args.ops:
+            eps = 1e-6 if op == RMS else 1e-5
 
             def shipped():
-                return rms_norm(x, w, eps) if is_rms else layer_norm(x, w, b, eps)
+                if op == RMS:
+                    return rms_norm(x, w, eps)
+                return softmax(x, -1) if op == SOFTMAX else layer_norm(x, w, b, eps)
 
             ref = shipped()
             us = bench(shipped).median_us
-            r = dict(N=n, op=op, kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+            r = dict(N=n, op=names[op], kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
             print(r, flush=True)
             rows.append(r)
             for case in CASES:
@@ -165,16 +208,16 @@ def main() -> None:
                 try:
 
                     def run():
-                        launch_fwd_staged(x, w, None if is_rms else b, y, eps, *case)
+                        launch_fwd_staged(x, w, b if op in (LAYER, LAYER_SHIFTED) else None, y, eps, *case, op=op)
 
                     run()
                     torch.cuda.synchronize()
                     err = _rel(y, ref)
                     us = bench(run).median_us
-                    r = dict(N=n, op=op, kernel="staged", case=case, us=us,
+                    r = dict(N=n, op=names[op], kernel="staged", case=case, us=us,
                              frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_shipped=err)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                    r = dict(N=n, op=op, kernel="staged", case=case, error=repr(e)[:300])
+                    r = dict(N=n, op=names[op], kernel="staged", case=case, error=repr(e)[:300])
                 print(r, flush=True)
                 rows.append(r)
         torch.cuda.empty_cache()
