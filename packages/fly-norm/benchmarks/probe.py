@@ -10,7 +10,11 @@ Parts:
   wide rows, bf16, M * N = 2**27, each op as a fraction of copy; then the
   defaults with and without cache hints (``split.SPLIT_EVICT``);
 - ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
-  Python path, the pieces, Triton's launch and the lean launch) against torch.
+  Python path, the pieces, Triton's launch and the lean launch) against torch;
+- ``latency``: per op (rms_norm, layer_norm, softmax) and M in (1, 4, 64) rows of 4096: end to end
+  (no backlog, what the latency bench sees), device time (backlogged), host time a call, ours and
+  torch's; the floor of our launch mechanism (``torch.empty_like`` + Triton's C launch with every
+  argument prepared) and the driver's share of it (the C launch with an empty grid).
 """
 
 # ruff: noqa: B023 - each closure is timed within its own loop iteration
@@ -187,6 +191,66 @@ def part_host() -> dict:
     return res
 
 
+def part_latency() -> dict:
+    from fly_norm._kernels import eager
+    from fly_norm.softmax import _EAGER_PLANS as softmax_plans
+
+    rows = []
+    for m in (1, 4, 64):
+        x = torch.randn(m, 4096, device="cuda", dtype=_DT)
+        w = torch.randn(4096, device="cuda", dtype=_DT)
+        b = torch.randn(4096, device="cuda", dtype=_DT)
+        ops = {
+            "rms_norm": (lambda: rms_norm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
+                         shared._EAGER_PLANS),
+            "layer_norm": (lambda: layer_norm(x, w, b, 1e-5),
+                           lambda: torch.nn.functional.layer_norm(x, (4096,), w, b, 1e-5), shared._EAGER_PLANS),
+            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1), softmax_plans),
+        }
+        for op, (ours, theirs, plans) in ops.items():
+            r = dict(op=op, M=m)
+            for who, f in (("ours", ours), ("torch", theirs)):
+                f()
+                r[who + "_e2e"] = bench(f, backlog=False).median_us
+                r[who + "_device"] = bench(f).median_us
+                r[who + "_host"] = _host_us(f, batch=100, batches=20)
+            # the floor of our mechanism: the output's allocation and the C launch, everything else prepared
+            plans.clear()
+            ours()
+            (bound, block_m), = plans.values()
+            run, fn, packed, tail, direct = bound.entry
+            c_launch, coop, pdl = direct
+            y = torch.empty_like(x)
+            args = {"rms_norm": (x, None, w, None, None, y, None, None, None, None, m, 4096, 4096, 0, 4096, 0,
+                                 1e-6, None),
+                    "layer_norm": (x, None, w, b, None, y, None, None, None, None, m, 4096, 4096, 0, 4096, 0,
+                                   1e-5, None),
+                    "softmax": (x, y, m, 4096, 4096, 4096)}[op]
+            ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+            grid = -(-m // block_m)
+            stream = torch._C._cuda_getCurrentRawStream(0)
+
+            def floor():
+                torch.empty_like(x)
+                c_launch(grid, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints, *tail)
+
+            r["floor_e2e"] = bench(floor, backlog=False).median_us
+            r["floor_host"] = _host_us(floor, batch=100, batches=20)
+            r["c_launch_grid0"] = _host_us(
+                lambda: c_launch(0, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints, *tail),
+                batch=100, batches=20)
+            r["c_launch"] = _host_us(
+                lambda: c_launch(grid, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints,
+                                 *tail), batch=100, batches=20)
+            r["empty_like"] = _host_us(lambda: torch.empty_like(x), batch=100, batches=20)
+            r["plain_rows"] = _host_us(lambda: eager.plain_rows(x, 16384, w, None, None), batch=100, batches=20)
+            r["block_m"] = block_m
+            r["num_warps"] = bound.meta.get("num_warps")
+            print(r, flush=True)
+            rows.append(r)
+    return {"latency": rows}
+
+
 # rounds r1-r3 (PERF.md, v3) measured (16384, 16), (8192, 8), (4096, 4), (4096, 8), (2048, 4), (1024, 4) forward,
 # (8192, 16), (4096, 8), (4096, 4), (2048, 4), (2048, 8), (1024, 4), (1024, 2) backward. Next: register caps
 # that buy a resident program an SM at the cost of some spilling (sm90_compile: the norm backward at
@@ -273,7 +337,7 @@ def part_split() -> dict:
     return out
 
 
-PARTS = {"host": part_host, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
+PARTS = {"host": part_host, "latency": part_latency, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
 
 
 def main() -> None:
