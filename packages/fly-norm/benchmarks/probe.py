@@ -9,8 +9,6 @@ Parts:
 - ``split``: the split paths' (slice, warps, register cap) candidates on
   wide rows, bf16, M * N = 2**27, each op as a fraction of copy; then the
   defaults with and without cache hints (``split.SPLIT_EVICT``);
-- ``host``: host time of one eager rms_norm call at 4 x 4096 (profile of the
-  Python path, the pieces, Triton's launch and the lean launch) against torch;
 - ``latency``: per op (rms_norm, layer_norm, softmax) and M in (1, 4, 64) rows of 4096: end to end
   (no backlog, what the latency bench sees), device time (backlogged), host time a call, ours and
   torch's; the floor of our launch mechanism (``torch.empty_like`` + Triton's C launch with every
@@ -22,10 +20,7 @@ Parts:
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import time
 from pathlib import Path
@@ -111,87 +106,9 @@ def _host_us(fn, batch=200, batches=30) -> float:
     return statistics.median(per)
 
 
-def part_host() -> dict:
-    x = torch.randn(4, 4096, device="cuda", dtype=_DT)
-    w = torch.randn(4096, device="cuda", dtype=_DT)
-    y = torch.empty_like(x)
-    from fly_norm.rmsnorm import _fwd_config
-
-    c = _fwd_config(4096, x.dtype, x.device)
-    shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config)  # makes the plan
-    bound = next(p[0] for k, p in shared._EAGER_PLANS.items() if k[1] == _DT and k[2] == 4096)
-    bound_args = (x, None, w, None, None, y, None, None, None, None, 4, 4096, 4096, 0, 4096, 0, 1e-6, 0.0)
-    int_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bound_args)
-    via_run = flyc.Bound(bound.kernel, bound.device, bound.entry[:4] + (None,), bound.meta)  # as before v5
-    _, fn, packed, tail, (c_launch, coop, pdl) = bound.entry
-    stream0 = torch._C._cuda_getCurrentRawStream(0)
-    from fly_norm._kernels.eager import plain_rows
-    pieces = {
-        "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
-        "fly_rms_norm": lambda: rms_norm(x, w, 1e-6),
-        "launch_fwd": lambda: shared.launch_fwd(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True,
-                                                None, c),
-        "launch_fwd_unwrapped": lambda: shared.launch_fwd.__wrapped__(x, None, w, None, None, y, None, None, None,
-                                                                      None, 1e-6, 0.0, True, None, c),
-        "check_norm_args": lambda: shared.check_norm_args(x, w, None, None),
-        "config": lambda: _fwd_config(4096, x.dtype, x.device),
-        "empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        "empty_like": lambda: torch.empty_like(x),
-        "lean_key": lambda: flyc._key(0, (x, x, w, w, w, y, y, x, x, x, 4, 4096, 4096, 0, 4096, 0, 1e-6, 0.0), {}),
-        # the eager fast path (v4) and its pieces
-        "eager_forward": lambda: shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config),
-        "bound_launch": lambda: bound(4, x, None, w, None, None, y, None, None, None, None, 4, 4096, 4096, 0, 4096, 0,
-                                      1e-6, 0.0),
-        "is_compiling": torch.compiler.is_compiling,
-        # v5: the bound launch's pieces: Triton's launcher object (as before v5) or its C launch directly,
-        # pointers as tensors or ints; the C launch with an empty grid (all but the driver's launch)
-        "bound_launch_int_ptrs": lambda: bound(4, *int_args),
-        "bound_launch_via_run": lambda: via_run(4, *bound_args),
-        "c_launch_grid0": lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None, None,
-                                           *int_args, *tail),
-        "c_launch_grid0_tensors": lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None,
-                                                   None, *bound_args, *tail),
-        "c_launch": lambda: c_launch(4, 1, 1, stream0, fn, coop, pdl, None, None, packed, None, None, None,
-                                     *int_args, *tail),
-        "raw_stream": lambda: torch._C._cuda_getCurrentRawStream(0),
-        "data_ptr": x.data_ptr,
-        "new_empty": lambda: x.new_empty(x.shape),
-        "plain_rows": lambda: plain_rows(x, 16384, w, None, None),
-        "torch_layer_norm": lambda: torch.nn.functional.layer_norm(x, (4096,), w, w, 1e-5),
-        # softmax's plan for comparison (v4: ~12 us end to end against the norm plan's ~25)
-        "torch_softmax": lambda: torch.softmax(x, -1),
-        "fly_softmax": lambda: softmax(x, -1),
-        "fly_layer_norm": lambda: layer_norm(x, w, w, 1e-5),
-    }
-    res = {k: _host_us(f) for k, f in pieces.items()}
-    # end-to-end with the device (no backlog): what the latency bench sees
-    for name in ("torch_rms_norm", "fly_rms_norm", "torch_softmax", "fly_softmax", "fly_layer_norm"):
-        res[name + "_e2e"] = bench(pieces[name], backlog=False).median_us
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(2000):
-        rms_norm(x, w, 1e-6)
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-    res["profile"] = s.getvalue()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(2000):
-        softmax(x, -1)
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-    res["profile_softmax"] = s.getvalue()
-    print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}, indent=1))
-    print(res["profile"])
-    print(res["profile_softmax"])
-    return res
-
-
 def part_latency() -> dict:
+    """Small-batch latency and its pieces (the v2-v5 ``host`` part, which timed the eager path's pieces
+    before the plans, is in git history; its results in results/probe-host-*.json)."""
     from fly_norm._kernels import eager
     from fly_norm.softmax import _EAGER_PLANS as softmax_plans
 
@@ -200,52 +117,47 @@ def part_latency() -> dict:
         x = torch.randn(m, 4096, device="cuda", dtype=_DT)
         w = torch.randn(4096, device="cuda", dtype=_DT)
         b = torch.randn(4096, device="cuda", dtype=_DT)
-        ops = {
+        y = torch.empty_like(x)
+        xp, wp, bp, yp = (t.data_ptr() for t in (x, w, b, y))
+        ops = {  # op: (ours, torch's, our plans, the plan's launch arguments)
             "rms_norm": (lambda: rms_norm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
-                         shared._EAGER_PLANS),
+                         shared._EAGER_PLANS, (xp, None, wp, None, None, yp, None, None, None, None, m, 4096, 4096,
+                                               0, 4096, 0, 1e-6, None)),
             "layer_norm": (lambda: layer_norm(x, w, b, 1e-5),
-                           lambda: torch.nn.functional.layer_norm(x, (4096,), w, b, 1e-5), shared._EAGER_PLANS),
-            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1), softmax_plans),
-        }
-        for op, (ours, theirs, plans) in ops.items():
+                           lambda: torch.nn.functional.layer_norm(x, (4096,), w, b, 1e-5), shared._EAGER_PLANS,
+                           (xp, None, wp, bp, None, yp, None, None, None, None, m, 4096, 4096, 0, 4096, 0, 1e-5,
+                            None)),
+            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1), softmax_plans, (xp, yp, m, 4096, 4096,
+                                                                                             4096)),
+        }  # fmt: skip
+        for op, (ours, theirs, plans, args) in ops.items():
             r = dict(op=op, M=m)
             for who, f in (("ours", ours), ("torch", theirs)):
                 f()
-                r[who + "_e2e"] = bench(f, backlog=False).median_us
+                r[who + "_latency"] = bench(f, backlog=False, sync_each=True).median_us
+                r[who + "_rate"] = bench(f, backlog=False).median_us
                 r[who + "_device"] = bench(f).median_us
                 r[who + "_host"] = _host_us(f, batch=100, batches=20)
-            # the floor of our mechanism: the output's allocation and the C launch, everything else prepared
+            # the floor of the mechanism: the output's allocation and the plan's launch, nothing else
             plans.clear()
             ours()
-            (bound, block_m), = plans.values()
-            run, fn, packed, tail, direct = bound.entry
-            c_launch, coop, pdl = direct
-            y = torch.empty_like(x)
-            args = {"rms_norm": (x, None, w, None, None, y, None, None, None, None, m, 4096, 4096, 0, 4096, 0,
-                                 1e-6, None),
-                    "layer_norm": (x, None, w, b, None, y, None, None, None, None, m, 4096, 4096, 0, 4096, 0,
-                                   1e-5, None),
-                    "softmax": (x, y, m, 4096, 4096, 4096)}[op]
-            ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-            grid = -(-m // block_m)
-            stream = torch._C._cuda_getCurrentRawStream(0)
+            (plan,) = plans.values()
+            c_launch, fn, coop, pdl, packed, tail, _, _ = plan
 
             def floor():
                 torch.empty_like(x)
-                c_launch(grid, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints, *tail)
+                eager.launch(plan, m, *args)
 
-            r["floor_e2e"] = bench(floor, backlog=False).median_us
+            r["floor_latency"] = bench(floor, backlog=False, sync_each=True).median_us
+            r["floor_rate"] = bench(floor, backlog=False).median_us
             r["floor_host"] = _host_us(floor, batch=100, batches=20)
+            r["launch_host"] = _host_us(lambda: eager.launch(plan, m, *args), batch=100, batches=20)
             r["c_launch_grid0"] = _host_us(
-                lambda: c_launch(0, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints, *tail),
-                batch=100, batches=20)
-            r["c_launch"] = _host_us(
-                lambda: c_launch(grid, 1, 1, stream, fn, coop, pdl, None, None, packed, None, None, None, *ints,
-                                 *tail), batch=100, batches=20)
+                lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None, None, *args, *tail),
+                batch=100, batches=20)  # fmt: skip
             r["empty_like"] = _host_us(lambda: torch.empty_like(x), batch=100, batches=20)
-            r["plain_rows"] = _host_us(lambda: eager.plain_rows(x, 16384, w, None, None), batch=100, batches=20)
-            r["block_m"] = block_m
-            r["num_warps"] = bound.meta.get("num_warps")
+            r["sync_alone"] = bench(lambda: None, backlog=False, sync_each=True).median_us
+            r["block_m"] = plan[-1]
             print(r, flush=True)
             rows.append(r)
     return {"latency": rows}
@@ -337,7 +249,7 @@ def part_split() -> dict:
     return out
 
 
-PARTS = {"host": part_host, "latency": part_latency, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
+PARTS = {"latency": part_latency, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
 
 
 def main() -> None:

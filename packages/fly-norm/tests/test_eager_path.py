@@ -97,3 +97,42 @@ def test_softmax_plans(dtype):
     x = randn(8, 4096, dtype=dtype, device="cuda")
     assert _eager_fwd(x[:, :100]) is None  # strided rows: the general path
     assert_rel_close(softmax(x, dim=0), softmax_ref(x, dim=0))  # not the last dim: the general path
+
+
+def test_module_weights_take_the_plan_under_no_grad():
+    """nn.Parameter weights (FlyRMSNorm's, FlyLayerNorm's) are plain tensors to a plan when nothing records a
+    gradient; with autograd recording, the call goes through the op."""
+    from fly_norm import FlyLayerNorm, FlyRMSNorm
+
+    x = randn(4, 4096, dtype=torch.bfloat16, device="cuda")
+    rms = FlyRMSNorm(4096, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    ln = FlyLayerNorm(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        rms.weight.copy_(randn(4096, dtype=torch.bfloat16, device="cuda", seed=5))
+        assert shared.eager_forward(x, rms.weight, None, None, 1e-6, 0.0, True, _fwd_config) is not None
+        assert_rel_close(rms(x), rms_norm_ref(x, rms.weight, 1e-6))
+        assert_rel_close(ln(x), layer_norm_ref(x, ln.weight, ln.bias, 1e-5))
+    assert shared.eager_forward(x, rms.weight, None, None, 1e-6, 0.0, True, _fwd_config) is None
+    assert rms(x).requires_grad
+
+
+def test_a_launch_hook_sees_every_launch():
+    """A profiler's launch hook is called on Triton's path only: with one installed, plans are not used."""
+    import triton
+
+    from fly_norm import softmax
+
+    x = randn(4, 4096, dtype=torch.bfloat16, device="cuda")
+    w = randn(4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    rms_norm(x, w)
+    softmax(x)  # plans exist
+    seen = []
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(seen.append)
+    try:
+        assert shared.eager_forward(x, w, None, None, 1e-6, 0.0, True, _fwd_config) is None
+        assert_rel_close(rms_norm(x, w), rms_norm_ref(x, w, 1e-6))
+        softmax(x)
+    finally:
+        hooks.remove(seen.append)
+    assert len(seen) == 2

@@ -164,3 +164,26 @@ def test_rotating_copies_bounds():
     assert len(rotating_copies((a,), l2_bytes=10)) == 1  # already exceeds 3 x L2
     assert len(rotating_copies((a,), l2_bytes=256, min_multiple=1.0)) == 1  # exactly 1 x L2
     assert len(rotating_copies((1, "x"), l2_bytes=10**6)) == 1  # no tensors to rotate
+
+
+@pytest.mark.gpu
+def test_bench_sync_each_times_host_and_device_in_series():
+    """With ``sync_each`` a call's time holds its device work and its host work in series: a call that
+    queues ~20 us of device work and then spends ~30 us on the host takes >= 50 us a call, where back to
+    back (no sync, no backlog) the device work hides under the next call's host time (~30 us)."""
+    import time
+
+    from flydsl.autotune.timer import _sm_clock_hz
+
+    cycles = int(_sm_clock_hz(torch, torch.device("cuda")) * 20e-6)  # ~20 us of GPU sleep
+
+    def call():
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 30e-6:
+            pass
+
+    synced = bench(call, backlog=False, sync_each=True, **FAST).median_us
+    rate = bench(call, backlog=False, **FAST).median_us
+    assert synced > 45.0, synced
+    assert rate < synced - 10.0, (rate, synced)

@@ -16,8 +16,11 @@ itself reaches only ~93% of its large-size bandwidth, see PERF.md):
   is built once and reused with ``retain_graph``);
 - ``softmax_bwd``: read y and dy, write dx;
 - ``rmsnorm_quant``: read x and weight, write int8 q and fp32 row scales;
-- ``latency``: rms_norm, layer_norm and softmax at M <= 64 rows of N = 4096, end-to-end call
-  time (host + device, no GPU backlog) against torch eager.
+- ``latency``: rms_norm, layer_norm and softmax at M <= 64 rows of N = 4096, each call's end-to-end
+  latency (the call, then its device work, then the synchronization's return: host and device in
+  series) against torch eager;
+- ``call_rate``: the same calls back to back with no synchronization and no GPU backlog (the host's
+  rate of calls: each provider's host time a call where it exceeds the device time).
 """
 
 from __future__ import annotations
@@ -219,7 +222,7 @@ def _quant_bench(dtype: torch.dtype = torch.int8) -> Bench:
 # --------------------------------------------------------------------- latency
 
 
-def _latency_bench() -> Bench:
+def _latency_bench(name: str, sync_each: bool) -> Bench:
     from .layernorm import layer_norm
     from .rmsnorm import rms_norm
     from .softmax import softmax
@@ -241,8 +244,10 @@ def _latency_bench() -> Bench:
         return lambda t: (lambda f, args: lambda: f(*args))(ops[t[0]][which], t[1:])
 
     cases = [Case(f"{op} {m}x4096", {"op": op, "M": m, "N": 4096}) for op in ops for m in (1, 4, 16, 64)]
+    what = ("each call's latency: the call, its device work and the synchronization's return, in series"
+            if sync_each else "calls back to back, no synchronization, no GPU backlog: the rate of calls")
     return Bench(
-        name="latency",
+        name=name,
         cases=cases,
         quick_cases=cases[:1],
         setup=setup,
@@ -253,8 +258,8 @@ def _latency_bench() -> Bench:
         x_param="M",
         group_by=("op",),
         rotate=False,
-        timer_kwargs={"backlog": False},  # end-to-end: host launch + device, as an eager caller sees it
-        description="small batches, end-to-end call latency (host + device, no GPU backlog).",
+        timer_kwargs={"backlog": False, "sync_each": sync_each},
+        description=f"small batches, {what}.",
     )
 
 
@@ -275,7 +280,8 @@ def benches() -> list[Bench]:
         _bwd_bench("softmax_bwd", lambda x: softmax(x, -1), _torch_softmax, _SOFTMAX_WIDTHS, 0, 0),
         _quant_bench(),
         _quant_bench(torch.float8_e4m3fn),
-        _latency_bench(),
+        _latency_bench("latency", sync_each=True),
+        _latency_bench("call_rate", sync_each=False),
     ]
 
 

@@ -50,8 +50,7 @@ from flydsl.testing import poison, tolerance
 from flydsl_common.device import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
-from ._kernels.eager import launch as eager_launch
-from ._kernels.eager import may_launch, plain_rows
+from ._kernels import eager
 from ._kernels.passes import (
     LOG2E,
     NEG_INF,
@@ -368,26 +367,35 @@ def _check_bwd(dy, y, dy_name="dy", y_name="y", ndim=None) -> None:
     _check_layout(dy_name, dy)
 
 
-_EAGER_PLANS: dict = {}  # cheap key of a plain call -> (bound launch, rows a program): see _kernels/eager.py
+_EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see _kernels/eager.py)
 
 
 def _eager_fwd(x: torch.Tensor):
     """softmax over the last dim of a plain eager call through a cached launch plan; None when the call is
-    not one (:func:`fly_norm._kernels.eager.plain_rows`, rows narrower than the split path's)."""
-    rows = plain_rows(x, SPLIT_MIN_N - 1)
-    if rows is None:
+    not one (:func:`fly_norm._kernels.eager.rows_device`, rows narrower than the split path's, no gradient)."""
+    dev = eager.rows_device(x)
+    if dev is None or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    m, n, dev = rows
-    key = (x.dtype, n, dev, m >> 31, x.data_ptr() & 15)
-    if not may_launch(_EAGER_PLANS, key):
+    n = x.shape[-1]
+    if not n:
         return None
-    y = torch.empty_like(x)
+    m = x.numel() // n
+    xp = x.data_ptr()
+    dtype = x.dtype
+    key = (dtype, n, dev, m >> 31, xp & 15)
 
     def make():  # the key holds what packed_plan reads: the dtype, the width, x's pointer's low bits
-        cfg, packed = packed_plan(softmax_config(n, x.dtype, x.device), True, x.view(m, n), y.view(m, n))
-        return _softmax_fwd_kernel, dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
+        if dtype not in SOFTMAX_DTYPES or n >= SPLIT_MIN_N:
+            return None
+        x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
+        cfg, packed = packed_plan(softmax_config(n, dtype, x.device), True, x2, y2)
+        return _softmax_fwd_kernel, (x2, y2, m, n, n, n), dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
 
-    eager_launch(_EAGER_PLANS, key, m, (x, y, m, n, n, n), make)
+    plan = eager.plan(_EAGER_PLANS, key, make)
+    if plan is None:
+        return None
+    y = torch.empty_like(x)
+    eager.launch(plan, m, xp, y.data_ptr(), m, n, n, n)
     return y
 
 

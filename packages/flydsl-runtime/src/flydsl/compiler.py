@@ -47,8 +47,8 @@ from . import _backend
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
-    "kernel", "func", "jit", "launch", "bind", "Bound", "programs_per_sm", "on_current_device", "cdiv",
-    "next_power_of_2", "interpreting", "ensure_scratch_allocator",
+    "kernel", "func", "jit", "launch", "bind", "Bound", "hooks_idle", "programs_per_sm", "on_current_device",
+    "cdiv", "next_power_of_2", "interpreting", "ensure_scratch_allocator",
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -317,10 +317,16 @@ class _Lean:
         self.table[key] = _entry(compiled, tail)
 
 
-def _hooks_idle() -> bool:
-    rt = triton.knobs.runtime
+def hooks_idle() -> bool:
+    """Whether no launch hook (a profiler's) is installed in Triton: launches may then skip Triton's path,
+    which is the one that calls the hooks."""
+    rt = _RUNTIME_KNOBS
     enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
     return not getattr(enter, "calls", enter) and not getattr(exit_, "calls", exit_)
+
+
+_RUNTIME_KNOBS = triton.knobs.runtime
+_hooks_idle = hooks_idle
 
 
 def _lean(kernel) -> _Lean:
@@ -410,6 +416,19 @@ class Bound:
             self.kernel[(grid0,)](*args, **self.meta)
             return
         _fire(self.entry, grid0, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), args)
+
+    def direct(self) -> tuple | None:
+        """(C launch function, CUfunction, cooperative flag, PDL flag, packed metadata, constexpr tail,
+        device) for callers that launch with no Python between them and the driver, or None where Triton's
+        launcher must be called (another Triton version or backend). The C function is called as
+        ``c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args, *tail)``
+        and takes each pointer as a tensor or as an integer (``data_ptr()``: no driver query); the caller
+        keeps to :func:`hooks_idle` launches (a profiler's hooks are called on Triton's path only)."""
+        _, function, packed, tail, direct = self.entry
+        if direct is None:
+            return None
+        c_launch, coop, pdl = direct
+        return c_launch, function, coop, pdl, packed, tail, self.device
 
 
 def bind(kernel, *args, **meta) -> Bound:

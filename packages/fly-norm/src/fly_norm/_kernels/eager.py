@@ -1,16 +1,21 @@
-"""The eager fast path's shared half: is this a small plain inference call, and its launch plan cache.
+"""The eager fast path's shared half: is this a small plain inference call, and its launch plans.
 
 Small eager calls (decode-time batches) cost more on the host than on the
 GPU: the general paths check every operand, look the config up, key the
-launch on every argument. A plain call (a compiled GPU run, dense rows on the
-current device, nothing for autograd to record, no tracing) instead looks up
-a plan under a cheap key of its own, a :class:`flydsl.compiler.Bound` launch
-and the rows a program takes, and launches it. The callers
-(:func:`fly_norm._kernels.norm.eager_forward`, :func:`fly_norm.softmax.softmax`)
-build the key from everything the kernel's compiled specialization depends
-on for such a call: the operands' dtypes and 16-byte alignment (fresh outputs
-are always aligned), the row width (also the row stride), the device and
-whether M needs 64 bits (its value is never specialized).
+launch on every argument. A plain call (dense rows on the current CUDA
+device, nothing for autograd to record, no tracing, no profiler hook) instead
+looks up a plan under a cheap key of its own and launches it through
+Triton's C launch function with every pointer given as an integer (the
+launcher then skips its driver query a tensor).
+
+The callers (:func:`fly_norm._kernels.norm.eager_forward`,
+:func:`fly_norm.softmax.softmax`) build the key from everything the kernel's
+compiled specialization depends on for such a call: the operands' dtypes,
+shapes and 16-byte alignment (fresh outputs are always aligned), the row
+width (also the row stride) and the device (M is never specialized). What
+the key holds, the plan's ``make`` validates once: a key no plan can serve
+(a dtype or shape the kernel does not take, too wide a row) caches None, and
+those calls take the general path, which names what is wrong.
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ import torch
 import flydsl.compiler as flyc
 from flydsl import env
 
-__all__ = ["plain_rows", "may_launch", "launch", "general_path_only"]
+__all__ = ["rows_device", "vector_key", "plan", "launch", "general_path_only", "FLOAT"]
 
-_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter's torch-function handling is the tensor's
 _OFF: list = []  # non-empty while every call must take the general path (general_path_only)
+_MISSING = object()
+# torch's current device and raw stream (bound once; absent from CPU-only builds, where no x is a CUDA tensor)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @contextmanager
@@ -39,38 +49,50 @@ def general_path_only():
         _OFF.pop()
 
 
-def plain_rows(x, max_n: int, *others) -> tuple[int, int, int] | None:
-    """(m, n, device index) when ``x`` is dense rows of at most ``max_n`` columns on the current CUDA device
-    in a compiled run, and neither ``x`` nor ``others`` (tensors or None) needs autograd, outside tracing
-    and :func:`general_path_only`; None otherwise (the caller takes its general path)."""
-    if torch.compiler.is_compiling() or _OFF:  # first: tracing cannot evaluate what follows
+def rows_device(x) -> int | None:
+    """x's device index when x may be a plan's rows: a contiguous CUDA tensor (not a subclass) of at least one
+    dimension on the current device, in an eager call with no profiler hook installed (not traced, not
+    under :func:`general_path_only`); None otherwise (the caller takes its general path). The caller
+    checks what autograd needs."""
+    if _OFF or torch.compiler.is_compiling():  # first: tracing cannot evaluate what follows
         return None
-    if type(x) is not torch.Tensor or not x.is_cuda or flyc.interpreting() or x.dtype not in _FLOAT:
+    if type(x) is not torch.Tensor or not x.is_cuda or not x.ndim or not x.is_contiguous():
         return None
-    if not x.dim() or not x.is_contiguous():
-        return None
-    n = x.shape[-1]
     dev = x.get_device()
-    if not 0 < n <= max_n or dev != torch._C._cuda_getDevice():
+    return dev if dev == _current_device() and flyc.hooks_idle() else None
+
+
+def vector_key(v, dev: int):
+    """A per-column operand's (weight, bias) part of a plan key: None when absent; False when no plan can
+    take it (another device, not contiguous, a tensor subclass); else (dtype, shape, pointer mod 16)."""
+    if v is None:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
+    if type(v) not in _TENSORS or not v.is_cuda or v.get_device() != dev or not v.is_contiguous():
+        return False
+    return v.dtype, v.shape, v.data_ptr() & 15
+
+
+def plan(plans: dict, key, make):
+    """The plan cached under ``key``, made now if there is none: ``make()`` gives (kernel, bind arguments,
+    bind meta, rows a program) or None when no plan can serve the key (cached as None). None also while
+    ``FLYDSL_AUTOTUNE`` is set and no plan exists: the general path runs the search, then serves its winner."""
+    p = plans.get(key, _MISSING)
+    if p is not _MISSING:
+        return p
+    if env.get("FLYDSL_AUTOTUNE") or flyc.interpreting():
         return None
-    m = x.numel() // n
-    return (m, n, dev) if m else None
+    made = make()
+    if made is None:
+        plans[key] = None
+        return None
+    kernel, args, meta, block_m = made
+    direct = flyc.bind(kernel, *args, **meta).direct()
+    p = plans[key] = None if direct is None else (*direct, block_m)
+    return p
 
 
-def may_launch(plans: dict, key) -> bool:
-    """Whether :func:`launch` can serve ``key``: a plan is cached, or one may be made (no config search
-    may be due: with ``FLYDSL_AUTOTUNE`` set, the general path runs the search, then serves its winner)."""
-    return key in plans or not env.get("FLYDSL_AUTOTUNE")
-
-
-def launch(plans: dict, key, m: int, args: tuple, make) -> None:
-    """Launch the plan cached under ``key`` over ``m`` rows; ``make()`` gives (kernel, meta, rows a program)
-    when there is none yet, and the plan binds ``kernel`` to ``args``' specialization."""
-    plan = plans.get(key)
-    if plan is None:
-        kernel, meta, block_m = make()
-        plan = plans[key] = (flyc.bind(kernel, *args, **meta), block_m)
-    bound, block_m = plan
-    bound(-(-m // block_m), *args)
+def launch(p: tuple, m: int, *args) -> None:
+    """Launch plan ``p`` over ``m`` rows on the current stream; tensors in ``args`` given as ``data_ptr()``."""
+    c_launch, function, coop, pdl, packed, tail, device, block_m = p
+    c_launch(-(-m // block_m), 1, 1, _current_stream(device), function, coop, pdl, None, None, packed,
+             None, None, None, *args, *tail)  # fmt: skip

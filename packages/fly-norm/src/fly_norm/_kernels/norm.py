@@ -66,9 +66,8 @@ from flydsl_common.device import (
 )
 from flydsl_common.rows import RowConfig, as_rows
 
+from . import eager
 from .affine import load_bwd_rows, load_weight
-from .eager import launch as eager_launch
-from .eager import may_launch, plain_rows
 from .passes import (
     inverse_scale,
     lane_amax,
@@ -861,14 +860,7 @@ def norm_forward(
 
 # ---------------------------------------------------------------- eager small calls
 
-_EAGER_PLANS: dict = {}  # cheap key of a plain call -> (bound launch, rows a program): see .eager
-
-
-def _vector_ok(v, n, dtype, device_index) -> bool:
-    return v is None or (
-        type(v) is torch.Tensor and v.dim() == 1 and v.shape[0] == n and v.stride(0) == 1
-        and (v.dtype is dtype or v.dtype is torch.float32) and v.is_cuda and v.get_device() == device_index
-    )  # fmt: skip
+_EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see .eager)
 
 
 def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, config_for: ConfigFor):
@@ -876,45 +868,64 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     when the call is not one, and the caller takes the general path (which also validates and names bad
     arguments).
 
-    Plain: :func:`.eager.plain_rows` with rows narrower than the split paths', vector operands as
-    :func:`_plain_call` accepts, an optional dense residual of x's shape on the same device. The config is
-    chosen when the plan is made (``FLYDSL_AUTOTUNE`` on: no plans, the general path searches).
+    Plain: :func:`.eager.rows_device`, rows narrower than the split paths', weight and bias of the row's
+    width in x's dtype or fp32, an optional dense residual of x's shape on the same device, nothing that
+    needs a gradient. The config is chosen when the plan is made.
     """
-    rows = plain_rows(x, SPLIT_MIN_N - 1, weight, bias, residual)
-    if rows is None:
+    dev = eager.rows_device(x)
+    if dev is None:
         return None
-    m, n, dev = rows
-    dtype = x.dtype
-    if not (_vector_ok(weight, n, dtype, dev) and _vector_ok(bias, n, dtype, dev)):
-        return None
-    if residual is not None and (
-        type(residual) is not torch.Tensor or residual.shape != x.shape or not residual.is_contiguous()
-        or residual.dtype not in FLOAT_DTYPES or not residual.is_cuda or residual.get_device() != dev
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
     ):  # fmt: skip
         return None
-    key = (
-        is_rms, dtype, n, dev, m >> 31, x.data_ptr() & 15,
-        None if weight is None else (weight.dtype, weight.data_ptr() & 15),
-        None if bias is None else (bias.dtype, bias.data_ptr() & 15),
-        None if residual is None else (residual.dtype, residual.data_ptr() & 15),
-        weight_offset == 0,  # _offset_arg: None, a constexpr
-    )  # fmt: skip
-    if not may_launch(_EAGER_PLANS, key):
+    shape = x.shape
+    n = shape[-1]
+    if not n:
+        return None
+    m = x.numel() // n
+    xp = x.data_ptr()
+    rkey = None
+    if residual is not None:
+        if type(residual) is not torch.Tensor or residual.shape != shape or not residual.is_contiguous() or (
+            not residual.is_cuda or residual.get_device() != dev
+        ):  # fmt: skip
+            return None
+        rkey = residual.dtype, residual.data_ptr() & 15
+    dtype = x.dtype
+    wkey, bkey = eager.vector_key(weight, dev), eager.vector_key(bias, dev)
+    key = (is_rms, dtype, n, dev, m >> 31, xp & 15, wkey, bkey, rkey, weight_offset == 0)
+
+    def make():  # what the key holds is checked once here; _row_plan reads dtypes, the width, pointers' low bits
+        vectors_ok = all(
+            k is None or (k is not False and k[1] == (n,) and k[0] in (dtype, torch.float32)) for k in (wkey, bkey)
+        )
+        if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
+            return None
+        x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
+        cfg, packed = _row_plan(x2, residual, weight, bias, None, y2, weight_offset, is_rms, None,
+                                config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
+        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n, packed)
+        h = None if residual is None else torch.empty_like(residual)
+        return _norm_fwd_kernel, (x, residual, weight, bias, None, y2, h, None, None, None, m, n, n, 0 if h is None
+                                  else n, n, 0 if h is None else n, eps, _offset_arg(weight_offset)), meta, cfg.block_m
+
+    plan = eager.plan(_EAGER_PLANS, key, make)
+    if plan is None:
         return None
     y = torch.empty_like(x)
-    h = None if residual is None else torch.empty_like(residual)
-    rn = 0 if residual is None else n
-
-    def make():  # the key holds what _row_plan reads: dtypes, the width, each pointer's low bits
-        cfg, packed = _row_plan(x.view(m, n), residual, weight, bias, None, y.view(m, n), weight_offset, is_rms,
-                                None, config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
-        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n, packed)
-        return _norm_fwd_kernel, meta, cfg.block_m
-
-    offset = _offset_arg(weight_offset)
-    args = (x, residual, weight, bias, None, y, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
-    eager_launch(_EAGER_PLANS, key, m, args, make)
-    return y if residual is None else (y, h)
+    wp = None if weight is None else weight.data_ptr()
+    bp = None if bias is None else bias.data_ptr()
+    offset = None if weight_offset == 0 else weight_offset
+    if residual is None:
+        eager.launch(plan, m, xp, None, wp, bp, None, y.data_ptr(), None, None, None, None, m, n, n, 0, n, 0, eps,
+                     offset)  # fmt: skip
+        return y
+    h = torch.empty_like(residual)
+    eager.launch(plan, m, xp, residual.data_ptr(), wp, bp, None, y.data_ptr(), h.data_ptr(), None, None, None, m, n,
+                 n, n, n, n, eps, offset)  # fmt: skip
+    return y, h
 
 
 def norm_quant_forward(

@@ -185,13 +185,21 @@ def _fit_window(
 
 
 def _bench_cuda(
-    call: Callable[[], Any], windows: int, target_s: float, warmup_s: float, max_calls: int, backlog: bool, device: Any
-) -> Timing:
+    call: Callable[[], Any], windows: int, target_s: float, warmup_s: float, max_calls: int, backlog: bool,
+    device: Any, sync_each: bool = False,
+) -> Timing:  # fmt: skip
     import torch
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     with torch.cuda.device(dev):
         sync = torch.cuda.synchronize
+        if sync_each:  # each call's latency: it and its device work done before the next call starts
+            backlog, unsynced = False, call
+
+            def call() -> None:
+                unsynced()
+                sync()
+
         host_per_call, wall_per_call, _ = _warmup(call, warmup_s, sync)
         sleep = getattr(torch.cuda, "_sleep", None) if backlog else None
         clock_hz = _sm_clock_hz(torch, dev)
@@ -243,6 +251,7 @@ def bench(
     max_calls_per_window: int = 10000,
     backlog: bool = True,
     device: Any = None,
+    sync_each: bool = False,
 ) -> Timing:
     """Time ``fn`` and return the median per-call time over ``windows`` windows.
 
@@ -255,7 +264,10 @@ def bench(
 
     On CUDA (``device`` None with a GPU visible, or a CUDA device) launches are
     timed between CUDA events; with ``backlog`` a ``torch.cuda._sleep`` queued
-    ahead of each window hides the host's launch overhead. Otherwise the host
+    ahead of each window hides the host's launch overhead. ``sync_each``
+    synchronizes the device after every call (no backlog): the time is then
+    each call's latency, host and device in series plus the synchronization's
+    return, rather than the rate of back-to-back calls. Otherwise the host
     clock is used. Example::
 
         t = bench(lambda: torch.mm(a, b))
@@ -268,7 +280,7 @@ def bench(
     call = _caller(fn, arg_sets)
     target_s, warmup_s = target_window_ms * 1e-3, warmup_ms * 1e-3
     if _use_cuda(device):
-        return _bench_cuda(call, windows, target_s, warmup_s, max_calls_per_window, backlog, device)
+        return _bench_cuda(call, windows, target_s, warmup_s, max_calls_per_window, backlog, device, sync_each)
     return _bench_host(call, windows, target_s, warmup_s, max_calls_per_window)
 
 
