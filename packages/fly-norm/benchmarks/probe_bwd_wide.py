@@ -13,7 +13,8 @@ in the same process, % of the copy measured in the same run.
   the pipeliner refuses loops with nested loops), and LEAD 0 (pass 1, then the wait, each row), 1 (pass 1
   a row ahead, ``split._staged_pass1``) or 2 (also the wait's first read before pass 1: what ships as
   ``split._norm_bwd_staged_kernel``).
-- ``staged_narrow``: the shipped staged kernel on rows of one or two slices (4K-16K).
+- ``staged_narrow``: the shipped staged kernel on rows of one or two slices (4K-16K); with ``--widths`` and
+  ``--cfgs SLICE,WARPS,STAGES ...``, on other widths and configs.
 
 The sixth session's probe of the backward in row and column roles (PERF.md v14, 7-54%) lived here as part
 ``cols``: commits 4d8f4bf and e9aa133, results ``results/probe-bwd-cols-r*.json``.
@@ -332,14 +333,14 @@ def _pipe_split_part(copy: float) -> list[dict]:
     return out
 
 
-def _staged_narrow_part(copy: float) -> list[dict]:
+def _staged_narrow_part(copy: float, widths=(4096, 8192, 16384), cfgs=((8192, 16, 3), (4096, 8, 3), (4096, 16, 3))):
     """The shipped staged split kernel (split.launch_bwd_split) on rows of one or two slices (4K-16K), where
     the single pass or the pipelined single pass serve now: kernel + column sums against the whole backward."""
     from fly_norm._kernels import split
 
     out = []
     shipped_cfg = split.BWD_STAGED
-    for n, op, h, w, b, dy, mean, rstd, grads, nbytes in _setups((4096, 8192, 16384), copy, out):
+    for n, op, h, w, b, dy, mean, rstd, grads, nbytes in _setups(widths, copy, out):
         is_rms = mean is None
 
         def launch(dx, dw, db):
@@ -348,7 +349,7 @@ def _staged_narrow_part(copy: float) -> list[dict]:
             if not is_rms:
                 launch_sum_partials(dbp, db)
 
-        for cfg in ((8192, 16, 3), (4096, 8, 3), (4096, 16, 3)):
+        for cfg in cfgs:
             split.BWD_STAGED = cfg
             try:
                 _measure(out, launch, h, w, b, grads, nbytes, copy, N=n, op=op, kernel="staged", case=cfg)
@@ -361,13 +362,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--part", nargs="*", default=["pipe"])
+    ap.add_argument("--widths", nargs="*", type=int, default=[4096, 8192, 16384], help="staged_narrow's widths")
+    ap.add_argument("--cfgs", nargs="*", default=["8192,16,3", "4096,8,3", "4096,16,3"],
+                    help="staged_narrow's (slice, warps, stages)")
     args = ap.parse_args()
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]
     if "pipe" in args.part:
         rows += _pipe_part(copy)
     if "staged_narrow" in args.part:
-        rows += _staged_narrow_part(copy)
+        cfgs = [tuple(int(v) for v in c.split(",")) for c in args.cfgs]
+        rows += _staged_narrow_part(copy, tuple(args.widths), cfgs)
     if "pipe_split" in args.part:
         rows += _pipe_split_part(copy)
     if args.out:

@@ -370,28 +370,31 @@ def _check_bwd(dy, y, dy_name="dy", y_name="y", ndim=None) -> None:
 _EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see _kernels/eager.py)
 
 
+def _eager_fwd_plan(x: torch.Tensor, m: int, n: int):
+    """What :func:`._kernels.eager.make_plan` binds for :func:`_eager_fwd`'s key (what packed_plan reads: the
+    dtype, the width, x's pointer's low bits), or None when no plan can serve it."""
+    if x.dtype not in SOFTMAX_DTYPES or n >= SPLIT_MIN_N:
+        return None
+    x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
+    cfg, packed = packed_plan(softmax_config(n, x.dtype, x.device), True, x2, y2)
+    return _softmax_fwd_kernel, (x2, y2, m, n, n, n), dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
+
+
 def _eager_fwd(x: torch.Tensor):
     """softmax over the last dim of a plain eager call through a cached launch plan; None when the call is
     not one (:func:`fly_norm._kernels.eager.rows_device`, rows narrower than the split path's, no gradient)."""
     dev = eager.rows_device(x)
-    if dev is None or (x.requires_grad and torch.is_grad_enabled()):
+    if dev is None or (x.requires_grad and eager.grad_enabled()):
         return None
     n = x.shape[-1]
     if not n:
         return None
     m = x.numel() // n
     xp = x.data_ptr()
-    dtype = x.dtype
-    key = (dtype, n, dev, m >> 31, xp & 15)
-
-    def make():  # the key holds what packed_plan reads: the dtype, the width, x's pointer's low bits
-        if dtype not in SOFTMAX_DTYPES or n >= SPLIT_MIN_N:
-            return None
-        x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
-        cfg, packed = packed_plan(softmax_config(n, dtype, x.device), True, x2, y2)
-        return _softmax_fwd_kernel, (x2, y2, m, n, n, n), dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
-
-    plan = eager.plan(_EAGER_PLANS, key, make)
+    key = (x.dtype, n, dev, m >> 31, xp & 15)
+    plan = _EAGER_PLANS.get(key, eager.MISSING)
+    if plan is eager.MISSING:
+        plan = eager.make_plan(_EAGER_PLANS, key, lambda: _eager_fwd_plan(x, m, n))
     if plan is None:
         return None
     y = torch.empty_like(x)

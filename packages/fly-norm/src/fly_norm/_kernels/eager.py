@@ -27,15 +27,18 @@ import torch
 import flydsl.compiler as flyc
 from flydsl import env
 
-__all__ = ["rows_device", "vector_key", "plan", "launch", "general_path_only", "FLOAT"]
+__all__ = ["rows_device", "vector_key", "MISSING", "make_plan", "launch", "general_path_only", "grad_enabled"]
 
-FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter's torch-function handling is the tensor's
 _OFF: list = []  # non-empty while every call must take the general path (general_path_only)
-_MISSING = object()
-# torch's current device and raw stream (bound once; absent from CPU-only builds, where no x is a CUDA tensor)
+MISSING = object()  # what ``plans.get(key, MISSING)`` returns for a key with no plan yet: make one (make_plan)
+# Bound once (each attribute chain costs ~50-100 ns a call): torch's current device and raw stream (absent
+# from CPU-only builds, where no x is a CUDA tensor), the tracing and grad-mode probes, Triton's hooks.
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_compiling = torch.compiler.is_compiling
+_hooks_idle = flyc.hooks_idle
+grad_enabled = torch.is_grad_enabled
 
 
 @contextmanager
@@ -54,12 +57,12 @@ def rows_device(x) -> int | None:
     dimension on the current device, in an eager call with no profiler hook installed (not traced, not
     under :func:`general_path_only`); None otherwise (the caller takes its general path). The caller
     checks what autograd needs."""
-    if _OFF or torch.compiler.is_compiling():  # first: tracing cannot evaluate what follows
+    if _OFF or _compiling():  # first: tracing cannot evaluate what follows
         return None
     if type(x) is not torch.Tensor or not x.is_cuda or not x.ndim or not x.is_contiguous():
         return None
     dev = x.get_device()
-    return dev if dev == _current_device() and flyc.hooks_idle() else None
+    return dev if dev == _current_device() and _hooks_idle() else None
 
 
 def vector_key(v, dev: int):
@@ -72,13 +75,11 @@ def vector_key(v, dev: int):
     return v.dtype, v.shape, v.data_ptr() & 15
 
 
-def plan(plans: dict, key, make):
-    """The plan cached under ``key``, made now if there is none: ``make()`` gives (kernel, bind arguments,
-    bind meta, rows a program) or None when no plan can serve the key (cached as None). None also while
-    ``FLYDSL_AUTOTUNE`` is set and no plan exists: the general path runs the search, then serves its winner."""
-    p = plans.get(key, _MISSING)
-    if p is not _MISSING:
-        return p
+def make_plan(plans: dict, key, make):
+    """Make and cache the plan of ``key`` (the caller found none: ``plans.get(key, MISSING) is MISSING``).
+    ``make()`` gives (kernel, bind arguments, bind meta, rows a program), or None when no plan can serve the
+    key (cached as None: those calls take the general path). None, and nothing cached, while
+    ``FLYDSL_AUTOTUNE`` is set: the general path runs the search, then serves its winner."""
     if env.get("FLYDSL_AUTOTUNE") or flyc.interpreting():
         return None
     made = make()

@@ -863,6 +863,25 @@ def norm_forward(
 _EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see .eager)
 
 
+def _eager_fwd_plan(x, weight, bias, residual, eps, weight_offset, is_rms, config_for, key):
+    """What :func:`.eager.make_plan` binds for :func:`eager_forward`'s ``key``, or None when no plan can serve
+    it: the key's parts are validated here, once (_row_plan reads dtypes, the width, pointers' low bits)."""
+    _, dtype, n, _, _, _, wkey, bkey, rkey, _ = key
+    vectors_ok = all(k is None or (k is not False and k[1] == (n,) and k[0] in (dtype, torch.float32))
+                     for k in (wkey, bkey))  # fmt: skip
+    if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
+        return None
+    m = x.numel() // n
+    x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
+    cfg, packed = _row_plan(x2, residual, weight, bias, None, y2, weight_offset, is_rms, None,
+                            config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
+    meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n, packed)
+    h, rn = (None, 0) if residual is None else (torch.empty_like(residual), n)
+    offset = _offset_arg(weight_offset)
+    args = (x, residual, weight, bias, None, y2, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
+    return _norm_fwd_kernel, args, meta, cfg.block_m
+
+
 def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, config_for: ConfigFor):
     """y (or (y, residual_out)) of a plain eager norm call through a cached launch plan (:mod:`.eager`); None
     when the call is not one, and the caller takes the general path (which also validates and names bad
@@ -875,7 +894,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     dev = eager.rows_device(x)
     if dev is None:
         return None
-    if torch.is_grad_enabled() and (
+    if eager.grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
         or (residual is not None and residual.requires_grad)
     ):  # fmt: skip
@@ -896,22 +915,10 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     dtype = x.dtype
     wkey, bkey = eager.vector_key(weight, dev), eager.vector_key(bias, dev)
     key = (is_rms, dtype, n, dev, m >> 31, xp & 15, wkey, bkey, rkey, weight_offset == 0)
-
-    def make():  # what the key holds is checked once here; _row_plan reads dtypes, the width, pointers' low bits
-        vectors_ok = all(
-            k is None or (k is not False and k[1] == (n,) and k[0] in (dtype, torch.float32)) for k in (wkey, bkey)
-        )
-        if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
-            return None
-        x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
-        cfg, packed = _row_plan(x2, residual, weight, bias, None, y2, weight_offset, is_rms, None,
-                                config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
-        meta = _fwd_meta(is_rms, residual, weight, bias, None, False, None, cfg, n, packed)
-        h = None if residual is None else torch.empty_like(residual)
-        return _norm_fwd_kernel, (x, residual, weight, bias, None, y2, h, None, None, None, m, n, n, 0 if h is None
-                                  else n, n, 0 if h is None else n, eps, _offset_arg(weight_offset)), meta, cfg.block_m
-
-    plan = eager.plan(_EAGER_PLANS, key, make)
+    plan = _EAGER_PLANS.get(key, eager.MISSING)
+    if plan is eager.MISSING:
+        plan = eager.make_plan(_EAGER_PLANS, key, lambda: _eager_fwd_plan(x, weight, bias, residual, eps,
+                                                                         weight_offset, is_rms, config_for, key))
     if plan is None:
         return None
     y = torch.empty_like(x)
