@@ -108,7 +108,8 @@ def _host_us(fn, batch=200, batches=30) -> float:
 
 def part_latency() -> dict:
     """Small-batch latency and its pieces (the v2-v5 ``host`` part, which timed the eager path's pieces
-    before the plans, is in git history; its results in results/probe-host-*.json)."""
+    before the plans, is in git history; its results in results/probe-host-*.json): ours through the C path
+    (``eager.fast``) and through the Python path alone, torch's, and the floor of the mechanism."""
     from fly_norm._kernels import eager
     from fly_norm.softmax import _EAGER_PLANS as softmax_plans
 
@@ -119,45 +120,52 @@ def part_latency() -> dict:
         b = torch.randn(4096, device="cuda", dtype=_DT)
         y = torch.empty_like(x)
         xp, wp, bp, yp = (t.data_ptr() for t in (x, w, b, y))
-        ops = {  # op: (ours, torch's, our plans, the plan's launch arguments)
+        ops = {  # op: (ours, torch's, our plans, the plan's operands: weight, bias, eps)
             "rms_norm": (lambda: rms_norm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
-                         shared._EAGER_PLANS, (xp, None, wp, None, None, yp, None, None, None, None, m, 4096, 4096,
-                                               0, 4096, 0, 1e-6, None)),
+                         shared._EAGER_PLANS, (wp, None, 1e-6)),
             "layer_norm": (lambda: layer_norm(x, w, b, 1e-5),
                            lambda: torch.nn.functional.layer_norm(x, (4096,), w, b, 1e-5), shared._EAGER_PLANS,
-                           (xp, None, wp, bp, None, yp, None, None, None, None, m, 4096, 4096, 0, 4096, 0, 1e-5,
-                            None)),
-            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1), softmax_plans, (xp, yp, m, 4096, 4096,
-                                                                                             4096)),
+                           (wp, bp, 1e-5)),
+            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1), softmax_plans, (None, None, None)),
         }  # fmt: skip
-        for op, (ours, theirs, plans, args) in ops.items():
+        for op, (ours, theirs, plans, (pw, pb, eps)) in ops.items():
             r = dict(op=op, M=m)
-            for who, f in (("ours", ours), ("torch", theirs)):
-                f()
-                r[who + "_latency"] = bench(f, backlog=False, sync_each=True).median_us
-                r[who + "_rate"] = bench(f, backlog=False).median_us
-                r[who + "_device"] = bench(f).median_us
-                r[who + "_host"] = _host_us(f, batch=100, batches=20)
+            ours()
+            fast = eager.fast
+            for who, f in (("ours", ours), ("ours_python", ours), ("torch", theirs)):
+                eager.fast = eager._no_fast if who == "ours_python" else fast
+                try:
+                    f()
+                    r[who + "_latency"] = bench(f, backlog=False, sync_each=True).median_us
+                    r[who + "_rate"] = bench(f, backlog=False).median_us
+                    r[who + "_device"] = bench(f).median_us
+                    r[who + "_host"] = _host_us(f, batch=100, batches=20)
+                finally:
+                    eager.fast = fast
+            r["c_path"] = fast.__name__ == "call"
             # the floor of the mechanism: the output's allocation and the plan's launch, nothing else
             plans.clear()
             ours()
             (plan,) = plans.values()
-            c_launch, fn, coop, pdl, packed, tail, _, _ = plan
+            c_launch, fn, coop, pdl, packed, tail, _, _, layout = plan
+            values = (None, xp, pw, pb, yp, m, 4096, eps, 0)
+            args = [values[i] for i in layout]
 
             def floor():
                 torch.empty_like(x)
-                eager.launch(plan, m, *args)
+                eager.launch(plan, m, 4096, xp, pw, pb, yp, eps)
 
             r["floor_latency"] = bench(floor, backlog=False, sync_each=True).median_us
             r["floor_rate"] = bench(floor, backlog=False).median_us
             r["floor_host"] = _host_us(floor, batch=100, batches=20)
-            r["launch_host"] = _host_us(lambda: eager.launch(plan, m, *args), batch=100, batches=20)
+            r["launch_host"] = _host_us(lambda: eager.launch(plan, m, 4096, xp, pw, pb, yp, eps), batch=100,
+                                        batches=20)  # fmt: skip
             r["c_launch_grid0"] = _host_us(
                 lambda: c_launch(0, 1, 1, 0, fn, coop, pdl, None, None, packed, None, None, None, *args, *tail),
                 batch=100, batches=20)  # fmt: skip
             r["empty_like"] = _host_us(lambda: torch.empty_like(x), batch=100, batches=20)
             r["sync_alone"] = bench(lambda: None, backlog=False, sync_each=True).median_us
-            r["block_m"] = plan[-1]
+            r["block_m"] = plan[-2]
             print(r, flush=True)
             rows.append(r)
     return {"latency": rows}

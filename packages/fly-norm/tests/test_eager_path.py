@@ -93,7 +93,7 @@ def test_softmax_plans(dtype):
             x = randn(m, 2, n, dtype=dtype, device="cuda", scale=3.0, seed=m)
             assert_rel_close(softmax(x), softmax_ref(x))
             assert_rel_close(softmax(x, dim=2), softmax_ref(x))
-    assert any(k[0] is dtype and k[1] == 4096 for k in _EAGER_PLANS)
+    assert any(k[1] is dtype and k[2] == 4096 for k in _EAGER_PLANS)
     x = randn(8, 4096, dtype=dtype, device="cuda")
     assert _eager_fwd(x[:, :100]) is None  # strided rows: the general path
     assert_rel_close(softmax(x, dim=0), softmax_ref(x, dim=0))  # not the last dim: the general path
@@ -136,3 +136,33 @@ def test_a_launch_hook_sees_every_launch():
     finally:
         hooks.remove(seen.append)
     assert len(seen) == 2
+
+
+def test_plain_calls_take_the_c_path_and_keep_no_references():
+    """With a C compiler at hand (as Triton needs one), plain calls go through eager_native.c: right results,
+    the same plans as the Python path, no reference or memory kept per call."""
+    import sys
+
+    from fly_norm import softmax
+    from fly_norm._kernels import eager
+
+    x = randn(3, 4096, dtype=torch.bfloat16, device="cuda")
+    w = randn(4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    b = randn(4096, dtype=torch.bfloat16, device="cuda", seed=2)
+    rms_norm(x, w)
+    softmax(x)
+    assert eager.fast is not eager._first_fast
+    if eager.fast is eager._no_fast:
+        pytest.skip("eager_native.c could not be built here")
+    assert eager.fast(shared._EAGER_PLANS, shared._PLAIN_PREFIX[True], x, w, None, 1e-6) is not None
+    for _ in range(3):
+        assert_rel_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        assert_rel_close(layer_norm(x, w, b, 1e-5), layer_norm_ref(x, w, b, 1e-5))
+    torch.cuda.synchronize()
+    before = ([sys.getrefcount(t) for t in (x, w, b)], torch.cuda.memory_allocated())
+    for _ in range(500):
+        rms_norm(x, w, 1e-6)
+        layer_norm(x, w, b, 1e-5)
+        softmax(x)
+    torch.cuda.synchronize()
+    assert ([sys.getrefcount(t) for t in (x, w, b)], torch.cuda.memory_allocated()) == before

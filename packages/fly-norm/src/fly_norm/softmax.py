@@ -377,7 +377,8 @@ def _eager_fwd_plan(x: torch.Tensor, m: int, n: int):
         return None
     x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
     cfg, packed = packed_plan(softmax_config(n, x.dtype, x.device), True, x2, y2)
-    return _softmax_fwd_kernel, (x2, y2, m, n, n, n), dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m
+    layout = (eager.ARG_X, eager.ARG_Y, eager.ARG_M, eager.ARG_N, eager.ARG_N, eager.ARG_N)
+    return _softmax_fwd_kernel, (x2, y2, m, n, n, n), dict(PACKED=packed, **row_meta(cfg, n)), cfg.block_m, layout
 
 
 def _eager_fwd(x: torch.Tensor):
@@ -391,14 +392,14 @@ def _eager_fwd(x: torch.Tensor):
         return None
     m = x.numel() // n
     xp = x.data_ptr()
-    key = (x.dtype, n, dev, m >> 31, xp & 15)
+    key = (None, x.dtype, n, dev, m >> 31, xp & 15, None, None)  # no prefix, weight or bias: eager's layout
     plan = _EAGER_PLANS.get(key, eager.MISSING)
     if plan is eager.MISSING:
         plan = eager.make_plan(_EAGER_PLANS, key, lambda: _eager_fwd_plan(x, m, n))
     if plan is None:
         return None
     y = torch.empty_like(x)
-    eager.launch(plan, m, xp, y.data_ptr(), m, n, n, n)
+    eager.launch(plan, m, n, xp, None, None, y.data_ptr())
     return y
 
 
@@ -509,7 +510,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
         y = fly_norm.softmax(torch.randn(8, 32768, device="cuda", dtype=torch.bfloat16))
     """
     if not autotune and type(x) is torch.Tensor and (dim == -1 or dim == x.dim() - 1):  # small eager calls
-        y = _eager_fwd(x)  # through a cached launch plan (None: not such a call)
+        # through a cached launch plan, in C or in Python (None: not such a call)
+        y = None if eager.compiling() else eager.fast(_EAGER_PLANS, None, x, None, None, None)
+        if y is None:
+            y = _eager_fwd(x)
         if y is not None:
             return y
     check_tensor("x", x, dtypes=SOFTMAX_DTYPES)

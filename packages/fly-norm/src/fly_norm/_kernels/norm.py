@@ -861,12 +861,13 @@ def norm_forward(
 # ---------------------------------------------------------------- eager small calls
 
 _EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see .eager)
+_PLAIN_PREFIX = {True: (True, None, True), False: (False, None, True)}  # key prefix: (is_rms, residual, no offset)
 
 
 def _eager_fwd_plan(x, weight, bias, residual, eps, weight_offset, is_rms, config_for, key):
     """What :func:`.eager.make_plan` binds for :func:`eager_forward`'s ``key``, or None when no plan can serve
     it: the key's parts are validated here, once (_row_plan reads dtypes, the width, pointers' low bits)."""
-    _, dtype, n, _, _, _, wkey, bkey, rkey, _ = key
+    (_, rkey, _), dtype, n, _, _, _, wkey, bkey = key
     vectors_ok = all(k is None or (k is not False and k[1] == (n,) and k[0] in (dtype, torch.float32))
                      for k in (wkey, bkey))  # fmt: skip
     if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
@@ -879,7 +880,18 @@ def _eager_fwd_plan(x, weight, bias, residual, eps, weight_offset, is_rms, confi
     h, rn = (None, 0) if residual is None else (torch.empty_like(residual), n)
     offset = _offset_arg(weight_offset)
     args = (x, residual, weight, bias, None, y2, h, None, None, None, m, n, n, rn, n, rn, eps, offset)
-    return _norm_fwd_kernel, args, meta, cfg.block_m
+    return _norm_fwd_kernel, args, meta, cfg.block_m, _eager_layout(residual is not None, weight_offset)
+
+
+def _eager_layout(residual: bool, weight_offset: float) -> tuple:
+    """Where each of _norm_fwd_kernel's runtime arguments comes from in a plan (.eager.ARG_*): x, residual,
+    weight, bias, smooth scale, y, residual out, mean, rstd, row scales, M, N, the four row strides, eps and
+    the weight offset (a runtime value only when not 0)."""
+    e = eager
+    rn = e.ARG_N if residual else e.ARG_ZERO
+    return (e.ARG_X, e.ARG_R if residual else e.ARG_NONE, e.ARG_W, e.ARG_B, e.ARG_NONE, e.ARG_Y,
+            e.ARG_H if residual else e.ARG_NONE, e.ARG_NONE, e.ARG_NONE, e.ARG_NONE, e.ARG_M, e.ARG_N, e.ARG_N, rn,
+            e.ARG_N, rn, e.ARG_EPS, e.ARG_NONE if weight_offset == 0 else e.ARG_OFFSET)  # fmt: skip
 
 
 def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, config_for: ConfigFor):
@@ -889,8 +901,13 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
 
     Plain: :func:`.eager.rows_device`, rows narrower than the split paths', weight and bias of the row's
     width in x's dtype or fp32, an optional dense residual of x's shape on the same device, nothing that
-    needs a gradient. The config is chosen when the plan is made.
+    needs a gradient. The config is chosen when the plan is made. With no residual and no weight offset the
+    plan is looked up and launched in C first (:data:`.eager.fast`).
     """
+    if residual is None and weight_offset == 0 and not eager.compiling():
+        y = eager.fast(_EAGER_PLANS, _PLAIN_PREFIX[is_rms], x, weight, bias, eps)
+        if y is not None:
+            return y
     dev = eager.rows_device(x)
     if dev is None:
         return None
@@ -914,7 +931,7 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
         rkey = residual.dtype, residual.data_ptr() & 15
     dtype = x.dtype
     wkey, bkey = eager.vector_key(weight, dev), eager.vector_key(bias, dev)
-    key = (is_rms, dtype, n, dev, m >> 31, xp & 15, wkey, bkey, rkey, weight_offset == 0)
+    key = ((is_rms, rkey, weight_offset == 0), dtype, n, dev, m >> 31, xp & 15, wkey, bkey)
     plan = _EAGER_PLANS.get(key, eager.MISSING)
     if plan is eager.MISSING:
         plan = eager.make_plan(_EAGER_PLANS, key, lambda: _eager_fwd_plan(x, weight, bias, residual, eps,
@@ -924,14 +941,11 @@ def eager_forward(x, weight, bias, residual, eps, weight_offset, is_rms: bool, c
     y = torch.empty_like(x)
     wp = None if weight is None else weight.data_ptr()
     bp = None if bias is None else bias.data_ptr()
-    offset = None if weight_offset == 0 else weight_offset
     if residual is None:
-        eager.launch(plan, m, xp, None, wp, bp, None, y.data_ptr(), None, None, None, None, m, n, n, 0, n, 0, eps,
-                     offset)  # fmt: skip
+        eager.launch(plan, m, n, xp, wp, bp, y.data_ptr(), eps, offset=weight_offset)
         return y
     h = torch.empty_like(residual)
-    eager.launch(plan, m, xp, residual.data_ptr(), wp, bp, None, y.data_ptr(), h.data_ptr(), None, None, None, m, n,
-                 n, n, n, n, eps, offset)  # fmt: skip
+    eager.launch(plan, m, n, xp, wp, bp, y.data_ptr(), eps, residual.data_ptr(), h.data_ptr(), weight_offset)
     return y, h
 
 

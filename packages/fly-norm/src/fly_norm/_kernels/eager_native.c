@@ -1,0 +1,266 @@
+/* The eager plans' fast path in C (fly_norm._kernels.eager): the gate, the plan key and the launch of a
+ * plain small call (rms_norm / layer_norm with no residual and no weight offset, softmax over the last
+ * dim) with no Python bytecode between the caller and Triton's C launch function.
+ *
+ * call(plans, prefix, x, w, b, eps) returns y, or None when the Python path must take the call: anything
+ * the gate does not accept, a key with no plan yet (the Python path makes it) or a plan of None. It does
+ * what eager.rows_device, eager.vector_key and the callers' key and launch do, in the same order, and
+ * builds the same key: (prefix, dtype, n, device, m >> 31, x.data_ptr() % 16, weight key, bias key).
+ * The plan is the tuple eager.make_plan makes: (C launch, function, cooperative, pdl, packed metadata,
+ * constexpr tail, device, rows a program, argument layout); the layout names, for each runtime argument
+ * of the kernel, which value goes there (ARG_* below, eager.ARG_* in Python).
+ *
+ * Errors raised by the objects it calls are cleared and the call falls back to Python, which raises
+ * them properly; an error from the launch itself propagates.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO, ARG_COUNT };
+
+static PyObject *tensor_type, *parameter_type, *off_list, *is_compiling, *grad_enabled, *current_device,
+    *current_stream, *hooks_idle, *empty_like;
+static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_numel, *s_data_ptr,
+    *s_dtype;
+static PyObject *zero, *one;
+
+static PyObject *setup(PyObject *self, PyObject *args) {
+    PyObject *objs[9];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7], &objs[8]))
+        return NULL;
+    PyObject **slots[9] = {&tensor_type, &parameter_type, &off_list, &is_compiling, &grad_enabled,
+                           &current_device, &current_stream, &hooks_idle, &empty_like};
+    for (int i = 0; i < 9; i++) {
+        Py_INCREF(objs[i]);
+        Py_XSETREF(*slots[i], objs[i]);
+    }
+    if (!PyList_Check(off_list)) {
+        PyErr_SetString(PyExc_TypeError, "setup: off_list must be a list");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1 when calling fn() returns True, 0 when anything else, -1 on error. */
+static int call_is_true(PyObject *fn) {
+    PyObject *r = PyObject_CallNoArgs(fn);
+    if (!r) return -1;
+    int t = r == Py_True;
+    Py_DECREF(r);
+    return t;
+}
+
+static int method_is_true(PyObject *o, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(o, name);
+    if (!r) return -1;
+    int t = r == Py_True;
+    Py_DECREF(r);
+    return t;
+}
+
+static int attr_is_true(PyObject *o, PyObject *name) {
+    PyObject *r = PyObject_GetAttr(o, name);
+    if (!r) return -1;
+    int t = r == Py_True;
+    Py_DECREF(r);
+    return t;
+}
+
+/* An integer a method returns (-1 with an error set when it fails). */
+static long long method_ll(PyObject *o, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(o, name);
+    if (!r) return -1;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return v;
+}
+
+static unsigned long long data_ptr(PyObject *o) {
+    PyObject *r = PyObject_CallMethodNoArgs(o, s_data_ptr);
+    if (!r) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return v;
+}
+
+/* A weight's or bias's key part as eager.vector_key: a new reference to None or (dtype, shape, ptr % 16);
+ * NULL with *ok = 0 when no plan can take it, or on error. *ptr gets its data pointer (0 when absent). */
+static PyObject *vector_key(PyObject *v, long long dev, unsigned long long *ptr, int *ok) {
+    *ptr = 0;
+    *ok = 1;
+    if (v == Py_None) Py_RETURN_NONE;
+    *ok = 0;
+    if (Py_TYPE(v) != (PyTypeObject *)tensor_type && Py_TYPE(v) != (PyTypeObject *)parameter_type) return NULL;
+    if (attr_is_true(v, s_is_cuda) != 1 || method_ll(v, s_get_device) != dev) return NULL;
+    if (method_is_true(v, s_is_contiguous) != 1) return NULL;
+    PyObject *dtype = PyObject_GetAttr(v, s_dtype);
+    PyObject *shape = dtype ? PyObject_GetAttr(v, s_shape) : NULL;
+    *ptr = shape ? data_ptr(v) : 0;
+    PyObject *low = (shape && !PyErr_Occurred()) ? PyLong_FromUnsignedLongLong(*ptr & 15) : NULL;
+    PyObject *key = low ? PyTuple_Pack(3, dtype, shape, low) : NULL;
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    Py_XDECREF(low);
+    *ok = key != NULL;
+    return key;
+}
+
+static PyObject *launch(PyObject *plan, PyObject *y, unsigned long long xp, unsigned long long wp,
+                        unsigned long long bp, long long m, long long n, PyObject *eps) {
+    PyObject *c_launch = PyTuple_GET_ITEM(plan, 0), *tail = PyTuple_GET_ITEM(plan, 5),
+             *layout = PyTuple_GET_ITEM(plan, 8);
+    long long block_m = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 7));
+    if (block_m <= 0 || !PyTuple_Check(tail) || !PyTuple_Check(layout)) return NULL;
+    unsigned long long yp = data_ptr(y);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *stream = PyObject_CallOneArg(current_stream, PyTuple_GET_ITEM(plan, 6));
+    if (!stream) return NULL;
+    Py_ssize_t nl = PyTuple_GET_SIZE(layout), nt = PyTuple_GET_SIZE(tail);
+    PyObject *args = PyTuple_New(13 + nl + nt);
+    if (!args) {
+        Py_DECREF(stream);
+        return NULL;
+    }
+    PyObject *head[13] = {PyLong_FromLongLong((m + block_m - 1) / block_m), one, one, stream,
+                          PyTuple_GET_ITEM(plan, 1), PyTuple_GET_ITEM(plan, 2), PyTuple_GET_ITEM(plan, 3),
+                          Py_None, Py_None, PyTuple_GET_ITEM(plan, 4), Py_None, Py_None, Py_None};
+    PyTuple_SET_ITEM(args, 0, head[0]);  /* new references: grid and stream */
+    PyTuple_SET_ITEM(args, 3, stream);
+    for (int i = 1; i < 13; i++) {
+        if (i == 3) continue;
+        Py_INCREF(head[i]);
+        PyTuple_SET_ITEM(args, i, head[i]);
+    }
+    int bad = head[0] == NULL;
+    for (Py_ssize_t i = 0; i < nl && !bad; i++) {
+        PyObject *v;
+        switch (PyLong_AsLong(PyTuple_GET_ITEM(layout, i))) {
+            case ARG_NONE: v = Py_NewRef(Py_None); break;
+            case ARG_X: v = PyLong_FromUnsignedLongLong(xp); break;
+            case ARG_W: v = wp ? PyLong_FromUnsignedLongLong(wp) : Py_NewRef(Py_None); break;
+            case ARG_B: v = bp ? PyLong_FromUnsignedLongLong(bp) : Py_NewRef(Py_None); break;
+            case ARG_Y: v = PyLong_FromUnsignedLongLong(yp); break;
+            case ARG_M: v = PyLong_FromLongLong(m); break;
+            case ARG_N: v = PyLong_FromLongLong(n); break;
+            case ARG_EPS: v = Py_NewRef(eps); break;
+            case ARG_ZERO: v = Py_NewRef(zero); break;
+            default: v = NULL; /* a layout this path does not fill (residual operands): Python's */
+        }
+        if (!v) bad = 1;
+        else PyTuple_SET_ITEM(args, 13 + i, v);
+    }
+    if (bad) { /* unfilled slots are NULL: fill them before the tuple is freed */
+        for (Py_ssize_t i = 0; i < 13 + nl + nt; i++)
+            if (!PyTuple_GET_ITEM(args, i)) PyTuple_SET_ITEM(args, i, Py_NewRef(Py_None));
+        Py_DECREF(args);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nt; i++) PyTuple_SET_ITEM(args, 13 + nl + i, Py_NewRef(PyTuple_GET_ITEM(tail, i)));
+    PyObject *r = PyObject_Call(c_launch, args, NULL);
+    Py_DECREF(args);
+    return r;
+}
+
+#define FALLBACK() \
+    do { \
+        PyErr_Clear(); \
+        goto fallback; \
+    } while (0)
+
+static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "call(plans, prefix, x, w, b, eps)");
+        return NULL;
+    }
+    PyObject *plans = args[0], *prefix = args[1], *x = args[2], *w = args[3], *b = args[4], *eps_in = args[5];
+    PyObject *shape = NULL, *dtype = NULL, *wkey = NULL, *bkey = NULL, *key = NULL, *eps = NULL, *y = NULL;
+    if (!tensor_type || !PyDict_Check(plans) || PyList_GET_SIZE(off_list)) goto fallback;
+    if (call_is_true(is_compiling) != 0) FALLBACK(); /* first: tracing cannot evaluate what follows */
+    if (Py_TYPE(x) != (PyTypeObject *)tensor_type) goto fallback;
+    if (attr_is_true(x, s_is_cuda) != 1 || method_is_true(x, s_is_contiguous) != 1) FALLBACK();
+    shape = PyObject_GetAttr(x, s_shape);
+    if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) FALLBACK();
+    long long n = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1));
+    if (n <= 0) FALLBACK();
+    long long dev = method_ll(x, s_get_device);
+    PyObject *cur = dev >= 0 ? PyObject_CallNoArgs(current_device) : NULL;
+    long long cur_dev = cur ? PyLong_AsLongLong(cur) : -2;
+    Py_XDECREF(cur);
+    if (dev < 0 || dev != cur_dev || call_is_true(hooks_idle) != 1) FALLBACK();
+    int grad = call_is_true(grad_enabled);
+    if (grad < 0) FALLBACK();
+    if (grad && (attr_is_true(x, s_requires_grad) != 0 || (w != Py_None && attr_is_true(w, s_requires_grad) != 0)
+                 || (b != Py_None && attr_is_true(b, s_requires_grad) != 0)))
+        FALLBACK();
+    long long numel = method_ll(x, s_numel);
+    if (numel < 0) FALLBACK();
+    long long m = numel / n;
+    unsigned long long xp = data_ptr(x), wp, bp;
+    if (PyErr_Occurred()) FALLBACK();
+    double e = 0.0;
+    if (eps_in != Py_None) {
+        e = PyFloat_AsDouble(eps_in);
+        if (e == -1.0 && PyErr_Occurred()) FALLBACK();
+    }
+    int ok;
+    dtype = PyObject_GetAttr(x, s_dtype);
+    if (!dtype) FALLBACK();
+    wkey = vector_key(w, dev, &wp, &ok);
+    if (!ok) FALLBACK();
+    bkey = vector_key(b, dev, &bp, &ok);
+    if (!ok) FALLBACK();
+    key = Py_BuildValue("(OOLLLKOO)", prefix, dtype, n, dev, m >> 31, xp & 15, wkey, bkey);
+    if (!key) FALLBACK();
+    PyObject *plan = PyDict_GetItemWithError(plans, key); /* borrowed */
+    if (!plan || plan == Py_None || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 9) FALLBACK();
+    Py_INCREF(plan); /* the dict may change under the calls below */
+    eps = PyFloat_FromDouble(e);
+    y = eps ? PyObject_CallOneArg(empty_like, x) : NULL;
+    if (!y) {
+        Py_DECREF(plan);
+        FALLBACK();
+    }
+    PyObject *r = launch(plan, y, xp, wp, bp, m, n, eps);
+    Py_DECREF(plan);
+    if (!r) {
+        Py_CLEAR(y);
+        if (!PyErr_Occurred()) goto fallback; /* a plan this path cannot fill */
+        goto done;                             /* the launch raised: propagate */
+    }
+    Py_DECREF(r);
+    goto done;
+fallback:
+    Py_CLEAR(y);
+    y = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(wkey);
+    Py_XDECREF(bkey);
+    Py_XDECREF(key);
+    Py_XDECREF(eps);
+    return y;
+}
+
+static PyMethodDef methods[] = {
+    {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_compiling, is_grad_enabled, "
+                                   "current device, current raw stream, hooks_idle, empty_like)"},
+    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(plans, prefix, x, w, b, eps) -> y or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fly_norm_eager_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_fly_norm_eager_native(void) {
+    const char *names[] = {"is_cuda", "is_contiguous", "shape", "get_device", "requires_grad", "numel",
+                           "data_ptr", "dtype"};
+    PyObject **slots[] = {&s_is_cuda, &s_is_contiguous, &s_shape, &s_get_device, &s_requires_grad, &s_numel,
+                          &s_data_ptr, &s_dtype};
+    for (int i = 0; i < 8; i++)
+        if (!(*slots[i] = PyUnicode_InternFromString(names[i]))) return NULL;
+    zero = PyLong_FromLong(0);
+    one = PyLong_FromLong(1);
+    if (!zero || !one) return NULL;
+    return PyModule_Create(&module);
+}

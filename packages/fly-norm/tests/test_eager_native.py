@@ -1,0 +1,185 @@
+"""The eager plans' C path (_kernels/eager_native.c) on the CPU, with stand-in tensors.
+
+The C function only ever launches for CUDA tensors, so here it is set up with a stand-in tensor class and
+stand-in torch functions, and a Python function in place of Triton's C launch: each test checks what the
+real path depends on, the key it looks plans up under (it must be the Python path's key), the arguments
+it launches with (the plan's layout filled with the call's values), every case it must leave to Python,
+and that no call leaks a reference. Skipped where no C compiler or Python headers are at hand.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.resources import files
+
+import pytest
+import torch
+
+from fly_norm._kernels import eager
+from flydsl import native
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module")
+def mod():
+    m = native.load("fly_norm_eager_native", (files("fly_norm._kernels") / "eager_native.c").read_text())
+    if m is None:
+        pytest.skip("no C compiler or Python headers here")
+    return m
+
+
+class FakeTensor:
+    """What the C gate reads of a tensor."""
+
+    def __init__(self, shape, dtype=torch.bfloat16, ptr=1 << 20, cuda=True, device=0, contiguous=True,
+                 requires_grad=False):  # fmt: skip
+        self.shape, self.dtype, self.ptr, self.is_cuda = torch.Size(shape), dtype, ptr, cuda
+        self.device, self.contiguous, self.requires_grad = device, contiguous, requires_grad
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def get_device(self):
+        return self.device
+
+    def numel(self):
+        return self.shape.numel()
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class FakeParameter(FakeTensor):
+    pass
+
+
+class Env:
+    """The stand-ins ``setup`` takes, with the state the tests change."""
+
+    def __init__(self):
+        self.off, self.compiling, self.grad, self.device, self.hooks_idle = [], False, True, 0, True
+        self.launches, self.allocated = [], []
+
+    def install(self, mod):
+        def empty_like(x):
+            y = FakeTensor(tuple(x.shape), x.dtype, ptr=(9 << 20) + 16 * len(self.allocated))
+            self.allocated.append(y)
+            return y
+
+        mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.compiling, lambda: self.grad,
+                  lambda: self.device, lambda dev: 1000 + dev, lambda: self.hooks_idle, empty_like)  # fmt: skip
+
+    def plan(self, block_m=2, layout=None):
+        def c_launch(*args):
+            self.launches.append(args)
+
+        layout = layout or (eager.ARG_X, eager.ARG_NONE, eager.ARG_W, eager.ARG_B, eager.ARG_Y, eager.ARG_M,
+                            eager.ARG_N, eager.ARG_ZERO, eager.ARG_EPS)  # fmt: skip
+        return (c_launch, 77, 0, 1, ("packed",), ("t1", "t2"), 0, block_m, layout)
+
+
+PREFIX = (True, None, True)
+
+
+def key(x, w=None, b=None, prefix=PREFIX):
+    """The Python path's key (norm.eager_forward / softmax._eager_fwd) for these operands."""
+    n = x.shape[-1]
+    m = x.numel() // n
+    vec = [None if v is None else (v.dtype, v.shape, v.data_ptr() & 15) for v in (w, b)]
+    return (prefix, x.dtype, n, x.get_device(), m >> 31, x.data_ptr() & 15, *vec)
+
+
+def test_launches_the_plan_with_its_layout_filled(mod):
+    env = Env()
+    env.install(mod)
+    x = FakeTensor((5, 3, 96), ptr=(1 << 20) + 4)
+    w = FakeParameter((96,), ptr=(2 << 20) + 2)
+    plans = {key(x, w): env.plan(block_m=4)}
+    y = mod.call(plans, PREFIX, x, w, None, 1e-6)
+    assert y is env.allocated[0] and y.shape == x.shape
+    (args,) = env.launches
+    assert args[:13] == (4, 1, 1, 1000, 77, 0, 1, None, None, ("packed",), None, None, None)  # 15 rows / 4
+    assert args[13:] == (x.ptr, None, w.ptr, None, y.ptr, 15, 96, 0, 1e-6, "t1", "t2")
+
+
+def test_leaves_to_python_what_it_does_not_serve(mod):
+    env = Env()
+    env.install(mod)
+    x = FakeTensor((4, 64))
+    w = FakeTensor((64,), ptr=3 << 20)
+    plans = {key(x, w): env.plan()}
+    assert mod.call(plans, PREFIX, x, w, None, 1e-6) is not None  # the baseline is served
+    cases = {
+        "no plan for this key": lambda: mod.call({}, PREFIX, x, w, None, 1e-6),
+        "a plan of None": lambda: mod.call({key(x, w): None}, PREFIX, x, w, None, 1e-6),
+        "another prefix": lambda: mod.call(plans, (False, None, True), x, w, None, 1e-6),
+        "not a tensor": lambda: mod.call(plans, PREFIX, [1.0], w, None, 1e-6),
+        "not on a GPU": lambda: mod.call(plans, PREFIX, FakeTensor((4, 64), cuda=False), w, None, 1e-6),
+        "not contiguous": lambda: mod.call(plans, PREFIX, FakeTensor((4, 64), contiguous=False), w, None, 1e-6),
+        "no dimensions": lambda: mod.call(plans, PREFIX, FakeTensor(()), w, None, 1e-6),
+        "zero columns": lambda: mod.call(plans, PREFIX, FakeTensor((4, 0)), w, None, 1e-6),
+        "x needs a gradient": lambda: mod.call(plans, PREFIX, FakeTensor((4, 64), requires_grad=True), w, None, 1e-6),
+        "w needs a gradient": lambda: mod.call(plans, PREFIX, x, FakeTensor((64,), ptr=3 << 20, requires_grad=True),
+                                               None, 1e-6),
+        "w on another device": lambda: mod.call(plans, PREFIX, x, FakeTensor((64,), ptr=3 << 20, device=1), None,
+                                                1e-6),
+        "w not contiguous": lambda: mod.call(plans, PREFIX, x, FakeTensor((64,), ptr=3 << 20, contiguous=False),
+                                             None, 1e-6),
+        "w not a tensor": lambda: mod.call(plans, PREFIX, x, 3.0, None, 1e-6),
+        "eps not a number": lambda: mod.call(plans, PREFIX, x, w, None, "eps"),
+        "a layout with a residual": lambda: mod.call({key(x, w): env.plan(layout=(eager.ARG_X, eager.ARG_R))},
+                                                     PREFIX, x, w, None, 1e-6),
+    }  # fmt: skip
+    for name, run in cases.items():
+        assert run() is None, name
+    for name, change in (("traced", "compiling"), ("off", "off"), ("hooked", "hooks_idle"), ("device", "device")):
+        env.compiling, env.hooks_idle, env.device = name == "traced", name != "hooked", 1 if name == "device" else 0
+        if change == "off":
+            env.off.append(True)
+        assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None, name
+        env.off.clear()
+    env.compiling, env.hooks_idle, env.device, env.grad = False, True, 0, False
+    needs_grad = FakeTensor((4, 64), requires_grad=True)
+    assert mod.call({key(needs_grad, w): env.plan()}, PREFIX, needs_grad, w, None, 1e-6) is not None  # no_grad
+    assert len(env.launches) == 2  # only the two calls it served launched
+
+
+def test_softmax_key_and_a_launch_error_propagates(mod):
+    env = Env()
+    env.install(mod)
+    x = FakeTensor((3, 1000), dtype=torch.float32)
+    layout = (eager.ARG_X, eager.ARG_Y, eager.ARG_M, eager.ARG_N, eager.ARG_N, eager.ARG_N)
+    plans = {key(x, prefix=None): env.plan(block_m=1, layout=layout)}
+    y = mod.call(plans, None, x, None, None, None)
+    assert env.launches[-1][13:] == (x.ptr, y.ptr, 3, 1000, 1000, 1000, "t1", "t2")
+
+    def failing(*args):
+        raise RuntimeError("launch failed")
+
+    plans[key(x, prefix=None)] = (failing, *env.plan(block_m=1, layout=layout)[1:])
+    with pytest.raises(RuntimeError, match="launch failed"):
+        mod.call(plans, None, x, None, None, None)
+
+
+def test_no_reference_leaks(mod):
+    env = Env()
+    env.install(mod)
+    x = FakeTensor((4, 64))
+    w = FakeTensor((64,), ptr=3 << 20)
+    plans = {key(x, w): env.plan()}
+    miss = FakeTensor((4, 65))
+    for _ in range(10):  # warm up (interned ints, the first allocations)
+        mod.call(plans, PREFIX, x, w, None, 1e-6)
+        mod.call(plans, PREFIX, miss, w, None, 1e-6)
+    env.launches.clear()
+    env.allocated.clear()
+    before = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape)]
+    for _ in range(1000):
+        mod.call(plans, PREFIX, x, w, None, 1e-6)
+        mod.call(plans, PREFIX, miss, w, None, 1e-6)
+        mod.call(plans, PREFIX, x, 3.0, None, 1e-6)
+    env.launches.clear()
+    env.allocated.clear()
+    after = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape)]
+    assert after == before
