@@ -54,11 +54,25 @@ class FakeParameter(FakeTensor):
     pass
 
 
+class Hooks:
+    """Triton's launch hook chain (``calls``: the installed hooks)."""
+
+    def __init__(self):
+        self.calls = []
+
+
+class Knobs:
+    """``triton.knobs.runtime``'s launch hooks."""
+
+    def __init__(self):
+        self.launch_enter_hook, self.launch_exit_hook = Hooks(), Hooks()
+
+
 class Env:
     """The stand-ins ``setup`` takes, with the state the tests change."""
 
     def __init__(self):
-        self.off, self.compiling, self.grad, self.device, self.hooks_idle = [], False, True, 0, True
+        self.off, self.grad, self.device, self.knobs = [], True, 0, Knobs()
         self.launches, self.allocated = [], []
 
     def install(self, mod):
@@ -67,8 +81,8 @@ class Env:
             self.allocated.append(y)
             return y
 
-        mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.compiling, lambda: self.grad,
-                  lambda: self.device, lambda dev: 1000 + dev, lambda: self.hooks_idle, empty_like)  # fmt: skip
+        mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.grad, lambda: self.device,
+                  lambda dev: 1000 + dev, self.knobs, empty_like)  # fmt: skip
 
     def plan(self, block_m=2, layout=None):
         def c_launch(*args):
@@ -133,13 +147,20 @@ def test_leaves_to_python_what_it_does_not_serve(mod):
     }  # fmt: skip
     for name, run in cases.items():
         assert run() is None, name
-    for name, change in (("traced", "compiling"), ("off", "off"), ("hooked", "hooks_idle"), ("device", "device")):
-        env.compiling, env.hooks_idle, env.device = name == "traced", name != "hooked", 1 if name == "device" else 0
-        if change == "off":
-            env.off.append(True)
-        assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None, name
-        env.off.clear()
-    env.compiling, env.hooks_idle, env.device, env.grad = False, True, 0, False
+    env.off.append(True)  # general_path_only
+    assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None
+    env.off.clear()
+    env.device = 1  # another current device
+    assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None
+    env.device = 0
+    for hooks in (env.knobs.launch_enter_hook, env.knobs.launch_exit_hook):  # a profiler's hook
+        hooks.calls.append(print)
+        assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None
+        hooks.calls.clear()
+    env.knobs.launch_enter_hook = print  # an older Triton's plain function as the hook
+    assert mod.call(plans, PREFIX, x, w, None, 1e-6) is None
+    env.knobs.launch_enter_hook = None
+    env.grad = False
     needs_grad = FakeTensor((4, 64), requires_grad=True)
     assert mod.call({key(needs_grad, w): env.plan()}, PREFIX, needs_grad, w, None, 1e-6) is not None  # no_grad
     assert len(env.launches) == 2  # only the two calls it served launched

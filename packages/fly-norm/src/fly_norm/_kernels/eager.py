@@ -132,8 +132,10 @@ def _first_fast(plans: dict, prefix, x, w, b, eps):
     if mod is None:
         fast = _no_fast
         return None
-    mod.setup(torch.Tensor, torch.nn.Parameter, _OFF, compiling, grad_enabled, _current_device, _current_stream,
-              _hooks_idle, torch.empty_like)  # fmt: skip
+    import triton  # after flydsl (its backend choice), as everywhere
+
+    mod.setup(torch.Tensor, torch.nn.Parameter, _OFF, grad_enabled, _current_device, _current_stream,
+              triton.knobs.runtime, torch.empty_like)  # fmt: skip
     fast = mod.call
     return fast(plans, prefix, x, w, b, eps)
 

@@ -2,7 +2,8 @@
  * plain small call (rms_norm / layer_norm with no residual and no weight offset, softmax over the last
  * dim) with no Python bytecode between the caller and Triton's C launch function.
  *
- * call(plans, prefix, x, w, b, eps) returns y, or None when the Python path must take the call: anything
+ * call(plans, prefix, x, w, b, eps) returns y, or None when the Python path must take the call (the caller
+ * checks first that torch.compile is not tracing: this function is opaque to it): anything
  * the gate does not accept, a key with no plan yet (the Python path makes it) or a plan of None. It does
  * what eager.rows_device, eager.vector_key and the callers' key and launch do, in the same order, and
  * builds the same key: (prefix, dtype, n, device, m >> 31, x.data_ptr() % 16, weight key, bias key).
@@ -18,20 +19,20 @@
 
 enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO, ARG_COUNT };
 
-static PyObject *tensor_type, *parameter_type, *off_list, *is_compiling, *grad_enabled, *current_device,
-    *current_stream, *hooks_idle, *empty_like;
-static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_numel, *s_data_ptr,
-    *s_dtype;
+static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *current_device, *current_stream,
+    *runtime_knobs, *empty_like;
+static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_data_ptr, *s_dtype,
+    *s_enter, *s_exit, *s_calls;
 static PyObject *zero, *one;
 
 static PyObject *setup(PyObject *self, PyObject *args) {
-    PyObject *objs[9];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &objs[7], &objs[8]))
+    PyObject *objs[8];
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7]))
         return NULL;
-    PyObject **slots[9] = {&tensor_type, &parameter_type, &off_list, &is_compiling, &grad_enabled,
-                           &current_device, &current_stream, &hooks_idle, &empty_like};
-    for (int i = 0; i < 9; i++) {
+    PyObject **slots[8] = {&tensor_type, &parameter_type, &off_list, &grad_enabled, &current_device,
+                           &current_stream, &runtime_knobs, &empty_like};
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(objs[i]);
         Py_XSETREF(*slots[i], objs[i]);
     }
@@ -65,6 +66,26 @@ static int attr_is_true(PyObject *o, PyObject *name) {
     int t = r == Py_True;
     Py_DECREF(r);
     return t;
+}
+
+/* 1 when Triton has no launch hook installed (flydsl.compiler.hooks_idle: a hook is a HookChain with no
+ * calls, or None), 0 when it has one, -1 on error. */
+static int hooks_idle(void) {
+    PyObject *names[2] = {s_enter, s_exit};
+    for (int i = 0; i < 2; i++) {
+        PyObject *hook = PyObject_GetAttr(runtime_knobs, names[i]);
+        if (!hook) return -1;
+        PyObject *calls = PyObject_GetAttr(hook, s_calls);
+        if (!calls) {
+            PyErr_Clear();
+            calls = Py_NewRef(hook); /* an older Triton's plain function (or None) */
+        }
+        Py_DECREF(hook);
+        int set = PyObject_IsTrue(calls);
+        Py_DECREF(calls);
+        if (set) return set < 0 ? -1 : 0;
+    }
+    return 1;
 }
 
 /* An integer a method returns (-1 with an error set when it fails). */
@@ -175,26 +196,28 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *plans = args[0], *prefix = args[1], *x = args[2], *w = args[3], *b = args[4], *eps_in = args[5];
     PyObject *shape = NULL, *dtype = NULL, *wkey = NULL, *bkey = NULL, *key = NULL, *eps = NULL, *y = NULL;
+    /* The caller has checked that no tracing is on (torch.compile cannot trace this function). */
     if (!tensor_type || !PyDict_Check(plans) || PyList_GET_SIZE(off_list)) goto fallback;
-    if (call_is_true(is_compiling) != 0) FALLBACK(); /* first: tracing cannot evaluate what follows */
     if (Py_TYPE(x) != (PyTypeObject *)tensor_type) goto fallback;
     if (attr_is_true(x, s_is_cuda) != 1 || method_is_true(x, s_is_contiguous) != 1) FALLBACK();
     shape = PyObject_GetAttr(x, s_shape);
     if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) FALLBACK();
-    long long n = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1));
-    if (n <= 0) FALLBACK();
+    long long numel = 1, n = 0; /* numel from the shape: no method call */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+        n = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        numel *= n;
+    }
+    if (n <= 0 || PyErr_Occurred()) FALLBACK();
     long long dev = method_ll(x, s_get_device);
     PyObject *cur = dev >= 0 ? PyObject_CallNoArgs(current_device) : NULL;
     long long cur_dev = cur ? PyLong_AsLongLong(cur) : -2;
     Py_XDECREF(cur);
-    if (dev < 0 || dev != cur_dev || call_is_true(hooks_idle) != 1) FALLBACK();
+    if (dev < 0 || dev != cur_dev || hooks_idle() != 1) FALLBACK();
     int grad = call_is_true(grad_enabled);
     if (grad < 0) FALLBACK();
     if (grad && (attr_is_true(x, s_requires_grad) != 0 || (w != Py_None && attr_is_true(w, s_requires_grad) != 0)
                  || (b != Py_None && attr_is_true(b, s_requires_grad) != 0)))
         FALLBACK();
-    long long numel = method_ll(x, s_numel);
-    if (numel < 0) FALLBACK();
     long long m = numel / n;
     unsigned long long xp = data_ptr(x), wp, bp;
     if (PyErr_Occurred()) FALLBACK();
@@ -244,8 +267,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_compiling, is_grad_enabled, "
-                                   "current device, current raw stream, hooks_idle, empty_like)"},
+    {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_grad_enabled, current device, "
+                                   "current raw stream, triton.knobs.runtime, empty_like)"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(plans, prefix, x, w, b, eps) -> y or None"},
     {NULL, NULL, 0, NULL},
 };
@@ -253,11 +276,11 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fly_norm_eager_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit_fly_norm_eager_native(void) {
-    const char *names[] = {"is_cuda", "is_contiguous", "shape", "get_device", "requires_grad", "numel",
-                           "data_ptr", "dtype"};
-    PyObject **slots[] = {&s_is_cuda, &s_is_contiguous, &s_shape, &s_get_device, &s_requires_grad, &s_numel,
-                          &s_data_ptr, &s_dtype};
-    for (int i = 0; i < 8; i++)
+    const char *names[] = {"is_cuda", "is_contiguous", "shape", "get_device", "requires_grad", "data_ptr", "dtype",
+                           "launch_enter_hook", "launch_exit_hook", "calls"};
+    PyObject **slots[] = {&s_is_cuda, &s_is_contiguous, &s_shape, &s_get_device, &s_requires_grad, &s_data_ptr,
+                          &s_dtype, &s_enter, &s_exit, &s_calls};
+    for (int i = 0; i < 10; i++)
         if (!(*slots[i] = PyUnicode_InternFromString(names[i]))) return NULL;
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);
