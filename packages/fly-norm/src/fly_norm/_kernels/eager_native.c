@@ -2,11 +2,11 @@
  * plain small call (rms_norm / layer_norm with no residual and no weight offset, softmax over the last
  * dim) with no Python bytecode between the caller and Triton's C launch function.
  *
- * call(plans, prefix, x, w, b, eps) returns y, or None when the Python path must take the call (the caller
- * checks first that torch.compile is not tracing: this function is opaque to it): anything
- * the gate does not accept, a key with no plan yet (the Python path makes it) or a plan of None. It does
- * what eager.rows_device, eager.vector_key and the callers' key and launch do, in the same order, and
- * builds the same key: (prefix, dtype, n, device, m >> 31, x.data_ptr() % 16, weight key, bias key).
+ * call(plans, prefix, x, w, b, eps) returns y, or None when the Python path must take the call: anything
+ * the gate does not accept, a key with no plan yet (the Python path makes it) or a plan of None. The
+ * caller checks first that torch.compile is not tracing (this function is opaque to it). It makes the
+ * checks eager.rows_device, eager.vector_key and the callers make, and builds the same key: (prefix,
+ * dtype, n, device, m >> 31, x.data_ptr() % 16, weight key, bias key).
  * The plan is the tuple eager.make_plan makes: (C launch, function, cooperative, pdl, packed metadata,
  * constexpr tail, device, rows a program, argument layout); the layout names, for each runtime argument
  * of the kernel, which value goes there (ARG_* below, eager.ARG_* in Python).
@@ -17,7 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO, ARG_COUNT };
+enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO };
 
 static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *current_device, *current_stream,
     *runtime_knobs, *empty_like;
@@ -30,15 +30,15 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
                           &objs[6], &objs[7]))
         return NULL;
+    if (!PyType_Check(objs[0]) || !PyType_Check(objs[1]) || !PyList_Check(objs[2])) {
+        PyErr_SetString(PyExc_TypeError, "setup: two types, then a list");
+        return NULL;
+    }
     PyObject **slots[8] = {&tensor_type, &parameter_type, &off_list, &grad_enabled, &current_device,
                            &current_stream, &runtime_knobs, &empty_like};
     for (int i = 0; i < 8; i++) {
         Py_INCREF(objs[i]);
         Py_XSETREF(*slots[i], objs[i]);
-    }
-    if (!PyList_Check(off_list)) {
-        PyErr_SetString(PyExc_TypeError, "setup: off_list must be a list");
-        return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -171,9 +171,7 @@ static PyObject *launch(PyObject *plan, PyObject *y, unsigned long long xp, unsi
         if (!v) bad = 1;
         else PyTuple_SET_ITEM(args, 13 + i, v);
     }
-    if (bad) { /* unfilled slots are NULL: fill them before the tuple is freed */
-        for (Py_ssize_t i = 0; i < 13 + nl + nt; i++)
-            if (!PyTuple_GET_ITEM(args, i)) PyTuple_SET_ITEM(args, i, Py_NewRef(Py_None));
+    if (bad) { /* the slots not filled are NULL, which freeing a tuple allows */
         Py_DECREF(args);
         return NULL;
     }
