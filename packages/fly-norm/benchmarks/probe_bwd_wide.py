@@ -13,13 +13,13 @@ in the same process, % of the copy measured in the same run.
   the pipeliner refuses loops with nested loops), and LEAD 0 (pass 1, then the wait, each row), 1 (pass 1
   a row ahead, ``split._staged_pass1``) or 2 (also the wait's first read before pass 1: what ships as
   ``split._norm_bwd_staged_kernel``).
-- ``staged_fma``: the shipped staged split kernel against its form with fewer instructions a column (dx
-  as two FMAs on the centred row, rstd applied to the exchanged sums), at ``--widths``.
 - ``staged_narrow``: the shipped staged kernel on rows of one or two slices (4K-16K); with ``--widths`` and
   ``--cfgs SLICE,WARPS,STAGES ...``, on other widths and configs.
 
-The sixth session's probe of the backward in row and column roles (PERF.md v14, 7-54%) lived here as part
-``cols``: commits 4d8f4bf and e9aa133, results ``results/probe-bwd-cols-r*.json``.
+Measured and left out, kept in git: the backward in row and column roles (PERF.md v14, 7-54%), part
+``cols``, commits 4d8f4bf and e9aa133, results ``results/probe-bwd-cols-r*.json``; the staged kernel with
+fewer instructions an element (PERF.md v15c, slower), part ``staged_fma``, commit c18b354, results
+``results/probe-bwd-wide-r7-staged-fma.json``.
 """
 
 # ruff: noqa: B023 - each closure runs within its own loop iteration
@@ -49,7 +49,6 @@ from flydsl_common.device import (
     bf16_words,
     collect_from,
     peek,
-    publish,
     row_offset,
     sum2_f32,
 )
@@ -361,173 +360,6 @@ def _staged_narrow_part(copy: float, widths=(4096, 8192, 16384), cfgs=((8192, 16
     return out
 
 
-# ------------------------------------------------------------------ part staged_fma
-
-
-@flyc.func
-def _staged_pass1_fma(
-    h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, CENTRED: fx.constexpr,
-):  # fmt: skip
-    """split._staged_pass1 with fewer instructions a column: publishes the slice's sum of g * (h - mean) (not
-    of g * xhat: rstd is a row factor, applied after the exchange) and, for LayerNorm, of g. Masked columns
-    load as 0, so their g is 0 and they add nothing: no select."""
-    ok = row < M
-    hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
-    dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
-    rstd = fx.load(rstd_ptr + row, mask=ok, other=0.0)
-    mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
-    he, ho = bf16_pairs(hw)
-    de, do = bf16_pairs(dyw)
-    ge = de * we
-    go = do * wo
-    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
-    if IS_RMS:
-        publish(mine, fx.sum(ge * he + go * ho, axis=0), ok)
-    else:
-        if CENTRED:
-            s_gx, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)
-        else:  # the sum of g * h, centred after the exchange (bf16 rows: |mean| / std past ~100 is noise anyway)
-            s_gx, s_g = sum2_f32(ge * he + go * ho, ge + go, 0)
-        publish(mine, s_gx, ok)
-        publish(mine + 1, s_g, ok)
-    return hw, dyw, rstd, mean
-
-
-@flyc.func
-def _staged_fma_body(
-    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,
-    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
-    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr, CENTRED: fx.constexpr,
-):  # fmt: skip
-    # split._norm_bwd_staged_kernel (same arguments, same schedule) with fewer instructions an element:
-    # dx = rstd * (g - c0 - xhat * c1) = g * rstd + (h * k1 + k0) with c1 = rstd * S / N (S the row's sum of
-    # g * (h - mean), published by pass 1), k1 = -rstd^3 * S / N, k0 = -rstd * c0 - mean * k1: two FMAs an
-    # element; xhat for dw as one FMA, h * rstd - mean * rstd.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    group = pid // parts
-    part = pid - group * parts
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
-    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
-    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
-    dwe = fx.zeros([SLICE // 2], dtype=fx.float32)
-    dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
-    dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
-    dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
-    k = fx.arange(0, 2 * PARTS_POW2)
-    kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
-    hw, dyw, rstd, mean = _staged_pass1_fma(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                            part, stride_h, stride_dy, IS_RMS, PARTS_POW2, CENTRED)  # fmt: skip
-    for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
-        early = peek(slots)
-        hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1_fma(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr,
-                                                            row + groups, M, c2, ok2, we, wo, part, stride_h,
-                                                            stride_dy, IS_RMS, PARTS_POW2, CENTRED)  # fmt: skip
-        sums = collect_from(early, slots, kmask, SPIN_LIMIT)
-        s1, s0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
-        if not IS_RMS and not CENTRED:
-            s1 -= mean * s0
-        k1 = -(rstd * rstd * rstd) * (s1 / N)
-        k0 = -rstd * (s0 / N) - mean * k1  # -rstd * c0 is 0 for RMSNorm (its g slots are masked off)
-        nm = -mean * rstd
-        he, ho = bf16_pairs_again(hw)
-        de, do = bf16_pairs_again(dyw)
-        dxe = (de * we) * rstd + (he * k1 + k0)
-        dxo = (do * wo) * rstd + (ho * k1 + k0)
-        if HAS_DRES:
-            re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
-                                        other=0))  # fmt: skip
-            dxe += re
-            dxo += ro
-        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
-        if COMPUTE_DW:
-            if IS_RMS:
-                dwe += de * (he * rstd)
-                dwo += do * (ho * rstd)
-            else:
-                dwe += de * (he * rstd + nm)
-                dwo += do * (ho * rstd + nm)
-        if COMPUTE_DB:
-            dbe += de
-            dbo += do
-        hw, dyw, rstd, mean = hw_nx, dyw_nx, rstd_nx, mean_nx
-    part_cols = row_offset(group, N) + 2 * c2
-    if COMPUTE_DW:
-        fx.store(dwp_ptr + part_cols, dwe, mask=ok2)
-        fx.store(dwp_ptr + part_cols + 1, dwo, mask=ok2)
-    if COMPUTE_DB:
-        fx.store(dbp_ptr + part_cols, dbe, mask=ok2)
-        fx.store(dbp_ptr + part_cols + 1, dbo, mask=ok2)
-
-
-# fmt: off
-@flyc.kernel(do_not_specialize=["M"])
-def _bwd_staged_fma_kernel(
-    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,
-    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
-    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr,
-):
-    _staged_fma_body(h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,
-                     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-                     IS_RMS, HAS_WEIGHT, HAS_DRES, COMPUTE_DW, COMPUTE_DB, SLICE, PARTS_POW2, SPIN_LIMIT, STAGES,
-                     True)
-
-
-@flyc.kernel(do_not_specialize=["M"])
-def _bwd_staged_fma_uncentred_kernel(
-    h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,
-    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
-    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr,
-):
-    # pass 1 publishes the sum of g * h, centred after the exchange (bf16 rows: past |mean| / std ~ 100 the
-    # rows' own rounding outweighs the cancellation)
-    _staged_fma_body(h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,
-                     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-                     IS_RMS, HAS_WEIGHT, HAS_DRES, COMPUTE_DW, COMPUTE_DB, SLICE, PARTS_POW2, SPIN_LIMIT, STAGES,
-                     False)
-# fmt: on
-
-
-_UNCENTRED = _bwd_staged_fma_uncentred_kernel
-
-
-def _staged_fma_part(copy: float, widths=(8192, 16384, 32768)) -> list[dict]:
-    """The shipped staged split kernel and its FMA form (``_bwd_staged_fma_kernel`` swapped in for
-    split._norm_bwd_staged_kernel), both through split.launch_bwd_split and the column sums."""
-    from fly_norm._kernels import split
-
-    out = []
-    shipped_kernel = split._norm_bwd_staged_kernel
-    for n, op, h, w, b, dy, mean, rstd, grads, nbytes in _setups(widths, copy, out):
-        is_rms = mean is None
-
-        def launch(dx, dw, db):
-            dwp, dbp = split.launch_bwd_split(h, w, dy, None, mean, rstd, dx, True, not is_rms, 0.0, is_rms)
-            launch_sum_partials(dwp, dw)
-            if not is_rms:
-                launch_sum_partials(dbp, db)
-
-        forms = [("staged", shipped_kernel), ("staged_fma", _bwd_staged_fma_kernel)]
-        if not is_rms:
-            forms.append(("staged_fma_uncentred", _UNCENTRED))
-        for form, kernel in forms:
-            split._norm_bwd_staged_kernel = kernel
-            try:
-                _measure(out, launch, h, w, b, grads, nbytes, copy, N=n, op=op, kernel=form, case=split.BWD_STAGED)
-            finally:
-                split._norm_bwd_staged_kernel = shipped_kernel
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -545,8 +377,6 @@ def main() -> None:
         rows += _staged_narrow_part(copy, tuple(args.widths), cfgs)
     if "pipe_split" in args.part:
         rows += _pipe_split_part(copy)
-    if "staged_fma" in args.part:
-        rows += _staged_fma_part(copy, tuple(args.widths))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe-bwd-wide.json").write_text(json.dumps(rows, indent=1))
