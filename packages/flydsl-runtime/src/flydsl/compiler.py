@@ -326,7 +326,6 @@ def hooks_idle() -> bool:
 
 
 _RUNTIME_KNOBS = triton.knobs.runtime
-_hooks_idle = hooks_idle
 
 
 def _lean(kernel) -> _Lean:
@@ -352,7 +351,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     device = _current_cuda_device()  # a compiled kernel's handle belongs to one device's context
     key = _key(device, args, meta)
     entry = lean.table.get(key)
-    if entry is None or not _hooks_idle():
+    if entry is None or not hooks_idle():
         lean.first(key, grid, args, meta)
         return
     g1 = grid[1] if len(grid) > 1 else 1
@@ -412,7 +411,7 @@ class Bound:
 
     def __call__(self, grid0: int, *args) -> None:
         """Launch ``grid0`` programs (a 1-D grid) on the current stream of the bound device."""
-        if not _hooks_idle():  # a profiler hook is installed: Triton's own path reports the launch
+        if not hooks_idle():  # a profiler hook is installed: Triton's own path reports the launch
             self.kernel[(grid0,)](*args, **self.meta)
             return
         _fire(self.entry, grid0, 1, 1, torch._C._cuda_getCurrentRawStream(self.device), args)

@@ -43,25 +43,8 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* 1 when calling fn() returns True, 0 when anything else, -1 on error. */
-static int call_is_true(PyObject *fn) {
-    PyObject *r = PyObject_CallNoArgs(fn);
-    if (!r) return -1;
-    int t = r == Py_True;
-    Py_DECREF(r);
-    return t;
-}
-
-static int method_is_true(PyObject *o, PyObject *name) {
-    PyObject *r = PyObject_CallMethodNoArgs(o, name);
-    if (!r) return -1;
-    int t = r == Py_True;
-    Py_DECREF(r);
-    return t;
-}
-
-static int attr_is_true(PyObject *o, PyObject *name) {
-    PyObject *r = PyObject_GetAttr(o, name);
+/* 1 when r (a new reference, consumed) is True, 0 when anything else, -1 when NULL (an error is set). */
+static int is_true(PyObject *r) {
     if (!r) return -1;
     int t = r == Py_True;
     Py_DECREF(r);
@@ -113,8 +96,8 @@ static PyObject *vector_key(PyObject *v, long long dev, unsigned long long *ptr,
     if (v == Py_None) Py_RETURN_NONE;
     *ok = 0;
     if (Py_TYPE(v) != (PyTypeObject *)tensor_type && Py_TYPE(v) != (PyTypeObject *)parameter_type) return NULL;
-    if (attr_is_true(v, s_is_cuda) != 1 || method_ll(v, s_get_device) != dev) return NULL;
-    if (method_is_true(v, s_is_contiguous) != 1) return NULL;
+    if (is_true(PyObject_GetAttr(v, s_is_cuda)) != 1 || method_ll(v, s_get_device) != dev) return NULL;
+    if (is_true(PyObject_CallMethodNoArgs(v, s_is_contiguous)) != 1) return NULL;
     PyObject *dtype = PyObject_GetAttr(v, s_dtype);
     PyObject *shape = dtype ? PyObject_GetAttr(v, s_shape) : NULL;
     *ptr = shape ? data_ptr(v) : 0;
@@ -197,7 +180,7 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     /* The caller has checked that no tracing is on (torch.compile cannot trace this function). */
     if (!tensor_type || !PyDict_Check(plans) || PyList_GET_SIZE(off_list)) goto fallback;
     if (Py_TYPE(x) != (PyTypeObject *)tensor_type) goto fallback;
-    if (attr_is_true(x, s_is_cuda) != 1 || method_is_true(x, s_is_contiguous) != 1) FALLBACK();
+    if (is_true(PyObject_GetAttr(x, s_is_cuda)) != 1 || is_true(PyObject_CallMethodNoArgs(x, s_is_contiguous)) != 1) FALLBACK();
     shape = PyObject_GetAttr(x, s_shape);
     if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) FALLBACK();
     long long numel = 1, n = 0; /* numel from the shape: no method call */
@@ -211,10 +194,11 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long long cur_dev = cur ? PyLong_AsLongLong(cur) : -2;
     Py_XDECREF(cur);
     if (dev < 0 || dev != cur_dev || hooks_idle() != 1) FALLBACK();
-    int grad = call_is_true(grad_enabled);
+    int grad = is_true(PyObject_CallNoArgs(grad_enabled));
     if (grad < 0) FALLBACK();
-    if (grad && (attr_is_true(x, s_requires_grad) != 0 || (w != Py_None && attr_is_true(w, s_requires_grad) != 0)
-                 || (b != Py_None && attr_is_true(b, s_requires_grad) != 0)))
+    if (grad && (is_true(PyObject_GetAttr(x, s_requires_grad)) != 0
+                 || (w != Py_None && is_true(PyObject_GetAttr(w, s_requires_grad)) != 0)
+                 || (b != Py_None && is_true(PyObject_GetAttr(b, s_requires_grad)) != 0)))
         FALLBACK();
     long long m = numel / n;
     unsigned long long xp = data_ptr(x), wp, bp;
