@@ -10,8 +10,9 @@ Parts:
   wide rows, bf16, M * N = 2**27, each op as a fraction of copy; then the
   defaults with and without cache hints (``split.SPLIT_EVICT``);
 - ``latency``: per op (rms_norm, layer_norm, softmax) and M in (1, 4, 64) rows of 4096: end to end
-  (no backlog, what the latency bench sees), device time (backlogged), host time a call, ours and
-  torch's; the floor of our launch mechanism (``torch.empty_like`` + Triton's C launch with every
+  (no backlog, what the latency bench sees), device time (backlogged), host time a call, ours (the C
+  path launching through the driver; ``ours_triton``: through Triton's launch function; ``ours_python``:
+  the Python path) and torch's; the floor of our launch mechanism (``torch.empty_like`` + Triton's C launch with every
   argument prepared) and the driver's share of it (the C launch with an empty grid).
 """
 
@@ -132,8 +133,11 @@ def part_latency() -> dict:
             r = dict(op=op, M=m)
             ours()
             fast = eager.fast
-            for who, f in (("ours", ours), ("ours_python", ours), ("torch", theirs)):
+            native_mod = getattr(fast, "__self__", None)  # eager_native's module (its driver switch)
+            for who, f in (("ours", ours), ("ours_triton", ours), ("ours_python", ours), ("torch", theirs)):
                 eager.fast = eager._no_fast if who == "ours_python" else fast
+                if who == "ours_triton" and native_mod is not None:
+                    native_mod.driver(0, 0)  # the C path through Triton's launch function (v15e)
                 try:
                     f()
                     r[who + "_latency"] = bench(f, backlog=False, sync_each=True).median_us
@@ -142,12 +146,14 @@ def part_latency() -> dict:
                     r[who + "_host"] = _host_us(f, batch=100, batches=20)
                 finally:
                     eager.fast = fast
+                    if native_mod is not None:
+                        r["driver_path"] = native_mod.driver()
             r["c_path"] = fast.__name__ == "call"
             # the floor of the mechanism: the output's allocation and the plan's launch, nothing else
             plans.clear()
             ours()
             (plan,) = plans.values()
-            c_launch, fn, coop, pdl, packed, tail, _, _, layout = plan
+            c_launch, fn, coop, pdl, packed, tail, _, _, layout, r["driver_signature"] = plan
             values = (None, xp, pw, pb, yp, m, 4096, eps, 0)
             args = [values[i] for i in layout]
 
@@ -165,7 +171,7 @@ def part_latency() -> dict:
                 batch=100, batches=20)  # fmt: skip
             r["empty_like"] = _host_us(lambda: torch.empty_like(x), batch=100, batches=20)
             r["sync_alone"] = bench(lambda: None, backlog=False, sync_each=True).median_us
-            r["block_m"] = plan[-2]
+            r["block_m"] = plan[7]
             print(r, flush=True)
             rows.append(r)
     return {"latency": rows}

@@ -9,6 +9,8 @@ and that no call leaks a reference. Skipped where no C compiler or Python header
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import sys
 from importlib.resources import files
 
@@ -84,13 +86,13 @@ class Env:
         mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.grad, lambda: self.device,
                   lambda dev: 1000 + dev, self.knobs, empty_like)  # fmt: skip
 
-    def plan(self, block_m=2, layout=None):
+    def plan(self, block_m=2, layout=None, sig=None, packed=("packed",), pdl=1, tail=("t1", "t2")):
         def c_launch(*args):
             self.launches.append(args)
 
         layout = layout or (eager.ARG_X, eager.ARG_NONE, eager.ARG_W, eager.ARG_B, eager.ARG_Y, eager.ARG_M,
                             eager.ARG_N, eager.ARG_ZERO, eager.ARG_EPS)  # fmt: skip
-        return (c_launch, 77, 0, 1, ("packed",), ("t1", "t2"), 0, block_m, layout)
+        return (c_launch, 77, 0, pdl, packed, tail, 0, block_m, layout, sig)
 
 
 PREFIX = (True, None, True)
@@ -203,4 +205,131 @@ def test_no_reference_leaks(mod):
     env.launches.clear()
     env.allocated.clear()
     after = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape)]
+    assert after == before
+
+
+# ------------------------------------------------------------------ the driver path
+
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)  # fmt: skip
+_CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+_READ = {"p": ctypes.c_uint64, "l": ctypes.c_int64, "L": ctypes.c_uint64, "i": ctypes.c_int32, "I": ctypes.c_uint32,
+         "h": ctypes.c_int16, "H": ctypes.c_uint16, "b": ctypes.c_int8, "B": ctypes.c_uint8, "f": ctypes.c_float}
+
+
+class Driver:
+    """Stand-ins for cuLaunchKernel and cuCtxGetCurrent: each launch's configuration and parameters, read
+    back by the plan's driver signature (and Triton's two scratch pointers after them)."""
+
+    def __init__(self, mod, sig):
+        self.sig, self.launches, self.ctx, self.error = sig, [], 1, 0
+
+        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            values = [ctypes.cast(params[i], ctypes.POINTER(_READ[t])).contents.value
+                      for i, t in enumerate(t for t in self.sig + "pp" if t != "c")]  # fmt: skip
+            self.launches.append((f, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
+            return self.error
+
+        def ctx(out):
+            out[0] = self.ctx
+            return 0
+
+        self._keep = (_LAUNCH(launch), _CTX(ctx))  # alive while the module holds their addresses
+        addr = [ctypes.cast(f, ctypes.c_void_p).value for f in self._keep]
+        assert mod.driver(*addr) is True
+
+
+@pytest.fixture
+def no_driver(mod):
+    yield
+    mod.driver(0, 0)
+
+
+# x, (a None pointer: constexpr), w, b, y, M, N, (zero: constexpr), eps; then the tail's two constexprs
+SIG = "pcppplicfcc"
+
+
+def test_driver_launch_packs_the_parameters_by_signature(mod, no_driver):
+    env = Env()
+    env.install(mod)
+    drv = Driver(mod, SIG)
+    x = FakeTensor((5, 3, 96), ptr=(1 << 20) + 4)
+    w = FakeParameter((96,), ptr=(2 << 20) + 2)
+    b = FakeTensor((96,), ptr=(3 << 20) + 6)
+    plans = {key(x, w, b): env.plan(block_m=4, sig=SIG, packed=(8, 1, 4096), pdl=0)}
+    y = mod.call(plans, PREFIX, x, w, b, 1e-6)
+    assert y is env.allocated[0] and not env.launches  # Triton's launch function not called
+    ((f, grid, block, shared, stream, values, extra),) = drv.launches
+    assert (f, grid, block, shared, stream, extra) == (77, (4, 1, 1), (256, 1, 1), 4096, 1000, None)
+    # x, w, b, y, M as i64, N as i32, eps as fp32, the two scratch pointers
+    assert values == [x.ptr, w.ptr, b.ptr, y.ptr, 15, 96, pytest.approx(1e-6, rel=1e-7), 0, 0]
+
+
+def test_driver_path_leaves_to_triton_what_it_does_not_take(mod, no_driver):
+    env = Env()
+    env.install(mod)
+    drv = Driver(mod, SIG)
+    x = FakeTensor((4, 64))
+    w = FakeTensor((64,), ptr=3 << 20)
+    k = key(x, w)
+    cases = {
+        "PDL": env.plan(sig=SIG, packed=(8, 1, 0), pdl=1),
+        "no signature": env.plan(sig=None, packed=(8, 1, 0), pdl=0),
+        "a cluster": env.plan(sig=SIG, packed=(8, 2, 0), pdl=0),
+        "metadata not (warps, ctas, shared)": env.plan(sig=SIG, packed=("packed",), pdl=0),
+        "a signature of another length": env.plan(sig=SIG + "c", packed=(8, 1, 0), pdl=0),
+        "a type it does not pack": env.plan(sig=SIG.replace("f", "d"), packed=(8, 1, 0), pdl=0),
+        "a tail value it cannot pass": env.plan(sig=SIG[:-1] + "l", packed=(8, 1, 0), pdl=0, tail=("t1", "t2")),
+    }  # fmt: skip
+    for name, plan in cases.items():
+        env.launches.clear()
+        assert mod.call({k: plan}, PREFIX, x, w, None, 1e-6) is not None, name
+        assert len(env.launches) == 1 and not drv.launches, name  # served by Triton's launch function
+    wide, w_wide = FakeTensor((4, 200)), FakeTensor((200,), ptr=3 << 20)  # N = 200 as an int8 parameter
+    env.launches.clear()
+    plan = env.plan(sig=SIG.replace("pli", "plb"), packed=(8, 1, 0), pdl=0)
+    assert mod.call({key(wide, w_wide): plan}, PREFIX, wide, w_wide, None, 1e-6) is not None
+    assert len(env.launches) == 1 and not drv.launches
+    drv.ctx = 0  # no current context on this thread
+    env.launches.clear()
+    assert mod.call({k: env.plan(sig=SIG, packed=(8, 1, 0), pdl=0)}, PREFIX, x, w, None, 1e-6) is not None
+    assert len(env.launches) == 1 and not drv.launches
+    drv.ctx = 1
+    drv.sig = SIG[:-1] + "l"
+    plan = env.plan(sig=drv.sig, packed=(8, 1, 0), pdl=0, tail=("t1", 7))  # a runtime value in the tail
+    assert mod.call({k: plan}, PREFIX, x, w, None, 1e-6) is not None
+    assert drv.launches[-1][5][-3:] == [7, 0, 0]
+
+
+def test_driver_launch_error_raises(mod, no_driver):
+    env = Env()
+    env.install(mod)
+    drv = Driver(mod, SIG)
+    drv.error = 700
+    x = FakeTensor((4, 64))
+    w = FakeTensor((64,), ptr=3 << 20)
+    plans = {key(x, w): env.plan(sig=SIG, packed=(8, 1, 0), pdl=0)}
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        mod.call(plans, PREFIX, x, w, None, 1e-6)
+    assert not env.launches
+
+
+def test_driver_path_keeps_no_references(mod, no_driver):
+    env = Env()
+    env.install(mod)
+    drv = Driver(mod, SIG)
+    x = FakeTensor((4, 64))
+    w = FakeTensor((64,), ptr=3 << 20)
+    plans = {key(x, w): env.plan(sig=SIG, packed=(8, 1, 0), pdl=0)}
+    for _ in range(10):
+        mod.call(plans, PREFIX, x, w, None, 1e-6)
+    env.allocated.clear()
+    drv.launches.clear()
+    gc.collect()  # earlier tests' plans (in cycles with their Env) hold SIG until collected
+    before = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape, SIG)]
+    for _ in range(1000):
+        mod.call(plans, PREFIX, x, w, None, 1e-6)
+    assert len(drv.launches) == 1000 and not env.launches
+    env.allocated.clear()
+    after = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape, SIG)]
     assert after == before

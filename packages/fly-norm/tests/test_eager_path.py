@@ -166,3 +166,38 @@ def test_plain_calls_take_the_c_path_and_keep_no_references():
         softmax(x)
     torch.cuda.synchronize()
     assert ([sys.getrefcount(t) for t in (x, w, b)], torch.cuda.memory_allocated()) == before
+
+
+def test_driver_path_launches_on_the_current_stream():
+    """The C path launches through the driver on torch's current stream: calls captured in a CUDA graph on a
+    side stream replay with the graph (a launch on any other stream would fail the capture or miss the
+    replay), and their results follow the input's new values."""
+    from fly_norm import softmax
+    from fly_norm._kernels import eager
+    from fly_norm.reference import softmax_ref
+
+    x = randn(5, 4096, dtype=torch.bfloat16, device="cuda")
+    w = randn(4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    b = randn(4096, dtype=torch.bfloat16, device="cuda", seed=2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rms_norm(x, w, 1e-6), layer_norm(x, w, b, 1e-5), softmax(x)  # the plans, made on this stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if eager.fast is eager._no_fast:
+        pytest.skip("eager_native.c could not be built here")
+    assert eager.fast.__self__.driver() is True  # libcuda's launch found
+    assert all(p is None or p[9] for p in shared._EAGER_PLANS.values())  # plans carry their driver signature
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1, y2, y3 = rms_norm(x, w, 1e-6), layer_norm(x, w, b, 1e-5), softmax(x)
+    for seed in (7, 8):
+        x.copy_(randn(5, 4096, dtype=torch.bfloat16, device="cuda", seed=seed, scale=2.0))
+        for y in (y1, y2, y3):
+            y.fill_(float("nan"))  # poisoned: the replay must write every element
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rel_close(y1, rms_norm_ref(x, w, 1e-6))
+        assert_rel_close(y2, layer_norm_ref(x, w, b, 1e-5))
+        assert_rel_close(y3, softmax_ref(x))

@@ -288,3 +288,13 @@ def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
         return _allocation._allocator.get()
 
     assert in_fresh_thread(keep_callers) is mine
+
+
+@pytest.mark.gpu
+def test_driver_signature_names_each_argument():
+    """One letter an argument in launch order: pointers, the ints as Triton typed them (i32, or constexpr when
+    1), the fp32 scalar, the constexpr tail."""
+    x = torch.randn(4096, device="cuda")
+    assert flyc.bind(_scale_kernel, x, x, 4096, 16, 2.0, BLOCK=64).driver_signature() == "ppiifc"
+    assert flyc.bind(_scale_kernel, x, x, 4096, 1, 2.0, BLOCK=64).driver_signature() == "ppicfc"  # stride 1
+    assert flyc.bind(_scale_kernel, x, x, 1 << 40, 16, 2.0, BLOCK=64).driver_signature() == "pplifc"  # n as i64

@@ -370,14 +370,37 @@ def _compile(kernel, args: tuple, meta: dict):
 
 def _entry(compiled, tail: tuple) -> tuple:
     """A compiled specialization's launch entry: (launcher, function, packed metadata, constexpr tail,
-    direct C launch or None)."""
+    direct C launch or None, driver signature or None)."""
     run = compiled.run
-    return run, compiled.function, compiled.packed_metadata, tail, _direct_launch(run)
+    return run, compiled.function, compiled.packed_metadata, tail, _direct_launch(run), _driver_signature(compiled)
+
+
+# Triton's scalar argument types -> the letters of Bound.driver_signature
+_DRIVER_TYPES = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
+                 "i64": "l", "u64": "L", "fp32": "f", "f32": "f"}  # fmt: skip
+
+
+def _driver_signature(compiled) -> str | None:
+    """:meth:`Bound.driver_signature` of a compiled kernel (None: not one a driver launch can pass)."""
+    sig = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(sig, dict) or getattr(compiled.metadata, "num_ctas", 1) != 1:
+        return None
+    letters = []
+    for ty in sig.values():
+        if ty == "constexpr":
+            letters.append("c")
+        elif isinstance(ty, str) and ty.startswith("*"):
+            letters.append("p")
+        elif ty in _DRIVER_TYPES:
+            letters.append(_DRIVER_TYPES[ty])
+        else:
+            return None
+    return "".join(letters)
 
 
 def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple) -> None:
     """Launch an entry's kernel: its C launch function directly when the launcher allows it."""
-    run, function, packed, tail, direct = entry
+    run, function, packed, tail, direct, _ = entry
     if direct is None:
         run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
         return
@@ -423,11 +446,21 @@ class Bound:
         ``c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args, *tail)``
         and takes each pointer as a tensor or as an integer (``data_ptr()``: no driver query); the caller
         keeps to :func:`hooks_idle` launches (a profiler's hooks are called on Triton's path only)."""
-        _, function, packed, tail, direct = self.entry
+        _, function, packed, tail, direct, _ = self.entry
         if direct is None:
             return None
         c_launch, coop, pdl = direct
         return c_launch, function, coop, pdl, packed, tail, self.device
+
+    def driver_signature(self) -> str | None:
+        """The kernel's arguments in launch order (the runtime ones, then the constexpr tail), one letter
+        each, for callers that launch through the CUDA driver themselves: ``p`` a device pointer;
+        ``b``/``B``, ``h``/``H``, ``i``/``I``, ``l``/``L`` a signed/unsigned 8/16/32/64-bit integer; ``f``
+        an fp32 scalar; ``c`` a constexpr, which is not a kernel parameter. The kernel's parameters are
+        the non-``c`` values in that order, then Triton's two scratch pointers (both 0 where
+        :meth:`direct` is not None). None for kernels with other arguments (16-bit float scalars,
+        tuples, tensor descriptors) and cluster launches."""
+        return self.entry[5]
 
 
 def bind(kernel, *args, **meta) -> Bound:

@@ -8,14 +8,22 @@
  * checks eager.rows_device, eager.vector_key and the callers make, and builds the same key: (prefix,
  * dtype, n, device, m >> 31, x.data_ptr() % 16, weight key, bias key).
  * The plan is the tuple eager.make_plan makes: (C launch, function, cooperative, pdl, packed metadata,
- * constexpr tail, device, rows a program, argument layout); the layout names, for each runtime argument
- * of the kernel, which value goes there (ARG_* below, eager.ARG_* in Python).
+ * constexpr tail, device, rows a program, argument layout, driver signature); the layout names, for each
+ * runtime argument of the kernel, which value goes there (ARG_* below, eager.ARG_* in Python).
+ *
+ * The launch goes straight to the CUDA driver (cuLaunchKernel, the parameters packed here by the plan's
+ * driver signature: flydsl's Bound.driver_signature) once driver() has found libcuda; Triton's C launch
+ * function, which parses a Python tuple of every argument first, serves plans the driver path does not
+ * take (a cooperative, PDL or cluster launch, no signature) and calls on a thread with no current context.
  *
  * Errors raised by the objects it calls are cleared and the call falls back to Python, which raises
  * them properly; an error from the launch itself propagates.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
 
 enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO };
 
@@ -24,6 +32,34 @@ static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *curren
 static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_data_ptr, *s_dtype,
     *s_enter, *s_exit, *s_calls;
 static PyObject *zero, *one;
+
+/* The driver entry points (libcuda's, or a test's stand-ins: driver()). CUresult is an int enum; CUfunction,
+ * CUstream and CUcontext are pointers. */
+typedef int (*cu_launch_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                           unsigned shared, void *stream, void **params, void **extra);
+typedef int (*cu_ctx_t)(void **ctx);
+typedef int (*cu_error_t)(int err, const char **text);
+static cu_launch_t cu_launch;
+static cu_ctx_t cu_ctx;
+static cu_error_t cu_error;
+#define MAX_PARAMS 64
+
+static PyObject *driver(PyObject *self, PyObject *args) {
+    unsigned long long launch_fn = 0, ctx_fn = 0;
+    if (PyTuple_GET_SIZE(args) == 0) { /* libcuda's (loaded already by whoever made the CUDA context) */
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        launch_fn = h ? (unsigned long long)(uintptr_t)dlsym(h, "cuLaunchKernel") : 0;
+        ctx_fn = h ? (unsigned long long)(uintptr_t)dlsym(h, "cuCtxGetCurrent") : 0;
+        cu_error = h ? (cu_error_t)dlsym(h, "cuGetErrorString") : NULL;
+    } else if (!PyArg_ParseTuple(args, "KK", &launch_fn, &ctx_fn)) {
+        return NULL;
+    } else {
+        cu_error = NULL;
+    }
+    cu_launch = launch_fn && ctx_fn ? (cu_launch_t)(uintptr_t)launch_fn : NULL;
+    cu_ctx = cu_launch ? (cu_ctx_t)(uintptr_t)ctx_fn : NULL;
+    return PyBool_FromLong(cu_launch != NULL);
+}
 
 static PyObject *setup(PyObject *self, PyObject *args) {
     PyObject *objs[8];
@@ -110,6 +146,107 @@ static PyObject *vector_key(PyObject *v, long long dev, unsigned long long *ptr,
     return key;
 }
 
+/* One kernel parameter of driver-signature letter t into *slot: 1, or 0 when it cannot be passed (the value
+ * does not fit the type, a type this path does not pack). */
+static int pack(char t, int is_float, long long i, double f, uint64_t *slot) {
+    *slot = 0;
+    if (t == 'f') {
+        float v = (float)(is_float ? f : (double)i);
+        memcpy(slot, &v, sizeof v);
+        return 1;
+    }
+    if (is_float) return 0;
+    switch (t) {
+        case 'p': case 'l': case 'L': *slot = (uint64_t)i; return 1;
+        case 'i': if (i < INT32_MIN || i > INT32_MAX) return 0; { int32_t v = (int32_t)i; memcpy(slot, &v, 4); } return 1;
+        case 'I': if (i < 0 || i > UINT32_MAX) return 0; { uint32_t v = (uint32_t)i; memcpy(slot, &v, 4); } return 1;
+        case 'h': if (i < INT16_MIN || i > INT16_MAX) return 0; { int16_t v = (int16_t)i; memcpy(slot, &v, 2); } return 1;
+        case 'H': if (i < 0 || i > UINT16_MAX) return 0; { uint16_t v = (uint16_t)i; memcpy(slot, &v, 2); } return 1;
+        case 'b': if (i < INT8_MIN || i > INT8_MAX) return 0; { int8_t v = (int8_t)i; memcpy(slot, &v, 1); } return 1;
+        case 'B': if (i < 0 || i > UINT8_MAX) return 0; { uint8_t v = (uint8_t)i; memcpy(slot, &v, 1); } return 1;
+        default: return 0;
+    }
+}
+
+/* The launch through the driver: 1 launched, 0 not a plan or call for this path (the caller takes Triton's
+ * launch function, which raises what is wrong), -1 the launch failed (an error set). */
+static int driver_launch(PyObject *plan, long long grid, const unsigned long long *ptrs, long long m, long long n,
+                         double eps) {
+    PyObject *sig = PyTuple_GET_ITEM(plan, 9), *packed = PyTuple_GET_ITEM(plan, 4), *tail = PyTuple_GET_ITEM(plan, 5),
+             *layout = PyTuple_GET_ITEM(plan, 8);
+    if (!cu_launch || !PyUnicode_Check(sig) || !PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != 3) return 0;
+    if (PyObject_IsTrue(PyTuple_GET_ITEM(plan, 2)) != 0 || PyObject_IsTrue(PyTuple_GET_ITEM(plan, 3)) != 0) return 0;
+    long warps = PyLong_AsLong(PyTuple_GET_ITEM(packed, 0)), ctas = PyLong_AsLong(PyTuple_GET_ITEM(packed, 1)),
+         shared = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
+    Py_ssize_t len, nl = PyTuple_GET_SIZE(layout);
+    const char *s = PyUnicode_AsUTF8AndSize(sig, &len);
+    if (!s || PyErr_Occurred() || warps <= 0 || warps > 32 || ctas != 1 || shared < 0 || grid > INT32_MAX
+        || len != nl + PyTuple_GET_SIZE(tail))
+        return 0;
+    uint64_t slots[MAX_PARAMS + 2];
+    void *params[MAX_PARAMS + 2];
+    int np = 0;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        if (s[i] == 'c') continue; /* a constexpr: compiled in, not a parameter */
+        if (np == MAX_PARAMS) return 0;
+        long long iv = 0;
+        double fv = 0.0;
+        int is_float = 0;
+        if (i < nl) {
+            switch (PyLong_AsLong(PyTuple_GET_ITEM(layout, i))) {
+                case ARG_NONE: case ARG_ZERO: break;
+                case ARG_X: iv = (long long)ptrs[0]; break;
+                case ARG_W: iv = (long long)ptrs[1]; break;
+                case ARG_B: iv = (long long)ptrs[2]; break;
+                case ARG_Y: iv = (long long)ptrs[3]; break;
+                case ARG_M: iv = m; break;
+                case ARG_N: iv = n; break;
+                case ARG_EPS: fv = eps; is_float = 1; break;
+                default: return 0;
+            }
+        } else { /* a runtime argument given by keyword with the constexprs */
+            PyObject *v = PyTuple_GET_ITEM(tail, i - nl);
+            if (PyFloat_Check(v)) {
+                fv = PyFloat_AS_DOUBLE(v);
+                is_float = 1;
+            } else if (PyLong_Check(v)) {
+                iv = PyLong_AsLongLong(v);
+            } else if (v != Py_None) {
+                return 0;
+            }
+        }
+        if (PyErr_Occurred() || !pack(s[i], is_float, iv, fv, &slots[np])) return 0;
+        params[np] = &slots[np];
+        np++;
+    }
+    for (int k = 0; k < 2; k++, np++) { /* Triton's global and profile scratch pointers: none */
+        slots[np] = 0;
+        params[np] = &slots[np];
+    }
+    void *ctx = NULL;
+    if (cu_ctx(&ctx) != 0 || !ctx) return 0; /* no current context on this thread: Triton's launch makes it */
+    if (grid == 0) return 1;
+    PyObject *stream_obj = PyObject_CallOneArg(current_stream, PyTuple_GET_ITEM(plan, 6));
+    unsigned long long stream = stream_obj ? PyLong_AsUnsignedLongLong(stream_obj) : 0;
+    Py_XDECREF(stream_obj);
+    if (PyErr_Occurred()) return -1;
+    void *function = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 1));
+    if (PyErr_Occurred()) return -1;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = cu_launch(function, (unsigned)grid, 1, 1, (unsigned)(32 * warps), 1, 1, (unsigned)shared,
+                    (void *)(uintptr_t)stream, params, NULL);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        const char *text = NULL;
+        if (!cu_error || cu_error(err, &text) != 0) text = NULL;
+        PyErr_Format(PyExc_RuntimeError, "fly_norm: kernel launch failed: CUDA error %d (%s)", err,
+                     text ? text : "no description");
+        return -1;
+    }
+    return 1;
+}
+
 static PyObject *launch(PyObject *plan, PyObject *y, unsigned long long xp, unsigned long long wp,
                         unsigned long long bp, long long m, long long n, PyObject *eps) {
     PyObject *c_launch = PyTuple_GET_ITEM(plan, 0), *tail = PyTuple_GET_ITEM(plan, 5),
@@ -118,6 +255,10 @@ static PyObject *launch(PyObject *plan, PyObject *y, unsigned long long xp, unsi
     if (block_m <= 0 || !PyTuple_Check(tail) || !PyTuple_Check(layout)) return NULL;
     unsigned long long yp = data_ptr(y);
     if (PyErr_Occurred()) return NULL;
+    unsigned long long ptrs[4] = {xp, wp, bp, yp};
+    int done = driver_launch(plan, (m + block_m - 1) / block_m, ptrs, m, n, PyFloat_AsDouble(eps));
+    if (done) return done > 0 ? Py_NewRef(Py_None) : NULL;
+    PyErr_Clear(); /* not for the driver path (whatever it read that failed, Triton's launch reports) */
     PyObject *stream = PyObject_CallOneArg(current_stream, PyTuple_GET_ITEM(plan, 6));
     if (!stream) return NULL;
     Py_ssize_t nl = PyTuple_GET_SIZE(layout), nt = PyTuple_GET_SIZE(tail);
@@ -218,7 +359,7 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     key = Py_BuildValue("(OOLLLKOO)", prefix, dtype, n, dev, m >> 31, xp & 15, wkey, bkey);
     if (!key) FALLBACK();
     PyObject *plan = PyDict_GetItemWithError(plans, key); /* borrowed */
-    if (!plan || plan == Py_None || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 9) FALLBACK();
+    if (!plan || plan == Py_None || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 10) FALLBACK();
     Py_INCREF(plan); /* the dict may change under the calls below */
     eps = PyFloat_FromDouble(e);
     y = eps ? PyObject_CallOneArg(empty_like, x) : NULL;
@@ -252,6 +393,8 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_grad_enabled, current device, "
                                    "current raw stream, triton.knobs.runtime, empty_like)"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(plans, prefix, x, w, b, eps) -> y or None"},
+    {"driver", driver, METH_VARARGS, "driver() finds libcuda's launch; driver(launch address, current-context "
+                                     "address) takes stand-ins (0, 0: none). True when the driver path is on"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -126,9 +126,9 @@ SOFTMAX_BWD_SLICE = (4096, 4, None)
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
-# loop's pipeline stages). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split): RMSNorm 32K 85.5% of copy,
-# LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps 81-85 / 53-60%,
-# 2048 x 4 warps 76-81 / 59-66%, 4 stages no better.
+# loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split): RMSNorm
+# 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps
+# 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better.
 BWD_STAGED = (8192, 16, 3)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
@@ -652,6 +652,14 @@ def _launch_opts(cfg, cols: bool = False) -> dict:
     return opts
 
 
+def _staged_opts(cfg) -> dict:
+    """Launch options of a staged kernel's (slice, warps, stages[, register cap]) config."""
+    opts = {"STAGES": cfg[2], "num_warps": cfg[1]}
+    if len(cfg) > 3 and cfg[3]:
+        opts["maxnreg"] = cfg[3]
+    return opts
+
+
 def _fwd_slice(n: int) -> tuple:
     """The RMSNorm / softmax forward's slice config for rows of ``n`` columns."""
     return FWD_SLICE_WIDE if n >= WIDE_MIN_N else FWD_SLICE
@@ -803,7 +811,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-            **({"STAGES": cfg[2], "num_warps": cfg[1]} if staged else _launch_opts(cfg)),
+            **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
