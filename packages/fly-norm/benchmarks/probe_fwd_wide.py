@@ -9,8 +9,10 @@ pass 1 runs a row ahead (the next row's partial statistics are published before 
 and the wait starts from the slots as read before pass 1 (``peek`` / ``collect_from``). What a slice
 publishes, by OP: RMSNorm its sum of squares (0); LayerNorm its sum and its M2 about its own mean, merged
 with Chan's formula, from two reductions (1) or one, shifted by the slice's first value (2); softmax its
-max and its sum of exponentials, rescaled to the row's max (3). Plain forward: no residual, no saved
-statistics. r1 (PERF.md v14c) measured OP 0 and 1; OP 2 and 3 are written and checked on the CPU only.
+max and its sum of exponentials, rescaled to the row's max (3); LayerNorm its sum and M2 from one exchange
+of the sum and the sum of squares, M2 = sum x^2 - (sum x)^2 / n, taken again about the mean where that
+cancels more than 6 bits (4; 5 without that fallback, for its cost). Plain forward: no residual, no saved
+statistics. r1 (PERF.md v14c) measured OP 0 and 1, r2 (v15) OP 2 and 3.
 """
 
 # ruff: noqa: B023 - each closure runs within its own loop iteration
@@ -47,8 +49,10 @@ _DT = torch.bfloat16
 CASES = ((8192, 16, 3), (4096, 8, 4), (4096, 8, 3), (16384, 16, 3))
 
 
-RMS, LAYER, LAYER_SHIFTED, SOFTMAX = 0, 1, 2, 3  # OP: what pass 1 publishes (see _pass1)
-_RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX = (fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX))  # in kernels
+RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE = 0, 1, 2, 3, 4, 5  # OP: what pass 1 publishes
+_RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX, _LAYER_SUMS, _LAYER_SUMS_BARE = (
+    fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE))  # in kernels
+LAYERS = (LAYER, LAYER_SHIFTED, LAYER_SUMS, LAYER_SUMS_BARE)
 
 
 @flyc.func
@@ -78,6 +82,17 @@ def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, OP: fx.cons
         s1, s2 = sum2_f32(de + do, de * de + do * do, 0)
         publish(mine, n_mine * shift + s1, ok)
         publish(mine + 1, s2 - s1 * s1 / n_mine, ok)
+    elif OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE:
+        s1, s2 = sum2_f32(xe + xo, xe * xe + xo * xo, 0)  # one exchange; masked words read 0
+        m2 = s2 - s1 * (s1 / n_mine)
+        if OP == _LAYER_SUMS:
+            if m2 * 64.0 < s2:  # more than 6 bits cancelled (|mean| > ~8 std): M2 about the mean, again
+                mean = s1 / n_mine
+                de = fx.where(ok2, xe - mean, 0.0)
+                do = fx.where(ok2, xo - mean, 0.0)
+                m2 = fx.sum(de * de + do * do, axis=0)
+        publish(mine, s1, ok)
+        publish(mine + 1, m2, ok)
     else:
         mx = fx.max(fx.where(ok2, fx.maximum(xe, xo), float("-inf")), axis=0)
         ex = fx.where(ok2, fx.exp(xe - mx) + fx.exp(xo - mx), 0.0)
@@ -104,7 +119,7 @@ def _fwd_staged_kernel(
     if OP != _SOFTMAX:
         we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
         wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
-    if OP == _LAYER or OP == _LAYER_SHIFTED:
+    if OP == _LAYER or OP == _LAYER_SHIFTED or OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE:
         be = fx.load(b_ptr + 2 * c2, mask=ok2, other=0.0).to(fx.float32)
         bo = fx.load(b_ptr + 2 * c2 + 1, mask=ok2, other=0.0).to(fx.float32)
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, value] flattened
@@ -179,14 +194,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ops", nargs="*", type=int, default=[RMS, LAYER, LAYER_SHIFTED, SOFTMAX])
+    ap.add_argument("--cases", nargs="*", default=None, help="SLICE,WARPS,STAGES ... (default: CASES)")
+    ap.add_argument("--offset", type=float, default=0.5, help="the inputs' mean (x = 2 randn + offset)")
     ap.add_argument("--widths", nargs="*", type=int, default=[32768, 65536, 131072, 262144])
     args = ap.parse_args()
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]
-    names = {RMS: "rms", LAYER: "layer", LAYER_SHIFTED: "layer_shifted", SOFTMAX: "softmax"}
+    names = {RMS: "rms", LAYER: "layer", LAYER_SHIFTED: "layer_shifted", SOFTMAX: "softmax", LAYER_SUMS: "layer_sums",
+             LAYER_SUMS_BARE: "layer_sums_bare"}  # fmt: skip
+    cases = CASES if args.cases is None else [tuple(int(v) for v in c.split(",")) for c in args.cases]
     for n in args.widths:
         m = (1 << 27) // n
-        x = torch.randn(m, n, dtype=_DT, device="cuda") * 2 + 0.5
+        x = torch.randn(m, n, dtype=_DT, device="cuda") * 2 + args.offset
         w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
         b = torch.randn(n, dtype=_DT, device="cuda")
         nbytes = 2 * 2 * m * n
@@ -200,21 +219,22 @@ def main() -> None:
 
             ref = shipped()
             us = bench(shipped).median_us
-            r = dict(N=n, op=names[op], kernel="shipped", us=us, frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
+            r = dict(N=n, op=names[op], kernel="shipped", offset=args.offset, us=us,
+                     frac_copy=nbytes / (us * 1e-6) / 1e9 / copy)
             print(r, flush=True)
             rows.append(r)
-            for case in CASES:
+            for case in cases:
                 y = torch.full_like(x, float("nan"))
                 try:
 
                     def run():
-                        launch_fwd_staged(x, w, b if op in (LAYER, LAYER_SHIFTED) else None, y, eps, *case, op=op)
+                        launch_fwd_staged(x, w, b if op in LAYERS else None, y, eps, *case, op=op)
 
                     run()
                     torch.cuda.synchronize()
                     err = _rel(y, ref)
                     us = bench(run).median_us
-                    r = dict(N=n, op=names[op], kernel="staged", case=case, us=us,
+                    r = dict(N=n, op=names[op], kernel="staged", case=case, offset=args.offset, us=us,
                              frac_copy=nbytes / (us * 1e-6) / 1e9 / copy, rel_err_vs_shipped=err)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
                     r = dict(N=n, op=names[op], kernel="staged", case=case, error=repr(e)[:300])
