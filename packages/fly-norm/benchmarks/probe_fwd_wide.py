@@ -36,6 +36,7 @@ from flydsl_common.device import (
     as_words,
     bf16_pairs,
     bf16_pairs_again,
+    bf16_pairs_third,
     bf16_words,
     collect_from,
     peek,
@@ -106,7 +107,7 @@ def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, OP: fx.cons
 def _fwd_staged_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y, eps,
     OP: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr,
-    SPIN_LIMIT: fx.constexpr,
+    SPIN_LIMIT: fx.constexpr, PACKED_WB: fx.constexpr = False,
 ):
     # fmt: on
     pid = fx.program_id(0)
@@ -116,10 +117,13 @@ def _fwd_staged_kernel(
     c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
     ok2 = c2 < N // 2
     n_mine = fx.minimum(SLICE, N - part * SLICE).to(fx.float32)
-    if OP != _SOFTMAX:
+    if PACKED_WB:  # bf16 weight and bias held as words, widened in place each row (half the registers)
+        ww = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)
+        bw = fx.load(as_words(b_ptr) + c2, mask=ok2, other=0)
+    elif OP != _SOFTMAX:
         we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
         wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
-    if OP == _LAYER or OP == _LAYER_SHIFTED or OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE:
+    if not PACKED_WB and (OP == _LAYER or OP == _LAYER_SHIFTED or OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE):
         be = fx.load(b_ptr + 2 * c2, mask=ok2, other=0.0).to(fx.float32)
         bo = fx.load(b_ptr + 2 * c2 + 1, mask=ok2, other=0.0).to(fx.float32)
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, value] flattened
@@ -150,6 +154,12 @@ def _fwd_staged_kernel(
                 dev = fx.where(first & kmask, vals / n_k - mean, 0.0)  # each slice's mean against the row's
                 m2 = fx.sum(fx.where(first, n_k * dev * dev, vals), axis=0)  # Chan: M2s + the means' spread
                 rstd = fx.rsqrt(m2 / N + eps)
+            if PACKED_WB:
+                # widened after rstd, from a zero the compiler cannot prove (rstd's sign bit; a NaN rstd's
+                # garbage weights meet a NaN row): it cannot hoist the widening and hold fp32 pairs
+                zero = fx.zeros_like(ww) + (rstd.to(fx.int32, bitcast=True) >> 31)
+                we, wo = bf16_pairs_third(ww, zero)
+                be, bo = bf16_pairs_third(bw, zero)
             ye = (xe - mean) * rstd * we
             yo = (xo - mean) * rstd * wo
             if OP != _RMS:
@@ -167,14 +177,15 @@ def _next(v):
     return fx.reshape(fx.join(sums, sums), [v.shape[0]])
 
 
-def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, spin=1 << 20, op=None):
+def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, packed_wb=0, spin=1 << 20, op=None):
     m, n = x.shape
     op = (RMS if b is None else LAYER) if op is None else op
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
     slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=x.device)
     args = (x, w, w if b is None else b, y, slots, m, n, parts, x.stride(0), y.stride(0), float(eps))
-    meta = dict(OP=op, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps)
+    meta = dict(OP=op, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps,
+                PACKED_WB=bool(packed_wb))  # fmt: skip
     if flyc.interpreting():
         groups = m
     else:
@@ -194,7 +205,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ops", nargs="*", type=int, default=[RMS, LAYER, LAYER_SHIFTED, SOFTMAX])
-    ap.add_argument("--cases", nargs="*", default=None, help="SLICE,WARPS,STAGES ... (default: CASES)")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="SLICE,WARPS,STAGES[,PACKED_WB] ... (default: CASES)")  # fmt: skip
     ap.add_argument("--offset", type=float, default=0.5, help="the inputs' mean (x = 2 randn + offset)")
     ap.add_argument("--widths", nargs="*", type=int, default=[32768, 65536, 131072, 262144])
     args = ap.parse_args()
