@@ -411,7 +411,39 @@ def test_staged_rms_forward(device, slices, monkeypatch):
         assert_rel_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6))
 
 
-def test_staged_rms_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("affine", ["both", "offset", "weight", "none"])
+def test_staged_layer_forward(device, slices, affine, monkeypatch):
+    """The staged LayerNorm forward: y and the saved mean and rstd against fp64, with and without a bf16
+    weight (and offset) and bias held as words, over rows whose means range from ordinary to ~100 standard
+    deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is taken instead) and a
+    constant row (M2 = 0). Three slices a row on a GPU (the last short); one in the interpreter."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    if slices > 1 and flyc.interpreting():
+        pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
+    m, n = 7, 200 if slices == 1 else 700
+    x = randn(m, n, dtype=torch.float32, device=device, seed=slices)
+    x = x * torch.tensor([2.0, 0.5, 1.0, 0.5, 0.25, 0.0, 0.0], device=device)[:, None]
+    x = (x + torch.tensor([0.5, -3.0, 40.0, 50.0, -24.0, 7.0, 64.0], device=device)[:, None]).bfloat16()
+    x[6, n // 3] = 64.5  # one element an ulp off a constant row: mean / std ~ 2000, M2 from the sums is noise
+    w = None if affine == "none" else randn(n, dtype=torch.bfloat16, device=device, seed=1)
+    b = randn(n, dtype=torch.bfloat16, device=device, seed=2) if affine in ("both", "offset") else None
+    offset = 1.0 if affine == "offset" else 0.0
+    y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    mean = empty_poisoned(m, dtype=torch.float32, device=device)
+    rstd = empty_poisoned(m, dtype=torch.float32, device=device)
+    assert split._fwd_staged(x, y, (w, b))
+    assert split.launch_fwd_split(x, None, w, b, None, y, None, mean, rstd, None, 1e-5, offset, False, 0, 127.0)
+    xd = x.double()
+    assert_rel_close(y, layer_norm_ref(x, w, b, 1e-5, None, offset))
+    assert_rel_close(mean, xd.mean(-1))
+    assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5))
+
+
+def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
     from fly_norm._kernels import split
 
     rows = torch.zeros(2, split.FWD_STAGED_MIN_N + 2, dtype=torch.bfloat16)
@@ -419,6 +451,12 @@ def test_staged_rms_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
     assert not split._fwd_staged(rows[:, :-4], rows[:, :-4])  # narrower than FWD_STAGED_MIN_N
     assert not split._fwd_staged(rows.half(), rows.half()) and not split._fwd_staged(rows, rows.float())
     assert not split._fwd_staged(rows[:, :-1], rows[:, :-1]) and not split._fwd_staged(rows[:, 1:], rows[:, 1:])
+    # LayerNorm's weight and bias, held as words: bf16 and word aligned, or absent
+    vec = torch.zeros(split.FWD_STAGED_MIN_N + 4, dtype=torch.bfloat16)
+    w = vec[: rows.shape[1]]
+    assert split._fwd_staged(rows, rows, (w, w)) and split._fwd_staged(rows, rows, (None, None))
+    assert not split._fwd_staged(rows, rows, (w.float(), None))
+    assert not split._fwd_staged(rows, rows, (None, vec[1 : rows.shape[1] + 1]))
 
 
 def test_one_slice_softmax(device):

@@ -37,7 +37,7 @@ the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
 
-The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and RMSNorm's plain forward from 64K
+The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward from 64K
 columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software
 pipeliner stage the next rows in shared memory (``fx.range(..., num_stages=)``). Pass 1 runs a row
 ahead: the next row's partial result is published before this row's are awaited. The wait starts
@@ -66,6 +66,7 @@ from flydsl_common.device import (
     as_words,
     bf16_pairs,
     bf16_pairs_again,
+    bf16_pairs_third,
     bf16_words,
     cast_sat_fp8e4m3,
     cast_sat_int8,
@@ -119,10 +120,11 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# The staged RMSNorm forward (_rms_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
-# smooth scale or quantized output): (columns a program owns, warps, stages). H200 (PERF.md v14c,
-# probe_fwd_wide.py): 91 / 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's
-# 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%).
+# The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
+# smooth scale or quantized output; LayerNorm's weight and bias bf16 or absent): (columns a program owns,
+# warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py): RMSNorm 91 / 90 / 88% of copy at 64K / 128K /
+# 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the
+# single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%.
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
@@ -598,43 +600,111 @@ def _norm_bwd_staged_kernel(
 
 
 @flyc.func
-def _rms_staged_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
-    """The staged RMSNorm forward's pass 1 of ``row`` (nothing past M): its slice of x as int32 words, the
-    slice's sum of squares published. Returns the words."""
+def _fwd_staged_pass1(
+    x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr
+):  # fmt: skip
+    """The staged forward's pass 1 of ``row`` (nothing past M): its slice of x as int32 words; publishes the
+    slice's sum of squares (RMSNorm), or its sum and its M2 (LayerNorm; ``n_mine``: the slice's columns).
+    Returns the words.
+
+    LayerNorm's M2 comes from one exchange between warps, of the sum and the sum of squares, as
+    ``sum x^2 - sum x * mean``; where that cancels more than 6 bits (``M2 < sum x^2 / 64``: a mean beyond
+    ~8 standard deviations) it is taken again about the mean, from the words still held. So M2 keeps 17+
+    of fp32's 24 bits in every case at the cost of one reduction a row where the data are ordinary (PERF.md
+    v16: two reductions a row measured 3 points slower)."""
     ok = row < M
     xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
     xe, xo = bf16_pairs(xw)
-    publish(slot_ptr + row_offset(row, PARTS_POW2) + part, fx.sum(xe * xe + xo * xo, axis=0), ok)
+    if IS_RMS:
+        publish(slot_ptr + row_offset(row, PARTS_POW2) + part, fx.sum(xe * xe + xo * xo, axis=0), ok)
+    else:
+        s1, s2 = sum2_f32(xe + xo, xe * xe + xo * xo, 0)  # masked-off words read 0
+        mean = s1 / n_mine
+        m2 = s2 - s1 * mean
+        if m2 * 64.0 < s2:  # uniform: every thread holds the reductions' results
+            de = fx.where(ok2, xe - mean, 0.0)
+            do = fx.where(ok2, xo - mean, 0.0)
+            m2 = fx.sum(de * de + do * do, axis=0)
+        mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+        publish(mine, s1, ok)
+        publish(mine + 1, m2, ok)
     return xw
+
+
+@flyc.func
+def _widened_each_row(words, rstd):
+    """bf16 ``words`` (a weight or bias held packed across the row loop) widened to fp32 pairs after ``rstd``:
+    their zero bytes come from rstd's sign bit (0; a NaN rstd's garbage meets a NaN row), which the compiler
+    cannot know, so it cannot hoist the widening out of the loop and hold the fp32 pairs instead."""
+    return bf16_pairs_third(words, fx.zeros_like(words) + (rstd.to(fx.int32, bitcast=True) >> 31))
 
 
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
-def _rms_fwd_staged_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, slot_ptr, M, N, parts, stride_x, stride_y, eps, weight_offset,
-    HAS_WEIGHT: fx.constexpr, STORE_STATS: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr,
-    SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
+def _norm_fwd_staged_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slot_ptr,
+    M, N, parts, stride_x, stride_y, eps, weight_offset,
+    IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
 ):
     # fmt: on
-    # RMSNorm's split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of
-    # each row read as int32 words through the software pipeliner, pass 1 (the slice's sum of squares) a
-    # row ahead, the wait from the slots as read before it. Part 0 of a row stores its rstd.
+    # The split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of each
+    # row read as int32 words through the software pipeliner, pass 1 a row ahead, the wait from the slots as
+    # read before it. RMSNorm holds its weight in fp32; LayerNorm holds its bf16 weight and bias as words,
+    # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns: PERF.md v16) and merges
+    # the slices' (sum, M2) with Chan's formula. Part 0 of a row stores its statistics.
     group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
     c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
     ok2 = c2 < N // 2
-    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
-    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
-    k = fx.arange(0, PARTS_POW2)
-    xw = _rms_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
+    n_mine = fx.minimum(N - part * SLICE, SLICE) * 1.0
+    if IS_RMS:
+        we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
+        wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
+        k = fx.arange(0, PARTS_POW2)
+        kmask = k < parts
+    else:
+        if HAS_WEIGHT:
+            ww = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)
+        if HAS_BIAS:
+            bw = fx.load(as_words(b_ptr) + c2, mask=ok2, other=0)
+        k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (sum, M2)] flattened
+        first = k % 2 == 0
+        kmask = k // 2 < parts
+        n_k = fx.maximum(fx.minimum(N - (k // 2) * SLICE, SLICE), 1) * 1.0  # each slot's slice width
+    xw = _fwd_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, PARTS_POW2) + k
+        slots = slot_ptr + row_offset(row, k.shape[0]) + k
         early = peek(slots)
-        xw_nx = _rms_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x, PARTS_POW2)
-        rstd = fx.rsqrt(fx.sum(collect_from(early, slots, k < parts, SPIN_LIMIT), axis=0) / N + eps)
+        xw_nx = _fwd_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, IS_RMS,
+                                  PARTS_POW2)  # fmt: skip
+        vals = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: the row poisoned
+        if IS_RMS:
+            rstd = fx.rsqrt(fx.sum(vals, axis=0) / N + eps)
+            xe, xo = bf16_pairs_again(xw)
+            y = bf16_words(xe * rstd * we, xo * rstd * wo)
+        else:
+            mean = fx.sum(fx.where(first, vals, 0.0), axis=0) / N
+            dev = fx.where(first & kmask, vals / n_k - mean, 0.0)  # each slice's mean against the row's
+            rstd = fx.rsqrt(fx.sum(fx.where(first, n_k * dev * dev, vals), axis=0) / N + eps)  # Chan
+            xe, xo = bf16_pairs_again(xw)
+            ye = (xe - mean) * rstd
+            yo = (xo - mean) * rstd
+            if HAS_WEIGHT:
+                we, wo = _widened_each_row(ww, rstd)
+                if weight_offset is not None:
+                    we += weight_offset
+                    wo += weight_offset
+                ye *= we
+                yo *= wo
+            if HAS_BIAS:
+                be, bo = _widened_each_row(bw, rstd)
+                ye += be
+                yo += bo
+            y = bf16_words(ye, yo)
+            if STORE_STATS:
+                fx.store(mean_ptr + row, mean, mask=part == 0)
         if STORE_STATS:
             fx.store(rstd_ptr + row, rstd, mask=part == 0)
-        xe, xo = bf16_pairs_again(xw)
-        y = bf16_words(xe * rstd * we, xo * rstd * wo)
         fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, y, mask=ok2)
         xw = xw_nx
 
@@ -703,8 +773,8 @@ def launch_fwd_split(
     :func:`_launch_split`). Operands as :func:`fly_norm._kernels.norm.launch_fwd` (None when absent);
     ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
     """
-    if is_rms and quant == 0 and r2 is None and s is None and _fwd_staged(x2, y2):
-        return x2.shape[0] == 0 or _launch_rms_fwd_staged(x2, w, y2, rstd, eps, weight_offset)
+    if quant == 0 and r2 is None and s is None and _fwd_staged(x2, y2, None if is_rms else (w, b)):
+        return x2.shape[0] == 0 or _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms)
     cfg = _fwd_slice(x2.shape[1]) if is_rms else LN_FWD_SLICE
 
     def build(slots, parts, pp, groups):
@@ -726,28 +796,36 @@ def launch_fwd_split(
     return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
 
 
-def _fwd_staged(x2, y2) -> bool:
-    """Whether a plain RMSNorm forward's rows take the staged kernel: bf16, FWD_STAGED_MIN_N+ columns, word
-    aligned, where a program may take the stages' shared memory (FWD_STAGED None: never)."""
+def _fwd_staged(x2, y2, packed=None) -> bool:
+    """Whether a plain norm forward's rows take the staged kernel: bf16, FWD_STAGED_MIN_N+ columns, word
+    aligned, where a program may take the stages' shared memory (FWD_STAGED None: never). ``packed``: the
+    per-column operands the kernel holds as words (LayerNorm's weight and bias), each None or bf16 and word
+    aligned."""
     if FWD_STAGED is None or x2.shape[1] < FWD_STAGED_MIN_N:
         return False
     if not (x2.dtype == y2.dtype == torch.bfloat16 and word_aligned(x2, y2)):
         return False
+    vectors = [v for v in packed or () if v is not None]
+    if not all(v.dtype == torch.bfloat16 for v in vectors) or not word_aligned(*vectors):
+        return False
     return stages_fit(x2.device, FWD_STAGED[2], 2 * FWD_STAGED[0])
 
 
-def _launch_rms_fwd_staged(x2, w, y2, rstd, eps, weight_offset) -> bool:
-    """The staged RMSNorm forward through :func:`_launch_split` (False: not launched)."""
+def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> bool:
+    """The staged norm forward through :func:`_launch_split` (False: not launched)."""
     slice_cols, warps, stages = FWD_STAGED
+    # RMSNorm adds its offset always (as measured, v14c); LayerNorm only a nonzero one (an add an element less)
+    offset = float(weight_offset) if is_rms or weight_offset else None
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
-        args = (x2, w, y2, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), float(weight_offset))
-        meta = dict(HAS_WEIGHT=w is not None, STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp,
-                    SPIN_LIMIT=_SPIN_LIMIT, STAGES=stages, num_warps=warps)  # fmt: skip
+        args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
+        meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+                    STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
+                    STAGES=stages, num_warps=warps)  # fmt: skip
         return args, meta
 
-    return _launch_split(_rms_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
+    return _launch_split(_norm_fwd_staged_kernel, x2, 1 if is_rms else 2, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
