@@ -177,7 +177,8 @@ def _next(v):
     return fx.reshape(fx.join(sums, sums), [v.shape[0]])
 
 
-def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, packed_wb=0, spin=1 << 20, op=None):
+def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, packed_wb=0, maxnreg=0, spin=1 << 20,
+                      op=None):  # fmt: skip
     m, n = x.shape
     op = (RMS if b is None else LAYER) if op is None else op
     parts = flyc.cdiv(n, slice_cols)
@@ -185,7 +186,7 @@ def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, pack
     slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=x.device)
     args = (x, w, w if b is None else b, y, slots, m, n, parts, x.stride(0), y.stride(0), float(eps))
     meta = dict(OP=op, SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps,
-                PACKED_WB=bool(packed_wb))  # fmt: skip
+                PACKED_WB=bool(packed_wb), **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
     if flyc.interpreting():
         groups = m
     else:
@@ -206,7 +207,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ops", nargs="*", type=int, default=[RMS, LAYER, LAYER_SHIFTED, SOFTMAX])
     ap.add_argument("--cases", nargs="*", default=None,
-                    help="SLICE,WARPS,STAGES[,PACKED_WB] ... (default: CASES)")  # fmt: skip
+                    help="SLICE,WARPS,STAGES[,PACKED_WB[,MAXNREG]] ... (default: CASES)")  # fmt: skip
     ap.add_argument("--offset", type=float, default=0.5, help="the inputs' mean (x = 2 randn + offset)")
     ap.add_argument("--widths", nargs="*", type=int, default=[32768, 65536, 131072, 262144])
     args = ap.parse_args()
