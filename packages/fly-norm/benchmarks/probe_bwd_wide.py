@@ -263,14 +263,14 @@ def _bwd_pipe_split_kernel(
     kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
     if LEAD:
         hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                            0.0, part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+                                            part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
         if LEAD == 2:
             early = peek(slots)
         nxt = row + groups if LEAD else row  # the row pass 1 works on
         hw_n, dyw_n, rstd_n, mean_n = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, nxt, M, c2, ok2, we,
-                                                    wo, 0.0, part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+                                                    wo, part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
         if not LEAD:
             hw, dyw, rstd, mean = hw_n, dyw_n, rstd_n, mean_n
         if LEAD != 2:
@@ -341,7 +341,7 @@ def _staged_narrow_part(copy: float, widths=(4096, 8192, 16384), cfgs=((8192, 16
     from fly_norm._kernels import split
 
     out = []
-    shipped_cfg, shipped_packed = split.BWD_STAGED, split.BWD_STAGED_PACKED_W
+    shipped_cfg = split.BWD_STAGED
     for n, op, h, w, b, dy, mean, rstd, grads, nbytes in _setups(widths, copy, out):
         is_rms = mean is None
 
@@ -352,13 +352,11 @@ def _staged_narrow_part(copy: float, widths=(4096, 8192, 16384), cfgs=((8192, 16
                 launch_sum_partials(dbp, db)
 
         for cfg in cfgs:
-            split.BWD_STAGED = cfg[:4]
-            split.BWD_STAGED_PACKED_W = bool(cfg[4]) if len(cfg) > 4 else shipped_packed
+            split.BWD_STAGED = cfg
             try:
                 _measure(out, launch, h, w, b, grads, nbytes, copy, N=n, op=op, kernel="staged", case=cfg)
             finally:
                 split.BWD_STAGED = shipped_cfg  # r5 lacked this: its later "shipped" rows ran the last cfg
-                split.BWD_STAGED_PACKED_W = shipped_packed
     return out
 
 
@@ -368,7 +366,7 @@ def main() -> None:
     ap.add_argument("--part", nargs="*", default=["pipe"])
     ap.add_argument("--widths", nargs="*", type=int, default=[4096, 8192, 16384], help="staged_narrow's widths")
     ap.add_argument("--cfgs", nargs="*", default=["8192,16,3", "4096,8,3", "4096,16,3"],
-                    help="staged_narrow's (slice, warps, stages[, register cap (0: none)[, packed weight 0/1]])")
+                    help="staged_narrow's (slice, warps, stages)")
     args = ap.parse_args()
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]

@@ -319,18 +319,15 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
 
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("dres", [False, True])
-@pytest.mark.parametrize("packed_w", [False, True])
-def test_one_slice_staged_backward(device, is_rms, dres, packed_w, monkeypatch):
+def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
     """The staged backward (bf16 rows read as words, pass 1 a row ahead, the row loop pipelined) with one slice
-    a row: dx (+ the residual's gradient), dweight of an fp32 weight with (1 + w), or of a bf16 weight held as
-    words (split.BWD_STAGED_PACKED_W), dbias."""
+    a row: dx (+ the residual's gradient), dweight of an fp32 weight with (1 + w), dbias."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
-    monkeypatch.setattr(split, "BWD_STAGED_PACKED_W", packed_w)
     m, n = 7, 300
     h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0) + 1.0
-    w = randn(n, dtype=torch.bfloat16 if packed_w else torch.float32, device=device, seed=1)
+    w = randn(n, device=device, seed=1)
     dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=2)
     dr = randn(m, n, dtype=torch.bfloat16, device=device, seed=3) if dres else None
     hd = h.double()

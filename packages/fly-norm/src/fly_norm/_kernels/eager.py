@@ -21,9 +21,7 @@ which names what is wrong.
 Two implementations serve plans. :data:`fast` is ``eager_native.c``
 compiled at the first call on a GPU (:func:`flydsl.native.load`): the gate,
 the key and the launch of a call without a residual or weight offset in C,
-no Python bytecode between the caller and the launch, which goes straight to
-the driver's ``cuLaunchKernel`` with the parameters packed by the plan's
-driver signature (:meth:`flydsl.compiler.Bound.driver_signature`). The Python path
+no Python bytecode between the caller and the launch. The Python path
 (:func:`rows_device`, :func:`vector_key`, :func:`make_plan`, :func:`launch`;
 the callers :func:`fly_norm._kernels.norm.eager_forward` and
 :func:`fly_norm.softmax._eager_fwd`) serves everything else and makes the

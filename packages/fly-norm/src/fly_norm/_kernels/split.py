@@ -132,9 +132,6 @@ FWD_STAGED_MIN_N = 65536
 # 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps
 # 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better.
 BWD_STAGED = (8192, 16, 3)
-# Whether the staged backward holds a bf16 weight as words, widened where used (_weight_pair): 8 registers
-# fewer at 16 warps x 8192 columns, where layer_norm's program sits at the 128-register cap (PERF.md v16).
-BWD_STAGED_PACKED_W = False
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -509,32 +506,17 @@ def _norm_bwd_tiled_kernel(
 
 
 @flyc.func
-def _weight_pair(we, wo, rstd, weight_offset, PACKED_W: fx.constexpr):
-    """The staged backward's weight as (even, odd) fp32 pairs: ``we``, ``wo`` themselves, or (PACKED_W) the
-    bf16 words in ``we`` widened after ``rstd`` (:func:`_widened_each_row`), the offset added."""
-    if PACKED_W:
-        e, o = _widened_each_row(we, rstd)
-        e += weight_offset
-        o += weight_offset
-    else:
-        e, o = we, wo
-    return e, o
-
-
-@flyc.func
 def _staged_pass1(
-    h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, weight_offset, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, PACKED_W: fx.constexpr = False,
+    h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
-    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean.
-    The weight as :func:`_weight_pair` takes it."""
+    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean."""
     ok = row < M
     hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
     dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
     rstd = fx.load(rstd_ptr + row, mask=ok, other=0.0)
     mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
-    we, wo = _weight_pair(we, wo, rstd, weight_offset, PACKED_W)
     he, ho = bf16_pairs(hw)
     de, do = bf16_pairs(dyw)
     xe = fx.where(ok2, (he - mean) * rstd, 0.0)
@@ -557,7 +539,7 @@ def _norm_bwd_staged_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr, PACKED_W: fx.constexpr = False,
+    STAGES: fx.constexpr,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -565,17 +547,12 @@ def _norm_bwd_staged_kernel(
     # rows' bytes wait in shared memory, not in registers), pass 1 runs a row ahead (the next row's sums are
     # published before this row's are awaited, so the wait is on sums published an iteration ago), and the
     # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
-    # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held);
-    # with PACKED_W the bf16 weight too (held as words, widened where used).
+    # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
     group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
     c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)  # this slice's words (column pairs)
     ok2 = c2 < N // 2
-    if PACKED_W:
-        we = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)
-        wo = we
-    else:
-        we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
-        wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
+    we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
+    wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
     dwe = fx.zeros([SLICE // 2], dtype=fx.float32)
     dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
@@ -583,14 +560,13 @@ def _norm_bwd_staged_kernel(
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
     kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
     hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                        weight_offset, part, stride_h, stride_dy, IS_RMS, PARTS_POW2,
-                                        PACKED_W)  # fmt: skip
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
         early = peek(slots)
         hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
-                                                        M, c2, ok2, we, wo, weight_offset, part, stride_h,
-                                                        stride_dy, IS_RMS, PARTS_POW2, PACKED_W)  # fmt: skip
+                                                        M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
+                                                        PARTS_POW2)  # fmt: skip
         sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
         c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
         c1 = c1 / N  # mean(g * xhat)
@@ -599,9 +575,8 @@ def _norm_bwd_staged_kernel(
         de, do = bf16_pairs_again(dyw)
         xe = fx.where(ok2, (he - mean) * rstd, 0.0)
         xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        w_e, w_o = _weight_pair(we, wo, rstd, weight_offset, PACKED_W)
-        dxe = (de * w_e - c0 - xe * c1) * rstd
-        dxo = (do * w_o - c0 - xo * c1) * rstd
+        dxe = (de * we - c0 - xe * c1) * rstd
+        dxo = (do * wo - c0 - xo * c1) * rstd
         if HAS_DRES:
             re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
                                         other=0))  # fmt: skip
@@ -914,7 +889,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-            **(dict(_staged_opts(cfg), PACKED_W=packed_w) if staged else _launch_opts(cfg)),
+            **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
@@ -922,7 +897,6 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
         return args, meta
 
     staged = _staged(h2, dy2, dres2, dx2)
-    packed_w = staged and BWD_STAGED_PACKED_W and w is not None and w.dtype == torch.bfloat16 and word_aligned(w)
     tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
     tiled = tiled_cfg is not None and not staged
     cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
