@@ -443,6 +443,32 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5))
 
 
+@pytest.mark.parametrize("slices", [1, 3])
+def test_staged_softmax_forward(device, slices, monkeypatch):
+    """The staged softmax forward (exp(x - the slice's max) held in fp32, rescaled to the row's max and sum)
+    against fp64: ordinary rows, a row with -inf entries, a row whose slices' maxima differ by ~80 (the
+    rescale underflows nothing that matters), an all -inf row (NaN, as torch.softmax). Three slices a row on
+    a GPU (the last short); one in the interpreter."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    if slices > 1 and flyc.interpreting():
+        pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
+    m, n = 6, 200 if slices == 1 else 700
+    x = randn(m, n, dtype=torch.float32, device=device, seed=slices, scale=3.0)
+    x[1, ::3] = float("-inf")
+    x[2, n // 2 :] += 80.0
+    x[3] = float("-inf")
+    x = x.bfloat16()
+    y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    assert split._fwd_staged(x, y)
+    assert split.launch_softmax_fwd_split(x, y)
+    assert torch.isnan(y[3]).all()
+    rows = [0, 1, 2, 4, 5]
+    assert_rel_close(y[rows], softmax_ref(x[rows]))
+
+
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
     from fly_norm._kernels import split
 

@@ -37,8 +37,8 @@ the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
 
-The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward from 64K
-columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software
+The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward and softmax's
+forward from 64K columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software
 pipeliner stage the next rows in shared memory (``fx.range(..., num_stages=)``). Pass 1 runs a row
 ahead: the next row's partial result is published before this row's are awaited. The wait starts
 from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
@@ -120,11 +120,12 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
-# smooth scale or quantized output; LayerNorm's weight and bias bf16 or absent): (columns a program owns,
-# warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py): RMSNorm 91 / 90 / 88% of copy at 64K / 128K /
-# 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the
-# single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%.
+# The staged forwards (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
+# smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent; _softmax_fwd_staged_kernel,
+# bf16 rows): (columns a program owns, warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py): RMSNorm 91 /
+# 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and
+# 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%; softmax
+# (v16 probe) 76 / 71 / 67% against 74 / 64 / 66%.
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
@@ -709,6 +710,57 @@ def _norm_fwd_staged_kernel(
         xw = xw_nx
 
 
+@flyc.func
+def _softmax_staged_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
+    """The staged softmax's pass 1 of ``row`` (nothing past M): its slice's max m (0 for an all -inf slice)
+    and e = exp(x - m) as fp32 pairs (0 past the row); m and sum(e) published. Returns (e even, e odd, m)."""
+    ok = row < M
+    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
+    xe, xo = bf16_pairs(xw)
+    xe = fx.where(ok2, xe, NEG_INF)
+    xo = fx.where(ok2, xo, NEG_INF)
+    mx = fx.max(fx.maximum(xe, xo), axis=0)
+    base = fx.where(mx > NEG_INF, mx, 0.0)
+    ee = fx.exp2((xe - base) * LOG2E)
+    eo = fx.exp2((xo - base) * LOG2E)
+    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+    publish(mine, base, ok)
+    publish(mine + 1, fx.sum(ee + eo, axis=0), ok)
+    return ee, eo, base
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _softmax_fwd_staged_kernel(
+    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
+):
+    # fmt: on
+    # Softmax's split forward for bf16 rows, staged as the norms' (_norm_fwd_staged_kernel), with one
+    # exponential an element: pass 1 keeps exp(x - the slice's max) in fp32 instead of the row's words, and
+    # the row's output is that times exp(slice max - row max) / the row's sum (PERF.md v16: a second
+    # exponential from held words measured 60-62% of copy, this 67-77%).
+    group, groups, part, _, _, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
+    ok2 = c2 < N // 2
+    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (max, sum)] flattened
+    kmask = k // 2 < parts
+    ee, eo, base = _softmax_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
+    for row in fx.range(group, M, groups, num_stages=STAGES):
+        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
+        early = peek(slots)
+        ee_nx, eo_nx, base_nx = _softmax_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x,
+                                                      PARTS_POW2)  # fmt: skip
+        ms, ss = _unpair(fx.reshape(collect_from(early, slots, kmask, SPIN_LIMIT), [PARTS_POW2, 2]))
+        ms = fx.where(p_ok, ms, NEG_INF)
+        row_base = fx.max(ms, axis=0)
+        total = fx.sum(fx.where(p_ok, ss * fx.exp2((ms - row_base) * LOG2E), 0.0), axis=0)
+        # NaN where a wait gave up (the row poisoned), and for an all -inf row (0 / 0, as torch.softmax)
+        f = fx.exp2((base - row_base) * LOG2E) / total
+        fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, bf16_words(ee * f, eo * f), mask=ok2)
+        ee, eo, base = ee_nx, eo_nx, base_nx
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -830,7 +882,8 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
     """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
-
+    if _fwd_staged(x2, y2):
+        return x2.shape[0] == 0 or _launch_softmax_fwd_staged(x2, y2)
     cfg = _fwd_slice(x2.shape[1])
 
     def build(slots, parts, pp, groups):
@@ -839,6 +892,19 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
         return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, cfg[0], x2.device) > 0
+
+
+def _launch_softmax_fwd_staged(x2, y2) -> bool:
+    """The staged softmax forward through :func:`_launch_split` (False: not launched)."""
+    slice_cols, warps, stages = FWD_STAGED
+
+    def build(slots, parts, pp, groups):
+        m, n = x2.shape
+        args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
+        meta = dict(SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, STAGES=stages, num_warps=warps)
+        return args, meta
+
+    return _launch_split(_softmax_fwd_staged_kernel, x2, 2, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
