@@ -124,8 +124,8 @@ SOFTMAX_BWD_SLICE = (4096, 4, None)
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent; _softmax_fwd_staged_kernel,
 # bf16 rows): (columns a program owns, warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py): RMSNorm 91 /
 # 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and
-# 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%; softmax
-# (v16 probe) 76 / 71 / 67% against 74 / 64 / 66%.
+# 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83%
+# against 68 / 61 / 55%; softmax (v16 probe) 76 / 71 / 67% against 74 / 64 / 66%.
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
