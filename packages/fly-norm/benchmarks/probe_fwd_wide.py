@@ -12,7 +12,9 @@ with Chan's formula, from two reductions (1) or one, shifted by the slice's firs
 max and its sum of exponentials, rescaled to the row's max (3); LayerNorm its sum and M2 from one exchange
 of the sum and the sum of squares, M2 = sum x^2 - (sum x)^2 / n, taken again about the mean where that
 cancels more than 6 bits (4; 5 without that fallback, for its cost). Plain forward: no residual, no saved
-statistics. r1 (PERF.md v14c) measured OP 0 and 1, r2 (v15) OP 2 and 3.
+statistics. r1 (PERF.md v14c) measured OP 0 and 1, r2 (v15) OP 2 and 3, r3-r5 (v16) OP 4 and 5 (op 4 with
+the weight and bias held as words ships as split._norm_fwd_staged_kernel), r6 (v16) softmax holding its
+exponentials (OP 6, commit 29a26ce; it ships as split._softmax_fwd_staged_kernel).
 """
 
 # ruff: noqa: B023 - each closure runs within its own loop iteration
@@ -51,7 +53,6 @@ CASES = ((8192, 16, 3), (4096, 8, 4), (4096, 8, 3), (16384, 16, 3))
 
 
 RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE = 0, 1, 2, 3, 4, 5  # OP: what pass 1 publishes
-SOFTMAX_HELD = 6  # softmax through _softmax_held_kernel (one exponential an element)
 _RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX, _LAYER_SUMS, _LAYER_SUMS_BARE = (
     fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE))  # in kernels
 LAYERS = (LAYER, LAYER_SHIFTED, LAYER_SUMS, LAYER_SUMS_BARE)
@@ -178,63 +179,9 @@ def _next(v):
     return fx.reshape(fx.join(sums, sums), [v.shape[0]])
 
 
-@flyc.func
-def _softmax_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
-    """Softmax pass 1 of ``row`` holding its exponentials: the slice's max m and e = exp(x - m) (fp32 pairs,
-    0 past the row; m taken as 0 for an all -inf slice), m and sum(e) published. Returns (e even, e odd, m)."""
-    ok = row < M
-    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
-    xe, xo = bf16_pairs(xw)
-    xe = fx.where(ok2, xe, float("-inf"))
-    xo = fx.where(ok2, xo, float("-inf"))
-    mx = fx.max(fx.maximum(xe, xo), axis=0)
-    base = fx.where(mx > float("-inf"), mx, 0.0)
-    ee = fx.exp2((xe - base) * 1.4426950408889634)
-    eo = fx.exp2((xo - base) * 1.4426950408889634)
-    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
-    publish(mine, base, ok)
-    publish(mine + 1, fx.sum(ee + eo, axis=0), ok)
-    return ee, eo, base
-
-
-# fmt: off
-@flyc.kernel(do_not_specialize=["M"])
-def _softmax_held_kernel(
-    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, STAGES: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-):
-    # fmt: on
-    # The staged softmax with one exponential an element: pass 1 keeps exp(x - the slice's max) in fp32
-    # (instead of the row's words) and pass 2 rescales it to the row's max and sum.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    group = pid // parts
-    part = pid - group * parts
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
-    k = fx.arange(0, 2 * PARTS_POW2)
-    first = k % 2 == 0
-    kmask = k // 2 < parts
-    ee, eo, base = _softmax_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
-    for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
-        early = peek(slots)
-        ee_n, eo_n, base_n = _softmax_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x, PARTS_POW2)
-        vals = collect_from(early, slots, kmask, SPIN_LIMIT)
-        bases = fx.where(first & kmask, vals, float("-inf"))
-        row_base = fx.max(bases, axis=0)
-        scale = fx.exp2((bases - row_base) * 1.4426950408889634)  # 0 at odd k and past the row
-        total = fx.sum(fx.where(first, scale * _next(vals), 0.0), axis=0)
-        f = fx.exp2((base - row_base) * 1.4426950408889634) / total  # an all -inf row: 0 / 0 -> NaN, as torch
-        fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, bf16_words(ee * f, eo * f), mask=ok2)
-        ee, eo, base = ee_n, eo_n, base_n
-
-
 def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, packed_wb=0, maxnreg=0, spin=1 << 20,
                       op=None):  # fmt: skip
     m, n = x.shape
-    if op == SOFTMAX_HELD:
-        return _launch_softmax_held(x, y, slice_cols, warps, stages, maxnreg, spin)
     op = (RMS if b is None else LAYER) if op is None else op
     parts = flyc.cdiv(n, slice_cols)
     pp = flyc.next_power_of_2(parts)
@@ -249,23 +196,6 @@ def launch_fwd_staged(x, w, b, y, eps, slice_cols=8192, warps=16, stages=3, pack
         assert wave >= parts, f"{parts} slices, a wave of {wave}"
         groups = min(m, wave // parts)
     flyc.launch(_fwd_staged_kernel, (groups * parts,), *args, **meta)
-
-
-def _launch_softmax_held(x, y, slice_cols, warps, stages, maxnreg, spin):
-    m, n = x.shape
-    parts = flyc.cdiv(n, slice_cols)
-    pp = flyc.next_power_of_2(parts)
-    slots = torch.zeros(m, 2 * pp, dtype=torch.int64, device=x.device)
-    args = (x, y, slots, m, n, parts, x.stride(0), y.stride(0))
-    meta = dict(SLICE=slice_cols, PARTS_POW2=pp, STAGES=stages, SPIN_LIMIT=spin, num_warps=warps,
-                **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
-    if flyc.interpreting():
-        groups = m
-    else:
-        wave = flyc.programs_per_sm(_softmax_held_kernel, *args, **meta) * flydsl.arch.current(x.device).sm_count
-        assert wave >= parts, f"{parts} slices, a wave of {wave}"
-        groups = min(m, wave // parts)
-    flyc.launch(_softmax_held_kernel, (groups * parts,), *args, **meta)
 
 
 def _rel(a, b):
@@ -286,7 +216,7 @@ def main() -> None:
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]
     names = {RMS: "rms", LAYER: "layer", LAYER_SHIFTED: "layer_shifted", SOFTMAX: "softmax", LAYER_SUMS: "layer_sums",
-             LAYER_SUMS_BARE: "layer_sums_bare", SOFTMAX_HELD: "softmax_held"}  # fmt: skip
+             LAYER_SUMS_BARE: "layer_sums_bare"}  # fmt: skip
     cases = CASES if args.cases is None else [tuple(int(v) for v in c.split(",")) for c in args.cases]
     for n in args.widths:
         m = (1 << 27) // n
@@ -300,7 +230,7 @@ def main() -> None:
             def shipped():
                 if op == RMS:
                     return rms_norm(x, w, eps)
-                return softmax(x, -1) if op in (SOFTMAX, SOFTMAX_HELD) else layer_norm(x, w, b, eps)
+                return softmax(x, -1) if op == SOFTMAX else layer_norm(x, w, b, eps)
 
             ref = shipped()
             us = bench(shipped).median_us
