@@ -245,6 +245,14 @@ def no_driver(mod):
     mod.driver(0, 0)
 
 
+@pytest.fixture
+def driver_call(mod, no_driver):
+    """(Env, Driver, x, w) set up for a plain call through the driver path."""
+    env = Env()
+    env.install(mod)
+    return env, Driver(mod, SIG), FakeTensor((4, 64)), FakeTensor((64,), ptr=3 << 20)
+
+
 # x, (a None pointer: constexpr), w, b, y, M, N, (zero: constexpr), eps; then the tail's two constexprs
 SIG = "pcppplicfcc"
 
@@ -265,12 +273,8 @@ def test_driver_launch_packs_the_parameters_by_signature(mod, no_driver):
     assert values == [x.ptr, w.ptr, b.ptr, y.ptr, 15, 96, pytest.approx(1e-6, rel=1e-7), 0, 0]
 
 
-def test_driver_path_leaves_to_triton_what_it_does_not_take(mod, no_driver):
-    env = Env()
-    env.install(mod)
-    drv = Driver(mod, SIG)
-    x = FakeTensor((4, 64))
-    w = FakeTensor((64,), ptr=3 << 20)
+def test_driver_path_leaves_to_triton_what_it_does_not_take(mod, driver_call):
+    env, drv, x, w = driver_call
     k = key(x, w)
     cases = {
         "PDL": env.plan(sig=SIG, packed=(8, 1, 0), pdl=1),
@@ -301,25 +305,17 @@ def test_driver_path_leaves_to_triton_what_it_does_not_take(mod, no_driver):
     assert drv.launches[-1][5][-3:] == [7, 0, 0]
 
 
-def test_driver_launch_error_raises(mod, no_driver):
-    env = Env()
-    env.install(mod)
-    drv = Driver(mod, SIG)
+def test_driver_launch_error_raises(mod, driver_call):
+    env, drv, x, w = driver_call
     drv.error = 700
-    x = FakeTensor((4, 64))
-    w = FakeTensor((64,), ptr=3 << 20)
     plans = {key(x, w): env.plan(sig=SIG, packed=(8, 1, 0), pdl=0)}
     with pytest.raises(RuntimeError, match="CUDA error 700"):
         mod.call(plans, PREFIX, x, w, None, 1e-6)
     assert not env.launches
 
 
-def test_driver_path_keeps_no_references(mod, no_driver):
-    env = Env()
-    env.install(mod)
-    drv = Driver(mod, SIG)
-    x = FakeTensor((4, 64))
-    w = FakeTensor((64,), ptr=3 << 20)
+def test_driver_path_keeps_no_references(mod, driver_call):
+    env, drv, x, w = driver_call
     plans = {key(x, w): env.plan(sig=SIG, packed=(8, 1, 0), pdl=0)}
     for _ in range(10):
         mod.call(plans, PREFIX, x, w, None, 1e-6)
