@@ -38,9 +38,10 @@ next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
 
 The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward and softmax's
-forward from 64K columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software
-pipeliner stage the next rows in shared memory (``fx.range(..., num_stages=)``). Pass 1 runs a row
-ahead: the next row's partial result is published before this row's are awaited. The wait starts
+forward from 64K columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each; softmax its
+exponentials) and let the software pipeliner stage the next rows in shared memory
+(``fx.range(..., num_stages=)``). Pass 1 runs a row ahead: the next row's partial result is
+published before this row's are awaited. The wait starts
 from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
 :func:`~flydsl_common.device.collect_from`), inside one asm statement, since the pipeliner refuses
 loops with nested loops (PERF.md v14b-v14c).
