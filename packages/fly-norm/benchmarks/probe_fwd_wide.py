@@ -53,9 +53,60 @@ CASES = ((8192, 16, 3), (4096, 8, 4), (4096, 8, 3), (16384, 16, 3))
 
 
 RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE = 0, 1, 2, 3, 4, 5  # OP: what pass 1 publishes
-_RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX, _LAYER_SUMS, _LAYER_SUMS_BARE = (
-    fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE))  # in kernels
-LAYERS = (LAYER, LAYER_SHIFTED, LAYER_SUMS, LAYER_SUMS_BARE)
+LAYER_ONEWORD = 7  # OP 4 with a slice's (sum, M2) published as one 64-bit word
+_RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX, _LAYER_SUMS, _LAYER_SUMS_BARE, _LAYER_ONEWORD = (
+    fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE, LAYER_ONEWORD))
+LAYERS = (LAYER, LAYER_SHIFTED, LAYER_SUMS, LAYER_SUMS_BARE, LAYER_ONEWORD)
+
+# The wait of _collect_pairs_from (collect_from's asm, both halves returned): $0 <- the low half (fp32 bits),
+# $1 <- the high half, once the high half is nonzero (its sign bit is the tag); 0, 0 where the mask $4 is
+# 0; quiet NaNs once $5 further reads found it unpublished.
+_AWAIT_PAIR_PTX = fx.constexpr("""{
+.reg .pred %p;
+.reg .b32 %lo, %hi, %n;
+.reg .b64 %w;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+setp.eq.s32 %p, $4, 0;
+@%p bra DONE${:uid};
+mov.b64 %w, $2;
+mov.u32 %n, 0;
+CHECK${:uid}:
+mov.b64 {%lo, %hi}, %w;
+mov.b32 $0, %lo;
+mov.b32 $1, %hi;
+setp.ne.b32 %p, %hi, 0;
+@%p bra DONE${:uid};
+setp.ge.u32 %p, %n, $5;
+@%p bra FAIL${:uid};
+add.u32 %n, %n, 1;
+ld.relaxed.gpu.global.b64 %w, [$3];
+bra CHECK${:uid};
+FAIL${:uid}:
+mov.b32 $0, 0x7FC00000;
+mov.b32 $1, 0x7FC00000;
+DONE${:uid}:
+}""")
+
+
+@flyc.func
+def _publish_pair(slot_ptr, lo, hi, mask):
+    """fp32 ``lo`` and ``hi`` (hi >= 0 or NaN) in one int64 word at ``slot_ptr``: hi's sign bit set as the
+    "published" tag (a zeroed slot has it clear), one relaxed atomic."""
+    lo_bits = lo.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
+    hi_bits = (hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF) | 0x80000000
+    fx.atomic_xchg(slot_ptr, lo_bits | (hi_bits << 32), mask=mask, sem="relaxed", scope="gpu")
+
+
+@flyc.func
+def _collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
+    """:func:`collect_from` of :func:`_publish_pair` words: (lo as fp32, hi as fp32 with the tag cleared)."""
+    limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
+    lo, hi = fx.inline_asm_elementwise(
+        _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit],
+        dtype=(fx.float32, fx.int32), is_pure=False, pack=1,
+    )  # fmt: skip
+    return lo, (hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
 
 
 @flyc.func
@@ -85,17 +136,20 @@ def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, OP: fx.cons
         s1, s2 = sum2_f32(de + do, de * de + do * do, 0)
         publish(mine, n_mine * shift + s1, ok)
         publish(mine + 1, s2 - s1 * s1 / n_mine, ok)
-    elif OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE:
+    elif OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE or OP == _LAYER_ONEWORD:
         s1, s2 = sum2_f32(xe + xo, xe * xe + xo * xo, 0)  # one exchange; masked words read 0
         m2 = s2 - s1 * (s1 / n_mine)
-        if OP == _LAYER_SUMS:
+        if OP != _LAYER_SUMS_BARE:
             if m2 * 64.0 < s2:  # more than 6 bits cancelled (|mean| > ~8 std): M2 about the mean, again
                 mean = s1 / n_mine
                 de = fx.where(ok2, xe - mean, 0.0)
                 do = fx.where(ok2, xo - mean, 0.0)
                 m2 = fx.sum(de * de + do * do, axis=0)
-        publish(mine, s1, ok)
-        publish(mine + 1, m2, ok)
+        if OP == _LAYER_ONEWORD:
+            _publish_pair(slot_ptr + row_offset(row, 2 * PARTS_POW2) + part, s1, m2, ok)
+        else:
+            publish(mine, s1, ok)
+            publish(mine + 1, m2, ok)
     else:
         mx = fx.max(fx.where(ok2, fx.maximum(xe, xo), float("-inf")), axis=0)
         ex = fx.where(ok2, fx.exp(xe - mx) + fx.exp(xo - mx), 0.0)
@@ -125,20 +179,29 @@ def _fwd_staged_kernel(
     elif OP != _SOFTMAX:
         we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
         wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
-    if not PACKED_WB and (OP == _LAYER or OP == _LAYER_SHIFTED or OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE):
+    if not PACKED_WB and (OP == _LAYER or OP == _LAYER_SHIFTED or OP == _LAYER_SUMS or OP == _LAYER_SUMS_BARE
+                          or OP == _LAYER_ONEWORD):
         be = fx.load(b_ptr + 2 * c2, mask=ok2, other=0.0).to(fx.float32)
         bo = fx.load(b_ptr + 2 * c2 + 1, mask=ok2, other=0.0).to(fx.float32)
-    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, value] flattened
-    kp = k // 2
-    first = k % 2 == 0
-    kmask = (kp < parts) & (k % 2 < 2 - (OP == _RMS))
-    n_k = fx.maximum(fx.minimum(SLICE, N - kp * SLICE), 1).to(fx.float32)  # each slot's slice width
+    if OP == _LAYER_ONEWORD:
+        k = fx.arange(0, PARTS_POW2)  # a row's slots, one a part
+        kmask = k < parts
+        n_k = fx.maximum(fx.minimum(SLICE, N - k * SLICE), 1).to(fx.float32)
+    else:
+        k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, value] flattened
+        kp = k // 2
+        first = k % 2 == 0
+        kmask = (kp < parts) & (k % 2 < 2 - (OP == _RMS))
+        n_k = fx.maximum(fx.minimum(SLICE, N - kp * SLICE), 1).to(fx.float32)  # each slot's slice width
     xw = _pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, OP, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
         early = peek(slots)
         xw_nx = _pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, OP, PARTS_POW2)
-        vals = collect_from(early, slots, kmask, SPIN_LIMIT)
+        if OP == _LAYER_ONEWORD:
+            s1s, m2s = _collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
+        else:
+            vals = collect_from(early, slots, kmask, SPIN_LIMIT)
         xe, xo = bf16_pairs_again(xw)
         if OP == _SOFTMAX:
             mx = fx.max(fx.where(first & kmask, vals, float("-inf")), axis=0)
@@ -151,6 +214,11 @@ def _fwd_staged_kernel(
             if OP == _RMS:
                 mean = 0.0
                 rstd = fx.rsqrt(fx.sum(vals, axis=0) / N + eps)
+            elif OP == _LAYER_ONEWORD:
+                mean = fx.sum(s1s, axis=0) / N
+                dev = fx.where(kmask, s1s / n_k - mean, 0.0)
+                m2_row, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: M2s + the means' spread
+                rstd = fx.rsqrt((m2_row + spread) / N + eps)
             else:
                 mean = fx.sum(fx.where(first, vals, 0.0), axis=0) / N
                 dev = fx.where(first & kmask, vals / n_k - mean, 0.0)  # each slice's mean against the row's
@@ -216,7 +284,7 @@ def main() -> None:
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy)]
     names = {RMS: "rms", LAYER: "layer", LAYER_SHIFTED: "layer_shifted", SOFTMAX: "softmax", LAYER_SUMS: "layer_sums",
-             LAYER_SUMS_BARE: "layer_sums_bare"}  # fmt: skip
+             LAYER_SUMS_BARE: "layer_sums_bare", LAYER_ONEWORD: "layer_oneword"}  # fmt: skip
     cases = CASES if args.cases is None else [tuple(int(v) for v in c.split(",")) for c in args.cases]
     for n in args.widths:
         m = (1 << 27) // n
