@@ -176,3 +176,53 @@ def test_collect_from_sums_every_published_slot(device):
         torch.testing.assert_close(out[-1], expected)
     else:
         torch.testing.assert_close(out, expected.expand(p, rounds))
+
+
+@flyc.kernel
+def _pair_exchange_kernel(slot_ptr, out_ptr, P, ROUNDS: fx.constexpr, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+    """_exchange_kernel with pairs: each program publishes ((pid + 1) * (r + 1), (pid + 1)^2 / (r + 1)) in one
+    slot (publish_pair); out[pid, r] = (sum of the low values, sum of the high values)."""
+    pid = fx.program_id(0)
+    k = fx.arange(0, B)
+    for r in fx.range(0, ROUNDS, num_stages=2):
+        slots = slot_ptr + r * B + k
+        early = dev.peek(slots)
+        lo = ((pid + 1) * (r + 1)).to(fx.float32)
+        dev.publish_pair(slot_ptr + r * B + pid, lo, ((pid + 1) * (pid + 1)).to(fx.float32) / (r + 1), pid < P)
+        los, his = dev.collect_pairs_from(early, slots, k < P, SPIN_LIMIT)
+        fx.store(out_ptr + (pid * ROUNDS + r) * 2, fx.sum(los, axis=0))
+        fx.store(out_ptr + (pid * ROUNDS + r) * 2 + 1, fx.sum(his, axis=0))
+
+
+def test_collect_pairs_from_sums_both_halves_of_every_slot(device):
+    """publish_pair + collect_pairs_from: both values of every program's slot, masked-off slots as zeros, a
+    high value of 0 still published (the tag is its sign bit, not its value); in the interpreter the earlier
+    programs give up (NaN), as collect_from's."""
+    p, rounds, b = 4, 3, 8
+    slots = torch.zeros(rounds, b, dtype=torch.int64, device=device)
+    out = empty_poisoned(p, rounds, 2, dtype=torch.float32, device=device)
+    _pair_exchange_kernel[(p,)](slots, out, p, rounds, b, 1 << 20 if device == "cuda" else 3)
+    lo = torch.tensor([float(sum(range(1, p + 1)) * (r + 1)) for r in range(rounds)], device=device)
+    hi = torch.tensor([sum((i + 1) ** 2 for i in range(p)) / (r + 1) for r in range(rounds)], device=device)
+    expected = torch.stack([lo, hi], -1)
+    if flyc.interpreting():
+        assert torch.isnan(out[:-1]).all()
+        torch.testing.assert_close(out[-1], expected)
+    else:
+        torch.testing.assert_close(out, expected.expand(p, rounds, 2))
+    zero = torch.zeros(1, b, dtype=torch.int64, device=device)
+    out1 = empty_poisoned(1, 1, 2, dtype=torch.float32, device=device)
+    _zero_pair_kernel[(1,)](zero, out1, -2.5, 0.0, b, 3)  # a high value of 0: still published
+    assert out1.flatten().tolist() == [-2.5, 0.0]
+
+
+@flyc.kernel
+def _zero_pair_kernel(slot_ptr, out_ptr, lo, hi, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+    k = fx.arange(0, B)
+    early = dev.peek(slot_ptr + k)
+    first = k == 0  # the values as tensors (the interpreter passes float arguments as Python floats)
+    lo_t, hi_t = fx.sum(fx.where(first, lo, 0.0), axis=0), fx.sum(fx.where(first, hi, 0.0), axis=0)
+    dev.publish_pair(slot_ptr, lo_t, hi_t, fx.max(first.to(fx.int32), axis=0) > 0)
+    los, his = dev.collect_pairs_from(early, slot_ptr + k, k < 1, SPIN_LIMIT)
+    fx.store(out_ptr, fx.sum(los, axis=0))
+    fx.store(out_ptr + 1, fx.sum(his, axis=0))

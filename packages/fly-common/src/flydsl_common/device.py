@@ -241,6 +241,74 @@ def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     return fx.where(ok, fx.where(mask, values, 0.0), float("nan"))
 
 
+# A pair of fp32 values in one slot (publish_pair): the high half's sign bit is the tag, so the high value
+# must be >= 0 or NaN (a variance, a sum of squares). Masked-off slots read as a published pair of zeros.
+_PAIR_TAG = fx.constexpr(0x80000000)
+_PAIR_ZEROS = fx.constexpr(-(1 << 63))  # the tag alone: (0.0, 0.0) published
+
+# collect_pairs_from's wait (NVIDIA): _AWAIT_PTX with both halves returned, $0 <- low, $1 <- high.
+_AWAIT_PAIR_PTX = fx.constexpr("""{
+.reg .pred %p;
+.reg .b32 %lo, %hi, %n;
+.reg .b64 %w;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+setp.eq.s32 %p, $4, 0;
+@%p bra DONE${:uid};
+mov.b64 %w, $2;
+mov.u32 %n, 0;
+CHECK${:uid}:
+mov.b64 {%lo, %hi}, %w;
+mov.b32 $0, %lo;
+mov.b32 $1, %hi;
+setp.ne.b32 %p, %hi, 0;
+@%p bra DONE${:uid};
+setp.ge.u32 %p, %n, $5;
+@%p bra FAIL${:uid};
+add.u32 %n, %n, 1;
+ld.relaxed.gpu.global.b64 %w, [$3];
+bra CHECK${:uid};
+FAIL${:uid}:
+mov.b32 $0, 0x7FC00000;
+mov.b32 $1, 0x7FC00000;
+DONE${:uid}:
+}""")
+
+
+@flyc.func
+def publish_pair(slot_ptr, lo, hi, mask):
+    """:func:`publish` of two fp32 values in one int64 slot (zeroed beforehand): ``lo`` in the low half,
+    ``hi`` (>= 0 or NaN) in the high half with its sign bit set as the tag. One relaxed atomic where two
+    :func:`publish` calls would take two, and half the slots for a reader to poll."""
+    lo_bits = lo.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
+    hi_bits = (hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF) | _PAIR_TAG
+    fx.atomic_xchg(slot_ptr, lo_bits | (hi_bits << 32), mask=mask, sem="relaxed", scope="gpu")
+
+
+@flyc.func
+def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
+    """:func:`collect_from` of :func:`publish_pair` slots: (low values, high values) in fp32, 0 where masked
+    off, NaN where SPIN_LIMIT more reads found a slot unpublished. NVIDIA: one asm statement; elsewhere a
+    poll loop as :func:`collect`."""
+    if _PTX:
+        limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
+        lo, hi = fx.inline_asm_elementwise(
+            _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit],
+            dtype=(fx.float32, fx.int32), is_pure=False, pack=1,
+        )  # fmt: skip
+        return lo, (hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
+    w = fx.load(slot_ptrs, mask=mask, other=_PAIR_ZEROS, volatile=True)
+    spins = 0
+    while (fx.min(((w >> 32) != 0).to(fx.int32), axis=None) == 0) & (spins < SPIN_LIMIT):
+        w = fx.load(slot_ptrs, mask=mask, other=_PAIR_ZEROS, volatile=True)
+        spins += 1
+    ok = fx.min(((w >> 32) != 0).to(fx.int32), axis=None) > 0
+    w = fx.load(slot_ptrs, mask=mask, other=_PAIR_ZEROS, volatile=True)  # every copy, as collect
+    lo = w.to(fx.int32).to(fx.float32, bitcast=True)
+    hi = ((w >> 32).to(fx.int32) & 0x7FFFFFFF).to(fx.float32, bitcast=True)
+    return fx.where(ok, lo, float("nan")), fx.where(ok, hi, float("nan"))
+
+
 # ------------------------------------------------------------ packed bf16 pairs
 
 
