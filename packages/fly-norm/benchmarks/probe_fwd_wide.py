@@ -41,8 +41,10 @@ from flydsl_common.device import (
     bf16_pairs_third,
     bf16_words,
     collect_from,
+    collect_pairs_from,
     peek,
     publish,
+    publish_pair,
     row_offset,
     sum2_f32,
 )
@@ -53,60 +55,11 @@ CASES = ((8192, 16, 3), (4096, 8, 4), (4096, 8, 3), (16384, 16, 3))
 
 
 RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE = 0, 1, 2, 3, 4, 5  # OP: what pass 1 publishes
-LAYER_ONEWORD = 7  # OP 4 with a slice's (sum, M2) published as one 64-bit word
+LAYER_ONEWORD = 7  # OP 4 with a slice's (sum, M2) as one word (device.publish_pair): what ships (v16c)
 _RMS, _LAYER, _LAYER_SHIFTED, _SOFTMAX, _LAYER_SUMS, _LAYER_SUMS_BARE, _LAYER_ONEWORD = (
     fx.constexpr(v) for v in (RMS, LAYER, LAYER_SHIFTED, SOFTMAX, LAYER_SUMS, LAYER_SUMS_BARE, LAYER_ONEWORD))
 LAYERS = (LAYER, LAYER_SHIFTED, LAYER_SUMS, LAYER_SUMS_BARE, LAYER_ONEWORD)
 
-# The wait of _collect_pairs_from (collect_from's asm, both halves returned): $0 <- the low half (fp32 bits),
-# $1 <- the high half, once the high half is nonzero (its sign bit is the tag); 0, 0 where the mask $4 is
-# 0; quiet NaNs once $5 further reads found it unpublished.
-_AWAIT_PAIR_PTX = fx.constexpr("""{
-.reg .pred %p;
-.reg .b32 %lo, %hi, %n;
-.reg .b64 %w;
-mov.b32 $0, 0;
-mov.b32 $1, 0;
-setp.eq.s32 %p, $4, 0;
-@%p bra DONE${:uid};
-mov.b64 %w, $2;
-mov.u32 %n, 0;
-CHECK${:uid}:
-mov.b64 {%lo, %hi}, %w;
-mov.b32 $0, %lo;
-mov.b32 $1, %hi;
-setp.ne.b32 %p, %hi, 0;
-@%p bra DONE${:uid};
-setp.ge.u32 %p, %n, $5;
-@%p bra FAIL${:uid};
-add.u32 %n, %n, 1;
-ld.relaxed.gpu.global.b64 %w, [$3];
-bra CHECK${:uid};
-FAIL${:uid}:
-mov.b32 $0, 0x7FC00000;
-mov.b32 $1, 0x7FC00000;
-DONE${:uid}:
-}""")
-
-
-@flyc.func
-def _publish_pair(slot_ptr, lo, hi, mask):
-    """fp32 ``lo`` and ``hi`` (hi >= 0 or NaN) in one int64 word at ``slot_ptr``: hi's sign bit set as the
-    "published" tag (a zeroed slot has it clear), one relaxed atomic."""
-    lo_bits = lo.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
-    hi_bits = (hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF) | 0x80000000
-    fx.atomic_xchg(slot_ptr, lo_bits | (hi_bits << 32), mask=mask, sem="relaxed", scope="gpu")
-
-
-@flyc.func
-def _collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
-    """:func:`collect_from` of :func:`_publish_pair` words: (lo as fp32, hi as fp32 with the tag cleared)."""
-    limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
-    lo, hi = fx.inline_asm_elementwise(
-        _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit],
-        dtype=(fx.float32, fx.int32), is_pure=False, pack=1,
-    )  # fmt: skip
-    return lo, (hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
 
 
 @flyc.func
@@ -146,7 +99,7 @@ def _pass1(x_ptr, slot_ptr, row, M, c2, ok2, n_mine, part, stride_x, OP: fx.cons
                 do = fx.where(ok2, xo - mean, 0.0)
                 m2 = fx.sum(de * de + do * do, axis=0)
         if OP == _LAYER_ONEWORD:
-            _publish_pair(slot_ptr + row_offset(row, 2 * PARTS_POW2) + part, s1, m2, ok)
+            publish_pair(slot_ptr + row_offset(row, 2 * PARTS_POW2) + part, s1, m2, ok)
         else:
             publish(mine, s1, ok)
             publish(mine + 1, m2, ok)
@@ -199,7 +152,7 @@ def _fwd_staged_kernel(
         early = peek(slots)
         xw_nx = _pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, OP, PARTS_POW2)
         if OP == _LAYER_ONEWORD:
-            s1s, m2s = _collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
+            s1s, m2s = collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
         else:
             vals = collect_from(early, slots, kmask, SPIN_LIMIT)
         xe, xo = bf16_pairs_again(xw)

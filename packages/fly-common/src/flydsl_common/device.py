@@ -183,32 +183,26 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 
 
-# The wait of collect_from inside one asm statement (NVIDIA): $0 <- the fp32 bits of the word at $2 once
-# its tag is set, starting from $1, the word read earlier; 0 where the mask $3 is 0; a quiet NaN once $4
-# further reads found it unpublished. Labels are unique per statement (${:uid}).
-_AWAIT_PTX = fx.constexpr("""{
-.reg .pred %p;
-.reg .b32 %lo, %hi, %n;
-.reg .b64 %w;
-mov.b32 $0, 0;
-setp.eq.s32 %p, $3, 0;
-@%p bra DONE${:uid};
-mov.b64 %w, $1;
-mov.u32 %n, 0;
-CHECK${:uid}:
-mov.b64 {%lo, %hi}, %w;
-mov.b32 $0, %lo;
-setp.ne.b32 %p, %hi, 0;
-@%p bra DONE${:uid};
-setp.ge.u32 %p, %n, $4;
-@%p bra FAIL${:uid};
-add.u32 %n, %n, 1;
-ld.relaxed.gpu.global.b64 %w, [$2];
-bra CHECK${:uid};
-FAIL${:uid}:
-mov.b32 $0, 0x7FC00000;
-DONE${:uid}:
-}""")
+def _await_ptx(outs: int) -> str:
+    """The wait of collect_from (``outs`` 1) and collect_pairs_from (2) inside one asm statement (NVIDIA): the
+    word at ``$outs+1``, starting from ``$outs``, the word read earlier, polled until its high half is
+    nonzero (the tag), then $0 <- its low half (and $1 <- its high half); zeros where the mask
+    ``$outs+2`` is 0; quiet NaNs once ``$outs+3`` further reads found it unpublished. Labels are unique per
+    statement (${:uid})."""
+    w, ptr, m, lim = (f"${outs + k}" for k in range(4))
+    lines = [".reg .pred %p;", ".reg .b32 %lo, %hi, %n;", ".reg .b64 %w;"]
+    lines += [f"mov.b32 ${o}, 0;" for o in range(outs)]
+    lines += [f"setp.eq.s32 %p, {m}, 0;", "@%p bra DONE${:uid};", f"mov.b64 %w, {w};", "mov.u32 %n, 0;",
+              "CHECK${:uid}:", "mov.b64 {%lo, %hi}, %w;"]  # fmt: skip
+    lines += [f"mov.b32 ${o}, {half};" for o, half in enumerate(("%lo", "%hi")[:outs])]
+    lines += ["setp.ne.b32 %p, %hi, 0;", "@%p bra DONE${:uid};", f"setp.ge.u32 %p, %n, {lim};",
+              "@%p bra FAIL${:uid};", "add.u32 %n, %n, 1;", f"ld.relaxed.gpu.global.b64 %w, [{ptr}];",
+              "bra CHECK${:uid};", "FAIL${:uid}:"]  # fmt: skip
+    lines += [f"mov.b32 ${o}, 0x7FC00000;" for o in range(outs)]
+    return "{\n" + "\n".join([*lines, "DONE${:uid}:"]) + "\n}"
+
+
+_AWAIT_PTX = fx.constexpr(_await_ptx(1))
 
 
 @flyc.func
@@ -246,33 +240,7 @@ def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
 _PAIR_TAG = fx.constexpr(0x80000000)
 _PAIR_ZEROS = fx.constexpr(-(1 << 63))  # the tag alone: (0.0, 0.0) published
 
-# collect_pairs_from's wait (NVIDIA): _AWAIT_PTX with both halves returned, $0 <- low, $1 <- high.
-_AWAIT_PAIR_PTX = fx.constexpr("""{
-.reg .pred %p;
-.reg .b32 %lo, %hi, %n;
-.reg .b64 %w;
-mov.b32 $0, 0;
-mov.b32 $1, 0;
-setp.eq.s32 %p, $4, 0;
-@%p bra DONE${:uid};
-mov.b64 %w, $2;
-mov.u32 %n, 0;
-CHECK${:uid}:
-mov.b64 {%lo, %hi}, %w;
-mov.b32 $0, %lo;
-mov.b32 $1, %hi;
-setp.ne.b32 %p, %hi, 0;
-@%p bra DONE${:uid};
-setp.ge.u32 %p, %n, $5;
-@%p bra FAIL${:uid};
-add.u32 %n, %n, 1;
-ld.relaxed.gpu.global.b64 %w, [$3];
-bra CHECK${:uid};
-FAIL${:uid}:
-mov.b32 $0, 0x7FC00000;
-mov.b32 $1, 0x7FC00000;
-DONE${:uid}:
-}""")
+_AWAIT_PAIR_PTX = fx.constexpr(_await_ptx(2))
 
 
 @flyc.func
