@@ -38,13 +38,12 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from fly_norm._kernels.affine import load_weight
 from fly_norm._kernels.norm import launch_sum_partials
-from fly_norm._kernels.split import _staged_pass1
+from fly_norm._kernels.split import _staged_pass1, staged_dx
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 from flydsl_common.device import (
     as_words,
     bf16_pairs,
-    bf16_pairs_again,
     bf16_pairs_third,
     bf16_words,
     collect_from,
@@ -117,13 +116,7 @@ def _bwd_pipe_kernel(
             s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
             c1 = s1 / N
             c0 = s0 / N
-        # the row again, widened anew after the sums (no fp32 copy held through them)
-        he, ho = bf16_pairs_again(hw)
-        de, do = bf16_pairs_again(dyw)
-        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        dxe = (de * we - c0 - xe * c1) * rstd
-        dxo = (do * wo - c0 - xo * c1) * rstd
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)  # the row widened anew
         fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
         dwe += de * xe
         dwo += do * xo
@@ -278,12 +271,8 @@ def _bwd_pipe_split_kernel(
         vals = collect_from(early, slots, kmask, 1 << 20)
         c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
         c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
-        he, ho = bf16_pairs_again(hw)
-        de, do = bf16_pairs_again(dyw)
-        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        dx = bf16_words((de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd)
-        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, dx, mask=ok2)
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)
+        fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
         dwe += de * xe
         dwo += do * xo
         if not IS_RMS:

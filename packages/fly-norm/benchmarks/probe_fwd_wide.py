@@ -32,13 +32,13 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from fly_norm._kernels.affine import load_weight
+from fly_norm._kernels.split import _widened_each_row
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 from flydsl_common.device import (
     as_words,
     bf16_pairs,
     bf16_pairs_again,
-    bf16_pairs_third,
     bf16_words,
     collect_from,
     collect_pairs_from,
@@ -178,11 +178,8 @@ def _fwd_staged_kernel(
                 m2 = fx.sum(fx.where(first, n_k * dev * dev, vals), axis=0)  # Chan: M2s + the means' spread
                 rstd = fx.rsqrt(m2 / N + eps)
             if PACKED_WB:
-                # widened after rstd, from a zero the compiler cannot prove (rstd's sign bit; a NaN rstd's
-                # garbage weights meet a NaN row): it cannot hoist the widening and hold fp32 pairs
-                zero = fx.zeros_like(ww) + (rstd.to(fx.int32, bitcast=True) >> 31)
-                we, wo = bf16_pairs_third(ww, zero)
-                be, bo = bf16_pairs_third(bw, zero)
+                we, wo = _widened_each_row(ww, rstd)  # not hoisted out of the loop (see there)
+                be, bo = _widened_each_row(bw, rstd)
             ye = (xe - mean) * rstd * we
             yo = (xo - mean) * rstd * wo
             if OP != _RMS:

@@ -535,6 +535,18 @@ def _staged_pass1(
     return hw, dyw, rstd, mean
 
 
+@flyc.func
+def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2):
+    """A norm backward's dx from a row held as words after its sums: h and dy widened anew (no fp32 copy held
+    through the sums), xhat, and dx = (dy * w - c0 - xhat * c1) * rstd, with c1 = mean(g * xhat) and c0 =
+    mean(g) (0 for RMSNorm). Returns (dy even, odd, xhat even, odd, dx even, odd) in fp32."""
+    he, ho = bf16_pairs_again(hw)
+    de, do = bf16_pairs_again(dyw)
+    xe = fx.where(ok2, (he - mean) * rstd, 0.0)
+    xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+    return de, do, xe, xo, (de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_staged_kernel(
@@ -575,12 +587,7 @@ def _norm_bwd_staged_kernel(
         c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
         c1 = c1 / N  # mean(g * xhat)
         c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
-        he, ho = bf16_pairs_again(hw)
-        de, do = bf16_pairs_again(dyw)
-        xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-        xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
-        dxe = (de * we - c0 - xe * c1) * rstd
-        dxo = (do * wo - c0 - xo * c1) * rstd
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)
         if HAS_DRES:
             re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
                                         other=0))  # fmt: skip
