@@ -276,10 +276,8 @@ def test_driver_launch_packs_the_parameters_by_signature(mod, no_driver):
 def test_driver_path_leaves_to_triton_what_it_does_not_take(mod, driver_call):
     env, drv, x, w = driver_call
     k = key(x, w)
-    cases = {
-        "PDL": env.plan(sig=SIG, packed=(8, 1, 0), pdl=1),
-        "no signature": env.plan(sig=None, packed=(8, 1, 0), pdl=0),
-        "a cluster": env.plan(sig=SIG, packed=(8, 2, 0), pdl=0),
+    cases = {  # (cluster, cooperative and PDL launches have no signature: flydsl's test_driver_signature_*)
+        "no signature": env.plan(sig=None, packed=(8, 1, 0), pdl=1),
         "metadata not (warps, ctas, shared)": env.plan(sig=SIG, packed=("packed",), pdl=0),
         "a signature of another length": env.plan(sig=SIG + "c", packed=(8, 1, 0), pdl=0),
         "a type it does not pack": env.plan(sig=SIG.replace("f", "d"), packed=(8, 1, 0), pdl=0),

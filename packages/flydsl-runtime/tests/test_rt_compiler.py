@@ -298,3 +298,24 @@ def test_driver_signature_names_each_argument():
     assert flyc.bind(_scale_kernel, x, x, 4096, 16, 2.0, BLOCK=64).driver_signature() == "ppiifc"
     assert flyc.bind(_scale_kernel, x, x, 4096, 1, 2.0, BLOCK=64).driver_signature() == "ppicfc"  # stride 1
     assert flyc.bind(_scale_kernel, x, x, 1 << 40, 16, 2.0, BLOCK=64).driver_signature() == "pplifc"  # n as i64
+
+
+def test_driver_signature_only_for_plain_launches():
+    """The letters of each argument type, and None where a plain cuLaunchKernel cannot reproduce the launch
+    (cluster, cooperative, PDL) or pass an argument (16-bit float scalars, tensor descriptors, tuples)."""
+    from types import SimpleNamespace as NS
+
+    from flydsl.compiler import _driver_signature
+
+    def compiled(sig, **md):
+        meta = dict(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False) | md
+        return NS(src=NS(signature=sig), metadata=NS(**meta))
+
+    sig = {"x": "*bf16", "n": "i32", "big": "i64", "u": "u32", "flag": "i1", "eps": "fp32", "B": "constexpr"}
+    assert _driver_signature(compiled(sig)) == "pilIbfc"
+    assert _driver_signature(compiled(sig, num_ctas=2)) is None
+    assert _driver_signature(compiled(sig, launch_cooperative_grid=True)) is None
+    assert _driver_signature(compiled(sig, launch_pdl=True)) is None
+    for other in ("fp16", "bf16", "tensordesc<bf16[64, 64]>", ("i32", "i32")):
+        assert _driver_signature(compiled(dict(sig, v=other))) is None, other
+    assert _driver_signature(NS(src=None, metadata=NS(num_ctas=1))) is None

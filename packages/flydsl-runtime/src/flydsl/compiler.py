@@ -381,10 +381,13 @@ _DRIVER_TYPES = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": 
 
 
 def _driver_signature(compiled) -> str | None:
-    """:meth:`Bound.driver_signature` of a compiled kernel (None: not one a driver launch can pass)."""
+    """:meth:`Bound.driver_signature` of a compiled kernel (None: not one a plain driver launch can pass)."""
     sig = getattr(getattr(compiled, "src", None), "signature", None)
-    if not isinstance(sig, dict) or getattr(compiled.metadata, "num_ctas", 1) != 1:
+    md = compiled.metadata
+    if not isinstance(sig, dict) or getattr(md, "num_ctas", 1) != 1:
         return None
+    if getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+        return None  # launch attributes a plain cuLaunchKernel does not set
     letters = []
     for ty in sig.values():
         if ty == "constexpr":
@@ -458,8 +461,9 @@ class Bound:
         ``b``/``B``, ``h``/``H``, ``i``/``I``, ``l``/``L`` a signed/unsigned 8/16/32/64-bit integer; ``f``
         an fp32 scalar; ``c`` a constexpr, which is not a kernel parameter. The kernel's parameters are
         the non-``c`` values in that order, then Triton's two scratch pointers (both 0 where
-        :meth:`direct` is not None). None for kernels with other arguments (16-bit float scalars,
-        tuples, tensor descriptors) and cluster launches."""
+        :meth:`direct` is not None), launched with a plain ``cuLaunchKernel``. None for kernels with
+        other arguments (16-bit float scalars, tuples, tensor descriptors) and for cluster, cooperative and
+        PDL launches (launch attributes a plain driver launch does not set)."""
         return self.entry[5]
 
 

@@ -14,7 +14,8 @@
  * The launch goes straight to the CUDA driver (cuLaunchKernel, the parameters packed here by the plan's
  * driver signature: flydsl's Bound.driver_signature) once driver() has found libcuda; Triton's C launch
  * function, which parses a Python tuple of every argument first, serves plans the driver path does not
- * take (a cooperative, PDL or cluster launch, no signature) and calls on a thread with no current context.
+ * take (no signature: among them cooperative, PDL and cluster launches) and calls on a thread with no current
+ * context.
  *
  * Errors raised by the objects it calls are cleared and the call falls back to Python, which raises
  * them properly; an error from the launch itself propagates.
@@ -174,13 +175,13 @@ static int driver_launch(PyObject *plan, long long grid, const unsigned long lon
                          double eps) {
     PyObject *sig = PyTuple_GET_ITEM(plan, 9), *packed = PyTuple_GET_ITEM(plan, 4), *tail = PyTuple_GET_ITEM(plan, 5),
              *layout = PyTuple_GET_ITEM(plan, 8);
+    /* A signature exists only for plain launches (no cluster, cooperative or PDL attribute: the runtime's
+     * Bound.driver_signature), so the plan's flags need no check here. */
     if (!cu_launch || !PyUnicode_Check(sig) || !PyTuple_Check(packed) || PyTuple_GET_SIZE(packed) != 3) return 0;
-    if (PyObject_IsTrue(PyTuple_GET_ITEM(plan, 2)) != 0 || PyObject_IsTrue(PyTuple_GET_ITEM(plan, 3)) != 0) return 0;
-    long warps = PyLong_AsLong(PyTuple_GET_ITEM(packed, 0)), ctas = PyLong_AsLong(PyTuple_GET_ITEM(packed, 1)),
-         shared = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
+    long warps = PyLong_AsLong(PyTuple_GET_ITEM(packed, 0)), shared = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
     Py_ssize_t len, nl = PyTuple_GET_SIZE(layout);
     const char *s = PyUnicode_AsUTF8AndSize(sig, &len);
-    if (!s || PyErr_Occurred() || warps <= 0 || warps > 32 || ctas != 1 || shared < 0 || grid > INT32_MAX
+    if (!s || PyErr_Occurred() || warps <= 0 || warps > 32 || shared < 0 || grid > INT32_MAX
         || len != nl + PyTuple_GET_SIZE(tail))
         return 0;
     uint64_t slots[MAX_PARAMS + 2];
