@@ -38,7 +38,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from fly_norm._kernels.affine import load_weight
 from fly_norm._kernels.norm import launch_sum_partials
-from fly_norm._kernels.split import _staged_pass1, staged_dx
+from fly_norm._kernels.split import _my_words, _staged_pass1, staged_dx
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 from flydsl_common.device import (
@@ -240,12 +240,7 @@ def _bwd_pipe_split_kernel(
     # A row over ``parts`` programs (SLICE columns each) of one resident wave; each program's slice of its rows
     # (row = group, group + groups, ...) loaded as packed words through the pipeliner (split._staged_pass1
     # publishes a slice's sums), the sums awaited in asm. LEAD: see the module doc.
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    group = pid // parts
-    part = pid - group * parts
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
+    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, 0.0, True, "")
     wo = load_weight(w_ptr, 2 * c2 + 1, ok2, 0.0, True, "")
     dwe = fx.zeros([SLICE // 2], dtype=fx.float32)

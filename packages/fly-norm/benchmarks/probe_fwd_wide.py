@@ -32,7 +32,7 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from fly_norm._kernels.affine import load_weight
-from fly_norm._kernels.split import _widened_each_row
+from fly_norm._kernels.split import _my_words, _widened_each_row
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 from flydsl_common.device import (
@@ -119,12 +119,7 @@ def _fwd_staged_kernel(
     SPIN_LIMIT: fx.constexpr, PACKED_WB: fx.constexpr = False,
 ):
     # fmt: on
-    pid = fx.program_id(0)
-    groups = fx.num_programs(0) // parts
-    group = pid // parts
-    part = pid - group * parts
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
+    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     n_mine = fx.minimum(SLICE, N - part * SLICE).to(fx.float32)
     if PACKED_WB:  # bf16 weight and bias held as words, widened in place each row (half the registers)
         ww = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)

@@ -214,6 +214,15 @@ def _my_slice(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
     return pid // parts, groups, part, c, c < N, p_idx, p_idx < parts
 
 
+@flyc.func
+def _my_words(N, parts, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr):
+    """:func:`_my_slice` for the staged kernels, which read their slice of a 16-bit row as int32 words: (group,
+    groups, part, the slice's words (column pairs), their mask, part indices, their mask)."""
+    group, groups, part, _, _, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
+    return group, groups, part, c2, c2 < N // 2, p_idx, p_ok
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_split_kernel(
@@ -564,9 +573,7 @@ def _norm_bwd_staged_kernel(
     # published before this row's are awaited, so the wait is on sums published an iteration ago), and the
     # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
     # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
-    group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)  # this slice's words (column pairs)
-    ok2 = c2 < N // 2
+    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
     wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
     dwe = fx.zeros([SLICE // 2], dtype=fx.float32)
@@ -664,9 +671,7 @@ def _norm_fwd_staged_kernel(
     # read before it. RMSNorm holds its weight in fp32; LayerNorm holds its bf16 weight and bias as words,
     # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns: PERF.md v16) and merges
     # the slices' (sum, M2) with Chan's formula. Part 0 of a row stores its statistics.
-    group, groups, part, _, _, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
+    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     n_mine = fx.minimum(N - part * SLICE, SLICE) * 1.0
     k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
     kmask = k < parts
@@ -749,9 +754,7 @@ def _softmax_fwd_staged_kernel(
     # exponential an element: pass 1 keeps exp(x - the slice's max) in fp32 instead of the row's words, and
     # the row's output is that times exp(slice max - row max) / the row's sum (PERF.md v16: a second
     # exponential from held words measured 60-62% of copy, this 67-77%).
-    group, groups, part, _, _, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
-    c2 = part * (SLICE // 2) + fx.arange(0, SLICE // 2)
-    ok2 = c2 < N // 2
+    group, groups, part, c2, ok2, p_idx, p_ok = _my_words(N, parts, SLICE, PARTS_POW2)
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (max, sum)] flattened
     kmask = k // 2 < parts
     ee, eo, base = _softmax_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
