@@ -149,6 +149,31 @@ def test_packed_bf16_pairs_round_trip(device):
 
 
 @flyc.kernel
+def _max_words_kernel(x_ptr, out_ptr, n_words, B: fx.constexpr):
+    """out[r] = the max of row r's bf16 (rows of 2 * B columns read as B words, the first n_words of them:
+    the rest as a masked load reads them, two -inf)."""
+    r = fx.program_id(0)
+    c = fx.arange(0, B)
+    words = fx.load(dev.as_words(x_ptr) + r * B + c, mask=c < n_words, other=dev.NEG_INF_BF16_PAIR)
+    fx.store(out_ptr + r, dev.max_bf16_words(words, 0))
+
+
+def test_max_bf16_words_is_the_max_of_every_half(device):
+    """The max of bf16 rows held as words equals torch's max in every case: either half holding it, all
+    negative, -inf entries, the masked-off tail (read as -inf pairs) beyond a larger value, the extremes."""
+    b, n_words = 64, 50
+    x = torch.randn(6, 2 * b, device=device).to(torch.bfloat16)
+    x[1, 37] = 9.0  # an odd column (a word's high half)
+    x[2] = -torch.rand(2 * b, device=device).to(torch.bfloat16) - 1.0  # all negative
+    x[3, ::2] = float("-inf")
+    x[4, 2 * n_words :] = 100.0  # past the masked load: not part of the row
+    x[5, 11] = 3.0e38
+    out = empty_poisoned((6,), dtype=torch.float32, device=device)
+    _max_words_kernel[(6,)](x, out, n_words, b)
+    assert torch.equal(out, x[:, : 2 * n_words].float().amax(-1))
+
+
+@flyc.kernel
 def _exchange_kernel(slot_ptr, out_ptr, P, ROUNDS: fx.constexpr, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
     """Each of P programs publishes (pid + 1) * (r + 1) in its slot of round r, then sums every program's
     slot of that round through peek + collect_from, inside a pipelined loop; out[pid, r] = the sum."""

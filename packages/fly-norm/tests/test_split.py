@@ -446,27 +446,57 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
 @pytest.mark.parametrize("slices", [1, 3])
 def test_staged_softmax_forward(device, slices, monkeypatch):
     """The staged softmax forward (exp(x - the slice's max) held in fp32, rescaled to the row's max and sum)
-    against fp64: ordinary rows, a row with -inf entries, a row whose slices' maxima differ by ~80 (the
-    rescale underflows nothing that matters), an all -inf row (NaN, as torch.softmax). Three slices a row on
-    a GPU (the last short); one in the interpreter."""
+    against fp64: ordinary rows, a row with -inf entries, a row whose slices' maxima differ by ~80, an all
+    -inf row (NaN, as torch.softmax), a row with an all -inf slice and the rest near -200 (the other slices'
+    sums rescaled to a -inf slice's would underflow to 0 / 0), rows near the bf16 extremes (+-3e38) and one
+    of ties near 1e5 (maxima of 2^16 and more: the other branch, e exactly 1 at the max), one near 100. On a
+    GPU three slices a row (the last short) and more rows than a wave holds groups, so programs take several
+    rows; one slice in the interpreter."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
-    m, n = 6, 200 if slices == 1 else 700
+    m, n = (9, 200) if slices == 1 else (2001, 700)
     x = randn(m, n, dtype=torch.float32, device=device, seed=slices, scale=3.0)
     x[1, ::3] = float("-inf")
     x[2, n // 2 :] += 80.0
     x[3] = float("-inf")
+    x[4, : n // 2] = float("-inf")  # on a GPU the first slice all -inf
+    x[4, n // 2 :] -= 200.0
+    x[5] = x[5] * 1e36 + 3.0e38
+    x[6] = x[6] * 1e36 - 3.0e38
+    x[7, ::2] = 1e5  # 99840 in bf16, ties; the others 90112
+    x[7, 1::2] = 9e4
+    x[8] += 100.0
     x = x.bfloat16()
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     assert split._fwd_staged(x, y)
     assert split.launch_softmax_fwd_split(x, y)
     assert torch.isnan(y[3]).all()
-    rows = [0, 1, 2, 4, 5]
+    rows = [r for r in range(m) if r != 3]
     assert_rel_close(y[rows], softmax_ref(x[rows]))
+    for r in (4, 5, 6, 7, 8):
+        assert_rel_close(y[r], softmax_ref(x[r]), name=f"row {r}")
+
+
+def test_staged_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
+    """Two slices a row in the interpreter: the staged softmax's wait (collect_pairs_from's fallback) gives up
+    on the row's first slice (NaN) and its last program, which sees both slices' sums, writes its slice
+    right."""
+    if not flyc.interpreting():
+        pytest.skip("on a GPU both programs of a row run at once")
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "FWD_STAGED", (64, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    x = randn(3, 100, dtype=torch.bfloat16, scale=2.0)  # slices of 64 and 36 columns
+    y = empty_poisoned(3, 100, dtype=torch.bfloat16)
+    assert split.launch_softmax_fwd_split(x, y)
+    assert torch.isnan(y[:, :64]).all()
+    assert_rel_close(y[:, 64:], softmax_ref(x)[:, 64:])
 
 
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):

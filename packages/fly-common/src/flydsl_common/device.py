@@ -323,6 +323,33 @@ def bf16_pairs_third(words, zero):
     return bf16_pairs(words)
 
 
+# bf16 -inf in both halves of a word: what a masked load of a row held packed reads for a max
+NEG_INF_BF16_PAIR = fx.constexpr(-8323200)  # 0xFF80FF80 as int32
+
+
+@flyc.func
+def _max_bf16_halves(a, b):
+    """Half by half max of int32 words of two bf16 each. NVIDIA: one ``max.bf16x2`` (a NaN half yields the
+    other operand's); elsewhere through fp32."""
+    if _PTX:
+        return fx.inline_asm_elementwise(
+            "max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=fx.int32, is_pure=True, pack=1
+        )
+    ae, ao = bf16_pairs(a)
+    be, bo = bf16_pairs(b)
+    return bf16_words(fx.maximum(ae, be), fx.maximum(ao, bo))
+
+
+@flyc.func
+def max_bf16_words(words, axis: fx.constexpr):
+    """The max, in fp32, of the bf16 held two a word in int32 ``words`` along ``axis``: the words reduced half
+    by half (one instruction a word, where widening first costs one a column), then their two halves. A NaN
+    is passed over (NVIDIA) or kept (elsewhere): callers that go on to sum exponentials of the row see it
+    there either way."""
+    even, odd = bf16_pairs(fx.reduce(words, axis, _max_bf16_halves))
+    return fx.maximum(even, odd)
+
+
 @flyc.func
 def offsets_after(offs, after, VEC: fx.constexpr):
     """Integer offsets ``offs`` ([rows, columns]; along the columns, runs of VEC contiguous values, each

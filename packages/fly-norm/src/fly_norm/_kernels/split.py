@@ -64,6 +64,7 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
+    NEG_INF_BF16_PAIR,
     as_words,
     bf16_pairs,
     bf16_pairs_again,
@@ -74,6 +75,7 @@ from flydsl_common.device import (
     collect,
     collect_from,
     collect_pairs_from,
+    max_bf16_words,
     peek,
     publish,
     publish_pair,
@@ -84,6 +86,8 @@ from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
 from .passes import LOG2E, NEG_INF, stages_fit, word_aligned
+
+HALF_LOG2E = fx.constexpr(0.7213475204444817)  # log2(e) / 2, exact (a power of two apart)
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
@@ -726,21 +730,32 @@ def _norm_fwd_staged_kernel(
 
 @flyc.func
 def _softmax_staged_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
-    """The staged softmax's pass 1 of ``row`` (nothing past M): its slice's max m (0 for an all -inf slice)
-    and e = exp(x - m) as fp32 pairs (0 past the row); m and sum(e) published. Returns (e even, e odd, m)."""
+    """The staged softmax's pass 1 of ``row`` (nothing past M): e = 2^(x log2(e) - s) of its slice as fp32
+    pairs (0 past the row), s the slice's shift, and h = s / 2: m log2(e) / 2 rounded, m the slice's max (0
+    for an all -inf slice, whose h is -inf). Publishes (h, sum of e) as one word. Returns (e even, e odd, h).
+
+    The row's merge rescales each slice by 2^(2h - 2h_row), so any shift works that every column of the slice
+    shares and that is 2h exactly; halved, h is finite for every bf16 max. Where |m| < 2^16, e = 2^(fma(x,
+    log2(e), -2h)): one FMA an element, and 2h = m log2(e) rounded, within 2^-8 of the exact product, so e
+    at the max stays within 2^+-2^-8 of 1. Wider maxima (a uniform branch) take e = 2^((x - m) log2(e)),
+    exactly 1 at the max, an add more; there the bf16 neighbours of m lie 2^9+ apart, so every other value's
+    e is 0, and every slice with another max is 0 against the row's, whatever h's rounding."""
     ok = row < M
-    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
-    xe, xo = bf16_pairs(xw)
-    xe = fx.where(ok2, xe, NEG_INF)
-    xo = fx.where(ok2, xo, NEG_INF)
-    mx = fx.max(fx.maximum(xe, xo), axis=0)
+    # masked-off words read as two -inf: no select before the max, and their e is 0
+    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=NEG_INF_BF16_PAIR)
+    mx = max_bf16_words(xw, 0)
     base = fx.where(mx > NEG_INF, mx, 0.0)
-    ee = fx.exp2((xe - base) * LOG2E)
-    eo = fx.exp2((xo - base) * LOG2E)
-    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
-    publish(mine, base, ok)
-    publish(mine + 1, fx.sum(ee + eo, axis=0), ok)
-    return ee, eo, base
+    half = base * HALF_LOG2E
+    xe, xo = bf16_pairs(xw)
+    if fx.abs(base) < 65536.0:
+        ee = fx.exp2(fx.fma(xe, LOG2E, -2.0 * half))
+        eo = fx.exp2(fx.fma(xo, LOG2E, -2.0 * half))
+    else:
+        ee = fx.exp2((xe - base) * LOG2E)
+        eo = fx.exp2((xo - base) * LOG2E)
+    half = fx.where(mx > NEG_INF, half, NEG_INF)
+    publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, half, fx.sum(ee + eo, axis=0), ok)
+    return ee, eo, half
 
 
 # fmt: off
@@ -751,26 +766,26 @@ def _softmax_fwd_staged_kernel(
 ):
     # fmt: on
     # Softmax's split forward for bf16 rows, staged as the norms' (_norm_fwd_staged_kernel), with one
-    # exponential an element: pass 1 keeps exp(x - the slice's max) in fp32 instead of the row's words, and
-    # the row's output is that times exp(slice max - row max) / the row's sum (PERF.md v16: a second
-    # exponential from held words measured 60-62% of copy, this 67-77%).
-    group, groups, part, c2, ok2, p_idx, p_ok = _my_words(N, parts, SLICE, PARTS_POW2)
-    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (max, sum)] flattened
-    kmask = k // 2 < parts
-    ee, eo, base = _softmax_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
+    # exponential an element: pass 1 keeps exp(x - the slice's max) in fp32 instead of the row's words (PERF.md
+    # v16: a second exponential from held words measured 60-62% of copy, this 67-77%), from the words' max
+    # (half by half, a word at a time), one FMA an element, and one word published a slice (PERF.md v17).
+    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
+    kmask = fx.arange(0, PARTS_POW2) < parts
+    ee, eo, half = _softmax_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
+        slots = slot_ptr + row_offset(row, PARTS_POW2) + fx.arange(0, PARTS_POW2)
         early = peek(slots)
-        ee_nx, eo_nx, base_nx = _softmax_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x,
+        ee_nx, eo_nx, half_nx = _softmax_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x,
                                                       PARTS_POW2)  # fmt: skip
-        ms, ss = _unpair(fx.reshape(collect_from(early, slots, kmask, SPIN_LIMIT), [PARTS_POW2, 2]))
-        ms = fx.where(p_ok, ms, NEG_INF)
-        row_base = fx.max(ms, axis=0)
-        total = fx.sum(fx.where(p_ok, ss * fx.exp2((ms - row_base) * LOG2E), 0.0), axis=0)
+        halves, sums = collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
+        halves = fx.where(kmask, halves, NEG_INF)
+        top = fx.max(halves, axis=0)
+        top = fx.where(top > NEG_INF, top, 0.0)
+        total = fx.sum(fx.where(kmask, sums * fx.exp2(2.0 * (halves - top)), 0.0), axis=0)
         # NaN where a wait gave up (the row poisoned), and for an all -inf row (0 / 0, as torch.softmax)
-        f = fx.exp2((base - row_base) * LOG2E) / total
+        f = fx.exp2(2.0 * (half - top)) / total
         fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, bf16_words(ee * f, eo * f), mask=ok2)
-        ee, eo, base = ee_nx, eo_nx, base_nx
+        ee, eo, half = ee_nx, eo_nx, half_nx
 
 
 # ---------------------------------------------------------------- host
@@ -916,7 +931,7 @@ def _launch_softmax_fwd_staged(x2, y2) -> bool:
         meta = dict(SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, STAGES=stages, num_warps=warps)
         return args, meta
 
-    return _launch_split(_softmax_fwd_staged_kernel, x2, 2, build, slice_cols, x2.device) > 0
+    return _launch_split(_softmax_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
