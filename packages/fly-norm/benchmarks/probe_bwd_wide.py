@@ -116,7 +116,7 @@ def _bwd_pipe_kernel(
             s1, s0 = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)
             c1 = s1 / N
             c0 = s0 / N
-        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)  # the row widened anew
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1)  # the row widened anew
         fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
         dwe += de * xe
         dwo += do * xo
@@ -266,7 +266,7 @@ def _bwd_pipe_split_kernel(
         vals = collect_from(early, slots, kmask, 1 << 20)
         c1 = fx.sum(fx.where(k % 2 == 0, vals, 0.0), axis=0) / N
         c0 = fx.sum(fx.where(k % 2 == 1, vals, 0.0), axis=0) / N
-        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1)
         fx.store(as_words(dx_ptr) + row_offset(row, stride_dx // 2) + c2, bf16_words(dxe, dxo), mask=ok2)
         dwe += de * xe
         dwo += do * xo

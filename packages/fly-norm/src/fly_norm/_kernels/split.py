@@ -528,7 +528,8 @@ def _staged_pass1(
     IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
-    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean."""
+    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean. The
+    sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer (PERF.md v17)."""
     ok = row < M
     hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
     dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
@@ -536,27 +537,30 @@ def _staged_pass1(
     mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
     he, ho = bf16_pairs(hw)
     de, do = bf16_pairs(dyw)
-    xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-    xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
     mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+    ge = de * we  # 0 past the row (dy reads 0 there), and so is every term of the sums: no select
+    go = do * wo
     if IS_RMS:
-        publish(mine, fx.sum(de * we * xe + do * wo * xo, axis=0), ok)
+        publish(mine, fx.sum(ge * he + go * ho, axis=0) * rstd, ok)
     else:
-        s_gx, s_g = sum2_f32(de * we * xe + do * wo * xo, de * we + do * wo, 0)  # one exchange between warps
-        publish(mine, s_gx, ok)
+        s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
+        publish(mine, s_gh * rstd, ok)
         publish(mine + 1, s_g, ok)
     return hw, dyw, rstd, mean
 
 
 @flyc.func
-def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2):
+def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
     """A norm backward's dx from a row held as words after its sums: h and dy widened anew (no fp32 copy held
     through the sums), xhat, and dx = (dy * w - c0 - xhat * c1) * rstd, with c1 = mean(g * xhat) and c0 =
-    mean(g) (0 for RMSNorm). Returns (dy even, odd, xhat even, odd, dx even, odd) in fp32."""
+    mean(g) (0 for RMSNorm). Returns (dy even, odd, xhat even, odd, dx even, odd) in fp32. Past the row dy
+    reads 0, so the weight-gradient terms are 0 there without a select (and dx is not stored). (dx as
+    fma(-xhat, c1 rstd, fma(dy w, rstd, -c0 rstd)), an instruction fewer, spills LayerNorm's kernel at 8192
+    x 16 warps: 40-56 bytes, sm_90.)"""
     he, ho = bf16_pairs_again(hw)
     de, do = bf16_pairs_again(dyw)
-    xe = fx.where(ok2, (he - mean) * rstd, 0.0)
-    xo = fx.where(ok2, (ho - mean) * rstd, 0.0)
+    xe = (he - mean) * rstd
+    xo = (ho - mean) * rstd
     return de, do, xe, xo, (de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd
 
 
@@ -598,7 +602,7 @@ def _norm_bwd_staged_kernel(
         c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
         c1 = c1 / N  # mean(g * xhat)
         c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
-        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, ok2)
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1)
         if HAS_DRES:
             re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
                                         other=0))  # fmt: skip
@@ -706,19 +710,24 @@ def _norm_fwd_staged_kernel(
             m2, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: the slices' M2s and their means' spread
             rstd = fx.rsqrt((m2 + spread) / N + eps)
             xe, xo = bf16_pairs_again(xw)
-            ye = (xe - mean) * rstd
-            yo = (xo - mean) * rstd
+            # y = (x - mean) * (rstd * w) + b: the scale per column, then one FMA an element (PERF.md v17)
+            se = rstd
+            so = rstd
             if HAS_WEIGHT:
                 we, wo = _widened_each_row(ww, rstd)
                 if weight_offset is not None:
-                    we += weight_offset
-                    wo += weight_offset
-                ye *= we
-                yo *= wo
+                    se = fx.fma(we, rstd, weight_offset * rstd)
+                    so = fx.fma(wo, rstd, weight_offset * rstd)
+                else:
+                    se = we * rstd
+                    so = wo * rstd
             if HAS_BIAS:
                 be, bo = _widened_each_row(bw, rstd)
-                ye += be
-                yo += bo
+                ye = fx.fma(xe - mean, se, be)
+                yo = fx.fma(xo - mean, so, bo)
+            else:
+                ye = (xe - mean) * se
+                yo = (xo - mean) * so
             y = bf16_words(ye, yo)
             if STORE_STATS:
                 fx.store(mean_ptr + row, mean, mask=part == 0)
