@@ -3,8 +3,9 @@
     python probe_configs.py --op softmax --widths 65536 262144 \\
         --variant "SOFTMAX_FWD_STAGED=(16384, 16, 3, 0)" --variant "SOFTMAX_FWD_STAGED=(16384, 16, 3, 2)"
 
-A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` set to the
-Python literal VALUE for that variant's runs (restored after). bf16, M * N = 2^27 as the benchmark; each
+A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` (or, as
+``norm.NAME``, of ``fly_norm._kernels.norm``) set to the Python literal VALUE for that variant's runs
+(restored after). bf16, M * N = 2^27 as the benchmark; each
 variant's output (with ``--bwd`` the backward's dx, through autograd) against fp64 (relative error) and
 against the first variant's (max difference); the time as a fraction of the device copy measured in the same
 run (the rows' bytes: x and y, or x, dy and dx). Design probe, not the benchmark.
@@ -20,20 +21,26 @@ from pathlib import Path
 import torch
 
 import flydsl  # noqa: F401 - choose compiled vs interpreted Triton first
-from fly_norm._kernels import split
+from fly_norm._kernels import norm, split
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 
 _DT = torch.bfloat16
 
 
+_MODULES = {"split": split, "norm": norm}
+
+
 def _parse(variant: str) -> dict:
+    """{(module, name): value} of a variant; a NAME without a module prefix is split's."""
     out = {}
     for item in filter(None, (p.strip() for p in variant.split(";"))):
-        name, value = item.split("=", 1)
-        if not hasattr(split, name.strip()):
-            raise SystemExit(f"split has no {name.strip()}")
-        out[name.strip()] = ast.literal_eval(value.strip())
+        name, value = (t.strip() for t in item.split("=", 1))
+        mod, _, attr = name.rpartition(".")
+        module = _MODULES[mod or "split"]
+        if not hasattr(module, attr):
+            raise SystemExit(f"{mod or 'split'} has no {attr}")
+        out[(module, attr)] = ast.literal_eval(value)
     return out
 
 
@@ -86,10 +93,10 @@ def main() -> None:
 
         first = None
         for text, variant in zip(args.variant or ["shipped"], variants, strict=True):
-            saved = {k: getattr(split, k) for k in variant}
+            saved = {k: getattr(*k) for k in variant}
             try:
-                for k, v in variant.items():
-                    setattr(split, k, v)
+                for (module, attr), v in variant.items():
+                    setattr(module, attr, v)
                 y = run()
                 torch.cuda.synchronize()
                 err = ((y.double() - ref).norm() / ref.norm()).item()
@@ -101,8 +108,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
                 r = dict(N=n, variant=text, error=repr(e)[:300])
             finally:
-                for k, v in saved.items():
-                    setattr(split, k, v)
+                for (module, attr), v in saved.items():
+                    setattr(module, attr, v)
             print(r, flush=True)
             rows.append(r)
         del x, ref, run

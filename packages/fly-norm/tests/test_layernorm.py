@@ -177,6 +177,16 @@ def test_gradients(device, monkeypatch, n, fused, offset, has_w, has_b, chunked)
     assert_grads_close((x, w, b, r), ref, ("x", "weight", "bias", "residual"))
 
 
+@pytest.mark.parametrize("n,fused,offset,has_w,has_b,chunked", [c for c in GRAD_CASES if not c[5]])
+def test_gradients_lean_single_pass(device, monkeypatch, n, fused, offset, has_w, has_b, chunked):
+    """The single-pass backward's lean form (no select past the row: dy reads 0 there), which layer_norm takes
+    from norm.BWD_LEAN_MIN_N columns, forced at every width: masked columns and rows past the last."""
+    from fly_norm._kernels import norm
+
+    monkeypatch.setattr(norm, "BWD_LEAN_MIN_N", 0)
+    test_gradients(device, monkeypatch, n, fused, offset, has_w, has_b, chunked)
+
+
 def test_parameter_gradients_in_their_dtype(device):
     x = randn(4, 64, dtype=torch.bfloat16, device=device).requires_grad_()
     w = randn(64, device=device, seed=1).requires_grad_()
