@@ -129,16 +129,18 @@ LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # The staged forwards (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent; _softmax_fwd_staged_kernel,
-# bf16 rows): (columns a program owns, warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py): RMSNorm 91 /
-# 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and
-# 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83%
-# against 68 / 61 / 55%; softmax (v16 probe) 76 / 71 / 67% against 74 / 64 / 66%.
+# bf16 rows): (columns a program owns, warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit
+# 7764574): RMSNorm 91 / 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's 83 /
+# 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%).
+# LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%; softmax (v17 probe) 81 / 78 / 76% against 74 / 64 /
+# 66%, and with two programs an SM (8192 x 8) +1.4 / +1.0 / -1.0 points (v17).
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
-# loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split): RMSNorm
-# 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps
-# 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better.
+# loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split, in
+# commit 7764574): RMSNorm 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 /
+# 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
+# 0 to -20 points).
 BWD_STAGED = (8192, 16, 3)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
