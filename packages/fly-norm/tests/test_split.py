@@ -449,7 +449,8 @@ def test_staged_softmax_forward(device, slices, monkeypatch):
     against fp64: ordinary rows, a row with -inf entries, a row whose slices' maxima differ by ~80, an all
     -inf row (NaN, as torch.softmax), a row with an all -inf slice and the rest near -200 (the other slices'
     sums rescaled to a -inf slice's would underflow to 0 / 0), rows near the bf16 extremes (+-3e38) and one
-    of ties near 1e5 (maxima of 2^16 and more: the other branch, e exactly 1 at the max), one near 100. On a
+    of ties near 1e5 (maxima of 2^16 and more: the other branch, e exactly 1 at the max), one near 100, one
+    with a NaN (NaN throughout, as torch.softmax, though the words' max passes over NaN on NVIDIA). On a
     GPU three slices a row (the last short) and more rows than a wave holds groups, so programs take several
     rows; one slice in the interpreter."""
     from fly_norm._kernels import split
@@ -458,7 +459,7 @@ def test_staged_softmax_forward(device, slices, monkeypatch):
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
-    m, n = (9, 200) if slices == 1 else (2001, 700)
+    m, n = (10, 200) if slices == 1 else (2001, 700)
     x = randn(m, n, dtype=torch.float32, device=device, seed=slices, scale=3.0)
     x[1, ::3] = float("-inf")
     x[2, n // 2 :] += 80.0
@@ -470,12 +471,13 @@ def test_staged_softmax_forward(device, slices, monkeypatch):
     x[7, ::2] = 1e5  # 99840 in bf16, ties; the others 90112
     x[7, 1::2] = 9e4
     x[8] += 100.0
+    x[9, n - 3] = float("nan")  # a NaN anywhere in the row: the whole row NaN, as torch.softmax
     x = x.bfloat16()
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     assert split._fwd_staged(x, y)
     assert split.launch_softmax_fwd_split(x, y)
-    assert torch.isnan(y[3]).all()
-    rows = [r for r in range(m) if r != 3]
+    assert torch.isnan(y[3]).all() and torch.isnan(y[9]).all()
+    rows = [r for r in range(m) if r not in (3, 9)]
     assert_rel_close(y[rows], softmax_ref(x[rows]))
     for r in (4, 5, 6, 7, 8):
         assert_rel_close(y[r], softmax_ref(x[r]), name=f"row {r}")
