@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the device machine (Firecracker: hardware counters readable): one launch of each
 # target's kernels matching KERNEL_RE (default: fly-norm's row kernels; torch's for copy), after the warm-up runs; reports and text
-# under $OUT/ncu. Usage: bash tools/ncu_profile.sh 'OP N [--bwd]' ...
+# under $OUT/ncu (summarize the SASS lines with tools/ncu_sass.py). Usage: bash tools/ncu_profile.sh 'OP N [--bwd]' ...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 dir=$OUT/ncu
