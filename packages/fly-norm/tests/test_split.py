@@ -362,10 +362,11 @@ def test_staged_backward_takes_only_word_aligned_bf16_rows():
     assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
 
 
-def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
-    """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's fallback) gives
-    up after SPIN_LIMIT reads on the row's first slice (NaN), and the row's last program, which sees both
-    slices' sums, writes its slice right."""
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms):
+    """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's or, for
+    LayerNorm's pair of sums, collect_pairs_from's fallback) gives up after SPIN_LIMIT reads on the row's
+    first slice (NaN), and the row's last program, which sees both slices' sums, writes its slice right."""
     if not flyc.interpreting():
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
@@ -375,12 +376,16 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
     m, n = 3, 100  # slices of 64 and 36 columns
     x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5
     dy = randn(m, n, dtype=torch.bfloat16, seed=2)
-    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).float()
+    xd = x.double()
+    mean = torch.zeros(m, dtype=torch.float64) if is_rms else xd.mean(-1)
+    var = xd.pow(2).mean(-1) if is_rms else xd.var(-1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-6).float()
     dx = empty_poisoned(m, n, dtype=torch.bfloat16)
-    split.launch_bwd_split(x, None, dy, None, None, rstd, dx, False, False, 0.0, True)
-    xhat = x.double() * rstd.double()[:, None]
+    split.launch_bwd_split(x, None, dy, None, None if is_rms else mean.float(), rstd, dx, False, False, 0.0, is_rms)
+    xhat = (xd - mean[:, None]) * rstd.double()[:, None]
     g = dy.double()
-    ref = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    c0 = 0.0 if is_rms else g.mean(-1, keepdim=True)
+    ref = (g - c0 - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
     assert torch.isnan(dx[:, :64]).all()
     assert_rel_close(dx[:, 64:], ref[:, 64:])
 
