@@ -1,7 +1,9 @@
 """A fly-norm op run a few times, for Nsight Compute to profile one launch: python ncu_target.py OP N [--bwd]
 
-OP: rms_norm, layer_norm, softmax or copy (torch's device copy, the ceiling). bf16, M * N = 2^27 as the
-benchmark. The backward runs through autograd, as the benchmark times it. tools/ncu_profile.sh drives it.
+OP: rms_norm, layer_norm, softmax or copy (the ceiling: torch's elementwise x * 1 into another tensor, a
+kernel that reads and writes each element once; a same-dtype ``copy_`` is a memcpy, which ncu does not
+profile). bf16, M * N = 2^27 as the benchmark. The backward runs through autograd, as the benchmark times
+it. tools/ncu_profile.sh drives it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def main() -> None:
         "rms_norm": lambda: fly_norm.rms_norm(x, w),
         "layer_norm": lambda: fly_norm.layer_norm(x, w, b),
         "softmax": lambda: fly_norm.softmax(x),
-        "copy": lambda: out.copy_(x.detach()),
+        "copy": lambda: torch.mul(x.detach(), 1, out=out),
     }
     f = ops[a.op]
     if a.bwd:
