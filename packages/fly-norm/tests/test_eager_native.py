@@ -119,12 +119,17 @@ def test_launches_the_plan_with_its_layout_filled(mod):
     assert args[13:] == (x.ptr, None, w.ptr, None, y.ptr, 15, 96, 0, 1e-6, "t1", "t2")
 
 
-def test_leaves_to_python_what_it_does_not_serve(mod):
+def _served(mod):
+    """An installed Env and the baseline call it serves: (env, x, w, plans)."""
     env = Env()
     env.install(mod)
     x = FakeTensor((4, 64))
     w = FakeTensor((64,), ptr=3 << 20)
-    plans = {key(x, w): env.plan()}
+    return env, x, w, {key(x, w): env.plan()}
+
+
+def test_leaves_to_python_what_it_does_not_serve(mod):
+    env, x, w, plans = _served(mod)
     assert mod.call(plans, PREFIX, x, w, None, 1e-6) is not None  # the baseline is served
     cases = {
         "no plan for this key": lambda: mod.call({}, PREFIX, x, w, None, 1e-6),
@@ -186,11 +191,7 @@ def test_softmax_key_and_a_launch_error_propagates(mod):
 
 
 def test_no_reference_leaks(mod):
-    env = Env()
-    env.install(mod)
-    x = FakeTensor((4, 64))
-    w = FakeTensor((64,), ptr=3 << 20)
-    plans = {key(x, w): env.plan()}
+    env, x, w, plans = _served(mod)
     miss = FakeTensor((4, 65))
     for _ in range(10):  # warm up (interned ints, the first allocations)
         mod.call(plans, PREFIX, x, w, None, 1e-6)

@@ -615,8 +615,7 @@ def _bwd_call(
     meta = dict(
         IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=dwp is not None,
         COMPUTE_DB=dbp is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_PASS=cfg.single_pass,
-        PIPELINED=pipelined, LEAN=not is_rms and BWD_LEAN_MIN_N is not None and n >= BWD_LEAN_MIN_N,
-        **cfg.launch_options(),
+        PIPELINED=pipelined, LEAN=not is_rms and n >= BWD_LEAN_MIN_N, **cfg.launch_options(),
     )
     # fmt: on
     return args, meta
@@ -624,7 +623,7 @@ def _bwd_call(
 
 # The single pass's xhat without a select past the row (LEAN) for LayerNorm rows this wide and wider. H200
 # (PERF.md v17, A/B in one process, tuned configs): layer_norm 4K 86.9 -> 88.6% of copy, 8K 83.0 -> 87.1%,
-# but 1K 86.9 -> 82.4% (2K not measured); rms_norm 1K-8K 0 to -0.7. None: never.
+# but 1K 86.9 -> 82.4% (2K not measured); rms_norm 1K-8K 0 to -0.7.
 BWD_LEAN_MIN_N = 4096
 
 
