@@ -206,6 +206,13 @@ _AWAIT_PTX = fx.constexpr(_await_ptx(1))
 
 
 @flyc.func
+def _spin_limits(like, SPIN_LIMIT: fx.constexpr):
+    """SPIN_LIMIT in an int32 block of ``like``'s shape and layout, made from ``like`` (no ``full``), so that
+    kernels in the explicit-layout language (``flydsl.gexpr``), whose blocks all carry a layout, can wait too."""
+    return like * 0 + SPIN_LIMIT
+
+
+@flyc.func
 def peek(slot_ptrs):
     """One read of the int64 slots (a block of any shape), for :func:`collect_from`. NVIDIA: a relaxed load in
     an asm statement, issued where it is written (the compiler neither moves it nor merges it with another)."""
@@ -225,10 +232,10 @@ def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     one asm statement (no loop in the kernel's IR: Triton pipelines only loops without nested loops).
     Elsewhere :func:`collect`."""
     if _PTX:
-        limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
+        m32 = mask.to(fx.int32)
         bits = fx.inline_asm_elementwise(
-            _AWAIT_PTX, "=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit], dtype=fx.int32, is_pure=False,
-            pack=1,
+            _AWAIT_PTX, "=r,l,l,r,r", [words, slot_ptrs, m32, _spin_limits(m32, SPIN_LIMIT)], dtype=fx.int32,
+            is_pure=False, pack=1,
         )  # fmt: skip
         return bits.to(fx.float32, bitcast=True)
     values, ok = collect(slot_ptrs, mask, SPIN_LIMIT)
@@ -259,9 +266,9 @@ def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     off, NaN where SPIN_LIMIT more reads found a slot unpublished. NVIDIA: one asm statement; elsewhere a
     poll loop as :func:`collect`."""
     if _PTX:
-        limit = fx.full(mask.shape, SPIN_LIMIT, dtype=fx.int32)
+        m32 = mask.to(fx.int32)
         lo, hi = fx.inline_asm_elementwise(
-            _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, mask.to(fx.int32), limit],
+            _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, m32, _spin_limits(m32, SPIN_LIMIT)],
             dtype=(fx.float32, fx.int32), is_pure=False, pack=1,
         )  # fmt: skip
         return lo, (hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
@@ -328,7 +335,7 @@ NEG_INF_BF16_PAIR = fx.constexpr(-8323200)  # 0xFF80FF80 as int32
 
 
 @flyc.func
-def _max_bf16_halves(a, b):
+def max_bf16_halves(a, b):
     """Half by half max of int32 words of two bf16 each. NVIDIA: one ``max.bf16x2`` (a NaN half yields the
     other operand's); elsewhere through fp32."""
     if _PTX:
@@ -346,7 +353,7 @@ def max_bf16_words(words, axis: fx.constexpr):
     by half (one instruction a word, where widening first costs one a column), then their two halves. A NaN
     is passed over (NVIDIA) or kept (elsewhere): callers that go on to sum exponentials of the row see it
     there either way."""
-    even, odd = bf16_pairs(fx.reduce(words, axis, _max_bf16_halves))
+    even, odd = bf16_pairs(fx.reduce(words, axis, max_bf16_halves))
     return fx.maximum(even, odd)
 
 
