@@ -8,6 +8,7 @@ import triton
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+import flydsl.gexpr as gx
 from flydsl.errors import ArgumentError, DeviceError
 from flydsl.testing import empty_poisoned
 
@@ -319,3 +320,48 @@ def test_driver_signature_only_for_plain_launches():
     for other in ("fp16", "bf16", "tensordesc<bf16[64, 64]>", ("i32", "i32")):
         assert _driver_signature(compiled(dict(sig, v=other))) is None, other
     assert _driver_signature(NS(src=None, metadata=NS(num_ctas=1))) is None
+
+
+# ---------------------------------------------------------------- gluon kernels (flydsl.gexpr)
+
+
+@flyc.gluon_kernel(do_not_specialize=["n"])
+def _ring_copy_kernel(x_ptr, y_ptr, n, BLOCK: gx.constexpr):
+    """y = x through shared memory: cp.async into a two-slot ring, read back once every copy has landed."""
+    layout: gx.constexpr = gx.BlockedLayout([4], [32], [4], [0])
+    ring = gx.allocate_shared_memory(gx.float32, [2, BLOCK], gx.SwizzledSharedLayout(1, 1, 1, [0]))
+    offs = gx.program_id(0) * 2 * BLOCK + gx.arange(0, BLOCK, layout=layout)
+    for j in gx.static_range(2):
+        gx.async_copy.async_copy_global_to_shared(ring.index(j), x_ptr + offs + j * BLOCK, mask=offs + j * BLOCK < n)
+        gx.async_copy.commit_group()
+    gx.async_copy.wait_group(0)
+    gx.thread_barrier()
+    for j in gx.static_range(2):
+        gx.store(y_ptr + offs + j * BLOCK, ring.index(j).load(layout), mask=offs + j * BLOCK < n)
+
+
+def test_gexpr_is_gluons_language_with_async_copies():
+    assert gx.BlockedLayout is not None and gx.allocate_shared_memory is not None
+    assert callable(gx.async_copy.commit_group) and callable(gx.async_copy.wait_group)
+    assert "BlockedLayout" in dir(gx) and "async_copy" in gx.__all__
+    with pytest.raises(AttributeError, match="flydsl.gexpr"):
+        gx.no_such_name  # noqa: B018
+
+
+def test_gluon_kernel_refuses_the_interpreter():
+    if not flyc.interpreting():
+        pytest.skip("compiled process: the kernel runs (test_gluon_kernel_launches_lean)")
+    x = torch.arange(10, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="gluon_kernel.*GPU only"):
+        flyc.launch(_ring_copy_kernel, (1,), x, x.clone(), 10, BLOCK=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 1000, 1024, 5000])
+def test_gluon_kernel_launches_lean(n):
+    x = torch.randn(n, device="cuda")
+    for _ in range(2):  # the second launch takes the lean path
+        y = empty_poisoned(n, dtype=torch.float32, device="cuda")
+        flyc.launch(_ring_copy_kernel, (flyc.cdiv(n, 1024),), x, y, n, BLOCK=512)
+        torch.testing.assert_close(y, x, rtol=0, atol=0)
+    assert flyc.programs_per_sm(_ring_copy_kernel, x, y, n, BLOCK=512) >= 1

@@ -9,6 +9,7 @@ Modules::
 
     import flydsl.compiler as flyc   # @flyc.kernel, @flyc.jit, cdiv, next_power_of_2
     import flydsl.expr as fx         # the device language (Triton's) + index helpers
+    import flydsl.gexpr as gx        # the explicit-layout language (Gluon), for @flyc.gluon_kernel
     flydsl.arch                      # what the device is
     flydsl.cache                     # the cache root: ls / size / clear
     flydsl.autotune                  # tuning framework and timer

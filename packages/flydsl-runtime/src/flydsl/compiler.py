@@ -47,8 +47,8 @@ from . import _backend
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
-    "kernel", "func", "jit", "launch", "bind", "Bound", "hooks_idle", "programs_per_sm", "on_current_device",
-    "cdiv", "next_power_of_2", "interpreting", "ensure_scratch_allocator",
+    "kernel", "func", "gluon_kernel", "jit", "launch", "bind", "Bound", "hooks_idle", "programs_per_sm",
+    "on_current_device", "cdiv", "next_power_of_2", "interpreting", "ensure_scratch_allocator",
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -120,6 +120,20 @@ def _interpreter_compatible(jf):
 
 
 func = kernel  # device helpers are marked the same way; the alias reads better at call sites
+
+
+def gluon_kernel(fn: Callable | None = None, *, do_not_specialize: tuple | list | None = None):
+    """Mark a kernel (or a helper kernels call) written in the explicit-layout language,
+    :mod:`flydsl.gexpr` (Triton's Gluon). It compiles for a GPU only: :func:`launch` refuses it while
+    interpreting, and callers route CPU tensors elsewhere. ``do_not_specialize`` as :func:`kernel`."""
+    from triton.experimental import gluon
+
+    def decorate(f):
+        jf = gluon.jit(f, do_not_specialize=tuple(do_not_specialize)) if do_not_specialize else gluon.jit(f)
+        jf._flydsl_gluon = True
+        return jf
+
+    return decorate(fn) if fn is not None else decorate
 
 
 def cdiv(a: int, b: int) -> int:
@@ -345,6 +359,9 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     interpreter all take Triton's path.
     """
     if interpreting():
+        if getattr(kernel, "_flydsl_gluon", False):
+            raise RuntimeError(f"{kernel.__name__} is a gluon_kernel: it compiles for a GPU only, and this process "
+                               "runs kernels through the CPU interpreter")  # fmt: skip
         kernel[grid](*args, **meta)
         return
     lean = _lean(kernel)
