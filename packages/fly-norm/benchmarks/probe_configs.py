@@ -1,10 +1,11 @@
 """Probe: the shipped forward of one op with module configs overridden, variant by variant, in one process.
 
     python probe_configs.py --op softmax --widths 65536 262144 \\
-        --variant "SOFTMAX_FWD_STAGED=(16384, 16, 3, 0)" --variant "SOFTMAX_FWD_STAGED=(16384, 16, 3, 2)"
+        --variant "resident.RESIDENT=(4096, 12, 16)" --variant "resident.RESIDENT=(4096, 12, 8)"
 
 A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` (or, as
-``norm.NAME``, of ``fly_norm._kernels.norm``) set to the Python literal VALUE for that variant's runs
+``norm.NAME`` / ``resident.NAME``, of ``fly_norm._kernels.norm`` / ``.resident``) set to the Python literal
+VALUE for that variant's runs
 (restored after). bf16, M * N = 2^27 as the benchmark; each
 variant's output (with ``--bwd`` the backward's dx, through autograd) against fp64 (relative error) and
 against the first variant's (max difference); the time as a fraction of the device copy measured in the same
@@ -21,14 +22,14 @@ from pathlib import Path
 import torch
 
 import flydsl  # noqa: F401 - choose compiled vs interpreted Triton first
-from fly_norm._kernels import norm, split
+from fly_norm._kernels import norm, resident, split
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 
 _DT = torch.bfloat16
 
 
-_MODULES = {"split": split, "norm": norm}
+_MODULES = {"split": split, "norm": norm, "resident": resident}
 
 
 def _parse(variant: str) -> dict:

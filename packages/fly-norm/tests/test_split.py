@@ -448,62 +448,99 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5))
 
 
-@pytest.mark.parametrize("slices", [1, 3])
-def test_staged_softmax_forward(device, slices, monkeypatch):
-    """The staged softmax forward (exp(x - the slice's max) held in fp32, rescaled to the row's max and sum)
-    against fp64: ordinary rows, a row with -inf entries, a row whose slices' maxima differ by ~80, an all
-    -inf row (NaN, as torch.softmax), a row with an all -inf slice and the rest near -200 (the other slices'
-    sums rescaled to a -inf slice's would underflow to 0 / 0), rows near the bf16 extremes (+-3e38) and one
-    of ties near 1e5 (maxima of 2^16 and more: the other branch, e exactly 1 at the max), one near 100, one
-    with a NaN (NaN throughout, as torch.softmax, though the words' max passes over NaN on NVIDIA). On a
-    GPU three slices a row (the last short) and more rows than a wave holds groups, so programs take several
-    rows; one slice in the interpreter."""
-    from fly_norm._kernels import split
-
-    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
-    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
-    if slices > 1 and flyc.interpreting():
-        pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
-    m, n = (10, 200) if slices == 1 else (2001, 700)
-    x = randn(m, n, dtype=torch.float32, device=device, seed=slices, scale=3.0)
+def _softmax_extremes(m, n, seed):
+    """bf16 rows for the wide softmax: ordinary rows, a row with -inf entries, a row whose halves' maxima differ
+    by ~80, an all -inf row (NaN, as torch.softmax), a row whose first half is -inf and the rest near -200 (a
+    -inf slice's sum rescaled to the others' would underflow to 0 / 0), rows near the bf16 extremes (+-3e38),
+    one of ties near 1e5 (past the kernels' fast exponent range: the exact branch), one near 100, one whose
+    first quarter is near -1e5 (one thread's max past that range, the row's not), and one with a NaN (NaN
+    throughout, as torch.softmax, though the words' max passes over NaN on NVIDIA). Rows 3 and 9: all NaN."""
+    x = randn(m, n, dtype=torch.float32, device="cuda", seed=seed, scale=3.0)
     x[1, ::3] = float("-inf")
     x[2, n // 2 :] += 80.0
     x[3] = float("-inf")
-    x[4, : n // 2] = float("-inf")  # on a GPU the first slice all -inf
+    x[4, : n // 2] = float("-inf")
     x[4, n // 2 :] -= 200.0
     x[5] = x[5] * 1e36 + 3.0e38
     x[6] = x[6] * 1e36 - 3.0e38
     x[7, ::2] = 1e5  # 99840 in bf16, ties; the others 90112
     x[7, 1::2] = 9e4
     x[8] += 100.0
-    x[9, n - 3] = float("nan")  # a NaN anywhere in the row: the whole row NaN, as torch.softmax
-    x = x.bfloat16()
-    y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-    assert split._fwd_staged(x, y)
-    assert split.launch_softmax_fwd_split(x, y)
+    x[9, n - 3] = float("nan")
+    x[10, : n // 4] -= 1e5
+    return x.bfloat16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n"), [(11, 2000), (2001, 5000), (300, 6144), (11, 65536)])
+def test_resident_softmax_forward(m, n, monkeypatch):
+    """The resident softmax forward (each slice in a shared-memory ring) against fp64 on the extreme rows of
+    _softmax_extremes. Small chunks (512 words) and a ring of 6 (slices of two chunks): one slice a row, with
+    a masked tail (2000); three slices, the last short, more rows than a wave holds (5000); three whole slices
+    (6144, no column masks); and the shipped config, one slice (64K)."""
+    from fly_norm._kernels import resident
+
+    if (m, n) != (11, 65536):
+        monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
+        monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
+    x = _softmax_extremes(m, n, seed=n)
+    y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    assert resident.resident_applies(x, y)
+    assert resident.launch_softmax_fwd_resident(x, y)
     assert torch.isnan(y[3]).all() and torch.isnan(y[9]).all()
     rows = [r for r in range(m) if r not in (3, 9)]
     assert_rel_close(y[rows], softmax_ref(x[rows]))
-    for r in (4, 5, 6, 7, 8):
+    for r in (1, 2, 4, 5, 6, 7, 8, 10):
         assert_rel_close(y[r], softmax_ref(x[r]), name=f"row {r}")
 
 
-def test_staged_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
-    """Two slices a row in the interpreter: the staged softmax's wait (collect_pairs_from's fallback) gives up
-    on the row's first slice (NaN) and its last program, which sees both slices' sums, writes its slice
-    right."""
-    if not flyc.interpreting():
-        pytest.skip("on a GPU both programs of a row run at once")
-    from fly_norm._kernels import split
+@pytest.mark.gpu
+def test_resident_softmax_on_strided_rows_through_the_public_op():
+    """Rows of a wider tensor (row stride past N) through fly_norm.softmax at 128K columns (two slices)."""
+    from fly_norm._kernels import resident
 
-    monkeypatch.setattr(split, "FWD_STAGED", (64, 4, 3))
-    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
-    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
-    x = randn(3, 100, dtype=torch.bfloat16, scale=2.0)  # slices of 64 and 36 columns
-    y = empty_poisoned(3, 100, dtype=torch.bfloat16)
-    assert split.launch_softmax_fwd_split(x, y)
-    assert torch.isnan(y[:, :64]).all()
-    assert_rel_close(y[:, 64:], softmax_ref(x)[:, 64:])
+    wide = randn(3, 131072 + 64, dtype=torch.bfloat16, device="cuda", seed=3, scale=4.0)
+    x = wide[:, :131072]
+    assert resident.resident_applies(x, x)
+    y = softmax(x)
+    assert_rel_close(y, softmax_ref(x))
+
+
+@pytest.mark.gpu
+def test_resident_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
+    """Only the first program of the wave launched: its row's other slice never publishes, so its wait gives up
+    after the spin limit and its slice is NaN; nothing else is written."""
+    from fly_norm._kernels import resident
+
+    monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
+    monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
+    x = randn(1, 4000, dtype=torch.bfloat16, device="cuda", seed=4)  # two slices: two chunks (2048 columns), 1952
+    y = torch.zeros_like(x)
+    assert resident.launch_softmax_fwd_resident(x, y, spin_limit=64, programs=1)
+    assert torch.isnan(y[0, :2048]).all() and (y[0, 2048:] == 0).all()
+
+
+def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monkeypatch):
+    from fly_norm._kernels import resident
+    from flydsl.arch import SM90, Arch
+
+    monkeypatch.setattr(resident.flyc, "interpreting", lambda: False)
+    monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: SM90)
+    assert resident._ring(None) == 12
+    rows = torch.zeros(2, resident.RESIDENT_MIN_N + 2, dtype=torch.bfloat16)
+    assert resident.resident_applies(rows, rows)
+    assert not resident.resident_applies(rows[:, :-4], rows[:, :-4])  # narrower than RESIDENT_MIN_N
+    assert not resident.resident_applies(rows.half(), rows.half()) and not resident.resident_applies(rows, rows.float())
+    assert not resident.resident_applies(rows[:, :-1], rows[:, :-1])  # an odd width
+    assert not resident.resident_applies(rows[:, 1:], rows[:, 1:])  # rows off 4-byte boundaries
+    # the ring shrinks with the shared memory; too small a ring, AMD or pre-sm_80: no
+    ampere = Arch(**{**SM90.__dict__, "capability": (8, 6), "smem_per_block": 99 * 1024})
+    monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: ampere)
+    assert resident._ring(None) == 6
+    for arch in (Arch(**{**SM90.__dict__, "smem_per_block": 64 * 1024}), Arch(**{**SM90.__dict__, "backend": "hip"}),
+                 Arch(**{**SM90.__dict__, "capability": (7, 5)})):  # fmt: skip
+        monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None, a=arch: a)
+        assert resident._ring(None) == 0 and not resident.resident_applies(rows, rows)
 
 
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):

@@ -11,7 +11,9 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
   stay packed, two columns an int32 word (``PACKED``, :func:`_packed_softmax_rows`);
 - split (a GPU, rows wider than 16K columns forward, 8K backward, up to 64
   slices of 4096): each row over several programs of one resident wave, read
-  once (:mod:`fly_norm._kernels.split`);
+  once (:mod:`fly_norm._kernels.split`); bf16 rows from 64K columns forward on
+  NVIDIA keep each program's slice in shared memory
+  (:mod:`fly_norm._kernels.resident`);
 - chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
   forward makes one *online* pass over the row's chunks that carries the
   running (max, sum) pair, then a second pass that normalizes and writes; the
@@ -69,6 +71,15 @@ from ._kernels.split import (
 )
 from .autotune import row_config_for
 from .reference import softmax_bwd_ref, softmax_ref
+
+try:
+    from ._kernels.resident import launch_softmax_fwd_resident, resident_applies
+except ImportError:  # a Triton whose Gluon lacks what the resident kernel uses: the split paths take its rows
+
+    def resident_applies(x2, y2) -> bool:
+        return False
+
+    launch_softmax_fwd_resident = None
 
 __all__ = [
     "softmax",
@@ -259,9 +270,12 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """Launch the forward kernel on [M, N] rows; no checks (callers check).
 
     Rows wider than 32K columns on a GPU go through the split path (each row over
-    several programs of one wave, read once: :mod:`fly_norm._kernels.split`).
+    several programs of one wave, read once: :mod:`fly_norm._kernels.split`), wide
+    bf16 rows through the resident kernel (:mod:`fly_norm._kernels.resident`).
     """
     m, n = x2.shape
+    if resident_applies(x2, y2) and launch_softmax_fwd_resident(x2, y2):
+        return
     if split_applies(n):
         if launch_softmax_fwd_split(x2, y2):
             return

@@ -37,9 +37,9 @@ the same SM (small slices, few registers, several programs an SM) and the
 next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
 worse, v5: fewer programs fit an SM).
 
-The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward and softmax's
-forward from 64K columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each; softmax its
-exponentials) and let the software pipeliner stage the next rows in shared memory
+The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward from 64K
+columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software pipeliner
+stage the next rows in shared memory
 (``fx.range(..., num_stages=)``). Pass 1 runs a row ahead: the next row's partial result is
 published before this row's are awaited. The wait starts
 from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
@@ -64,7 +64,6 @@ import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
-    NEG_INF_BF16_PAIR,
     as_words,
     bf16_pairs,
     bf16_pairs_again,
@@ -75,7 +74,6 @@ from flydsl_common.device import (
     collect,
     collect_from,
     collect_pairs_from,
-    max_bf16_words,
     peek,
     publish,
     publish_pair,
@@ -86,8 +84,6 @@ from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
 from .passes import LOG2E, NEG_INF, stages_fit, word_aligned
-
-HALF_LOG2E = fx.constexpr(0.7213475204444817)  # log2(e) / 2, exact (a power of two apart)
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
@@ -127,13 +123,13 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# The staged forwards (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
-# smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent; _softmax_fwd_staged_kernel,
-# bf16 rows): (columns a program owns, warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit
-# 7764574): RMSNorm 91 / 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's 83 /
-# 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%).
-# LayerNorm (v16) 86 / 84 / 83% against 68 / 61 / 55%; softmax (v17 probe) 81 / 78 / 76% against 74 / 64 /
-# 66%, and with two programs an SM (8192 x 8) +1.4 / +1.0 / -1.0 points (v17).
+# The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
+# smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
+# warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit 7764574): RMSNorm 91 / 90 / 88% of copy
+# at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower;
+# at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 /
+# 55%. Softmax had a staged forward too (v16-v17, 81 / 78 / 76%), replaced in v18 by the resident kernel
+# (fly_norm._kernels.resident).
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
@@ -739,66 +735,6 @@ def _norm_fwd_staged_kernel(
         xw = xw_nx
 
 
-@flyc.func
-def _softmax_staged_pass1(x_ptr, slot_ptr, row, M, c2, ok2, part, stride_x, PARTS_POW2: fx.constexpr):
-    """The staged softmax's pass 1 of ``row`` (nothing past M): e = 2^(x log2(e) - s) of its slice as fp32
-    pairs (0 past the row), s the slice's shift, and h = s / 2: m log2(e) / 2 rounded, m the slice's max (0
-    for an all -inf slice, whose h is -inf). Publishes (h, sum of e) as one word. Returns (e even, e odd, h).
-
-    The row's merge rescales each slice by 2^(2h - 2h_row), so any shift works that every column of the slice
-    shares and that is 2h exactly; halved, h is finite for every bf16 max. Where |m| < 2^16, e = 2^(fma(x,
-    log2(e), -2h)): one FMA an element, and 2h = m log2(e) rounded, within 2^-8 of the exact product, so e
-    at the max stays within 2^+-2^-8 of 1. Wider maxima (a uniform branch) take e = 2^((x - m) log2(e)),
-    exactly 1 at the max, an add more; there the bf16 neighbours of m lie 2^9+ apart, so every other value's
-    e is 0, and every slice with another max is 0 against the row's, whatever h's rounding."""
-    ok = row < M
-    # masked-off words read as two -inf: no select before the max, and their e is 0
-    xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=NEG_INF_BF16_PAIR)
-    mx = max_bf16_words(xw, 0)
-    base = fx.where(mx > NEG_INF, mx, 0.0)
-    half = base * HALF_LOG2E
-    xe, xo = bf16_pairs(xw)
-    if fx.abs(base) < 65536.0:
-        ee = fx.exp2(fx.fma(xe, LOG2E, -2.0 * half))
-        eo = fx.exp2(fx.fma(xo, LOG2E, -2.0 * half))
-    else:
-        ee = fx.exp2((xe - base) * LOG2E)
-        eo = fx.exp2((xo - base) * LOG2E)
-    half = fx.where(mx > NEG_INF, half, NEG_INF)
-    publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, half, fx.sum(ee + eo, axis=0), ok)
-    return ee, eo, half
-
-
-# fmt: off
-@flyc.kernel(do_not_specialize=["M"])
-def _softmax_fwd_staged_kernel(
-    x_ptr, y_ptr, slot_ptr, M, N, parts, stride_x, stride_y,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
-):
-    # fmt: on
-    # Softmax's split forward for bf16 rows, staged as the norms' (_norm_fwd_staged_kernel), with one
-    # exponential an element: pass 1 keeps exp(x - the slice's max) in fp32 instead of the row's words (PERF.md
-    # v16: a second exponential from held words measured 60-62% of copy, this 67-77%), from the words' max
-    # (half by half, a word at a time), one FMA an element, and one word published a slice (PERF.md v17).
-    group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
-    kmask = fx.arange(0, PARTS_POW2) < parts
-    ee, eo, half = _softmax_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, part, stride_x, PARTS_POW2)
-    for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, PARTS_POW2) + fx.arange(0, PARTS_POW2)
-        early = peek(slots)
-        ee_nx, eo_nx, half_nx = _softmax_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, part, stride_x,
-                                                      PARTS_POW2)  # fmt: skip
-        halves, sums = collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
-        halves = fx.where(kmask, halves, NEG_INF)
-        top = fx.max(halves, axis=0)
-        top = fx.where(top > NEG_INF, top, 0.0)
-        total = fx.sum(fx.where(kmask, sums * fx.exp2(2.0 * (halves - top)), 0.0), axis=0)
-        # NaN where a wait gave up (the row poisoned), and for an all -inf row (0 / 0, as torch.softmax)
-        f = fx.exp2(2.0 * (half - top)) / total
-        fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, bf16_words(ee * f, eo * f), mask=ok2)
-        ee, eo, half = ee_nx, eo_nx, half_nx
-
-
 # ---------------------------------------------------------------- host
 
 
@@ -830,7 +766,8 @@ def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
     return n >= min_n and not flyc.interpreting()
 
 
-def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1) -> int:
+def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1,
+                  programs: int | None = None) -> int:
     """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
     launched, or 0 (nothing launched) when a row has more than SPLIT_MAX_PARTS slices or one wave cannot
     hold them all: the caller then takes its chunked path. A program takes ``tile_rows`` rows at a time.
@@ -838,6 +775,7 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
     ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
     fp32 tensor: only dtypes and alignment decide the compiled specialization), then with the count.
+    ``programs`` (tests of a wait's give-up path): launch only the wave's first programs.
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
@@ -851,7 +789,7 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
         return 0
     groups = min(flyc.cdiv(m, tile_rows), wave // parts)
     args, meta = build(slots, parts, pp, groups)
-    flyc.launch(kernel, (groups * parts,), *args, **meta)
+    flyc.launch(kernel, (programs or groups * parts,), *args, **meta)
     return groups
 
 
@@ -919,9 +857,8 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
-    """Softmax forward on [M, N] row views through the split path (False: not launched). No checks."""
-    if _fwd_staged(x2, y2):
-        return x2.shape[0] == 0 or _launch_softmax_fwd_staged(x2, y2)
+    """Softmax forward on [M, N] row views through the split path (False: not launched). No checks. (Wide bf16
+    rows on NVIDIA take :mod:`fly_norm._kernels.resident` first.)"""
     cfg = _fwd_slice(x2.shape[1])
 
     def build(slots, parts, pp, groups):
@@ -930,19 +867,6 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
         return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, cfg[0], x2.device) > 0
-
-
-def _launch_softmax_fwd_staged(x2, y2) -> bool:
-    """The staged softmax forward through :func:`_launch_split` (False: not launched)."""
-    slice_cols, warps, stages = FWD_STAGED
-
-    def build(slots, parts, pp, groups):
-        m, n = x2.shape
-        args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
-        meta = dict(SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, STAGES=stages, num_warps=warps)
-        return args, meta
-
-    return _launch_split(_softmax_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
