@@ -19,17 +19,7 @@ there would have no layout).
 from __future__ import annotations
 
 from triton.experimental.gluon import language as _gl
+from triton.experimental.gluon.language import *  # noqa: F403 - the language's names, as Gluon defines them
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 __all__ = [name for name in dir(_gl) if not name.startswith("_")] + ["async_copy"]
-
-
-def __getattr__(name: str):
-    try:
-        return getattr(_gl, name)
-    except AttributeError:
-        raise AttributeError(f"module 'flydsl.gexpr' has no attribute {name!r}") from None
-
-
-def __dir__():
-    return sorted(set(__all__) | set(globals()))
