@@ -46,14 +46,13 @@ from flydsl_common.device import (
     publish_pair,
 )
 
-from .passes import word_aligned
+from .passes import LOG2E, word_aligned
 from .split import _SPIN_LIMIT, _launch_split
 
 RESIDENT = (4096, 12, 16)  # chunk (int32 words), ring slots (at most: the device's shared memory), warps
 RESIDENT_MIN_N = 65536
 RESIDENT_LEFT = 4  # ring slots beyond a slice: chunks of later rows in flight while a slice is held
 
-LOG2E = gx.constexpr(1.4426950408889634)
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
 
 
