@@ -52,6 +52,9 @@ from .split import _SPIN_LIMIT, _launch_split
 RESIDENT = (4096, 12, 16)  # chunk (int32 words), ring slots (at most: the device's shared memory), warps
 RESIDENT_MIN_N = 65536
 RESIDENT_LEFT = 4  # ring slots beyond a slice: chunks of later rows in flight while a slice is held
+# The output pass takes the last chunk's exponentials from the statistics pass instead of computing them
+# again (1/8 of its MUFU work at 64K, +16 registers). Not yet measured (PERF.md v18 Next): off.
+RESIDENT_HOLD = False
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
 
@@ -86,7 +89,8 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
     """(max or -inf, sum of 2^(x log2(e) - s)) of the slice in chunks ``base``.. of the sequence, each chunk
     read as soon as it lands (chunk base + j once at most WAIT_FROM - j copy groups are in flight), one pass:
     every thread keeps its own max and sum, rescaled when its max grows, merged at the end. Also returns the
-    largest |max| of a thread (at BIG and past it the caller takes the sum again exactly)."""
+    largest |max| of a thread (at BIG and past it the caller takes the sum again exactly), the threads' maxima
+    and the last chunk's exponentials (even, odd columns; against each thread's final shift)."""
     ninf = float("-inf")
     mt = gx.max(gx.max(gx.full(cols.shape, ninf, gx.float32, layout), axis=2), axis=0)
     st = gx.zeros_like(mt)
@@ -102,7 +106,9 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
         st = gx.where(mt > ninf, st * gx.exp2(mt * LOG2E - znew * LOG2E), 0.0)
         shift = gx.expand_dims(gx.expand_dims(znew * LOG2E, 0), 2)
         xe, xo = bf16_pairs(w)
-        e = gx.exp2(gx.fma(xe, LOG2E, -shift)) + gx.exp2(gx.fma(xo, LOG2E, -shift))
+        ee = gx.exp2(gx.fma(xe, LOG2E, -shift))
+        eo = gx.exp2(gx.fma(xo, LOG2E, -shift))
+        e = ee + eo
         if not EVEN:
             e = gx.where(col0 + j * CHUNK + cols < W, e, 0.0)
         st += _mine_sum(e)
@@ -111,7 +117,7 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
     z = gx.where(top > ninf, top, 0.0)
     zt = gx.where(mt > ninf, mt, 0.0)
     total = gx.sum(gx.where(mt > ninf, st * gx.exp2(zt * LOG2E - z * LOG2E), 0.0), axis=0)
-    return top, total, gx.max(gx.abs(zt), axis=0)
+    return top, total, gx.max(gx.abs(zt), axis=0), mt, ee, eo
 
 
 @flyc.gluon_kernel
@@ -148,15 +154,20 @@ def _row_stats(slot_ptr, row, P, k, PP: gx.constexpr, SPIN_LIMIT: gx.constexpr):
 
 
 @flyc.gluon_kernel
-def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv,
+def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, he, ho, f,
                layout: gx.constexpr, CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr,
-               SMALL: gx.constexpr):  # fmt: skip
+               SMALL: gx.constexpr, HELD: gx.constexpr):  # fmt: skip
     """Write the slice's y = e * inv (SMALL: e = 2^(x log2(e) - m log2(e) rounded), else 2^((x - m) log2 e)),
-    each chunk's slot refilled with the chunk RING places later once every thread has read it."""
+    each chunk's slot refilled with the chunk RING places later once every thread has read it. HELD: the last
+    chunk's y is its exponentials from the statistics pass (``he``, ``ho``) times ``f``, each thread's
+    2^(its shift - the row's) * inv, where the other chunks take an exponential an element."""
     shift = m * LOG2E
     for j in gx.static_range(CHUNKS):
         xe, xo = bf16_pairs(ring.index((base + j) % RING).load(layout))
-        if SMALL:
+        if HELD and j == CHUNKS - 1:
+            ye = he * f
+            yo = ho * f
+        elif SMALL:
             ye = gx.exp2(gx.fma(xe, LOG2E, -shift)) * inv
             yo = gx.exp2(gx.fma(xo, LOG2E, -shift)) * inv
         else:
@@ -172,7 +183,7 @@ def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, c
 def _softmax_fwd_resident_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, P, groups, stride_x, stride_y,
     CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr, WARPS: gx.constexpr, EVEN: gx.constexpr,
-    PP: gx.constexpr, SPIN_LIMIT: gx.constexpr,
+    PP: gx.constexpr, SPIN_LIMIT: gx.constexpr, HOLD: gx.constexpr,
 ):  # fmt: skip
     # rows as int32 words of two bf16 columns; a chunk is held as [REPS, THREADS, 4] words (four consecutive
     # words a thread, REPS times), so that a thread's own reductions need no exchange; EVEN: every slice of
@@ -201,7 +212,8 @@ def _softmax_fwd_resident_kernel(
         row = group + it * groups
         base = it * CHUNKS
         # chunks issued so far: base + RING (one for each chunk of earlier rows read by the output pass)
-        top, total, widest = _slice_stats(ring, base, col0, W, cols, layout, RING - 1, CHUNK, CHUNKS, RING, EVEN)
+        top, total, widest, mt, he, ho = _slice_stats(ring, base, col0, W, cols, layout, RING - 1, CHUNK, CHUNKS,
+                                                      RING, EVEN)  # fmt: skip
         if widest >= BIG:  # rare: the slice's sum again, exactly, from the chunks still held
             total = _slice_sum_exact(ring, base, col0, W, cols, gx.where(top > float("-inf"), top, 0.0), layout,
                                      CHUNK, CHUNKS, RING, EVEN)  # fmt: skip
@@ -211,12 +223,17 @@ def _softmax_fwd_resident_kernel(
         m = gx.where(top > float("-inf"), top, 0.0)
         inv = 1.0 / total  # an all -inf row: 0 / 0, NaN as torch.softmax
         yrow = yw_ptr + row.to(gx.int64) * (stride_y // 2)
+        args = (ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, he, ho)
         if gx.abs(m) < BIG:
-            _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, layout, CHUNK,
-                       CHUNKS, RING, True)  # fmt: skip
+            if HOLD and widest < BIG:  # the threads' shifts are good: the last chunk's exponentials stand
+                zt = gx.where(mt > float("-inf"), mt, 0.0)
+                f = gx.where(mt > float("-inf"), gx.exp2(zt * LOG2E - m * LOG2E), 0.0) * inv
+                f = gx.expand_dims(gx.expand_dims(f, 0), 2)
+                _slice_out(*args, f, layout, CHUNK, CHUNKS, RING, True, True)
+            else:
+                _slice_out(*args, inv, layout, CHUNK, CHUNKS, RING, True, False)
         else:
-            _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, layout, CHUNK,
-                       CHUNKS, RING, False)  # fmt: skip
+            _slice_out(*args, inv, layout, CHUNK, CHUNKS, RING, False, False)
     gx.async_copy.wait_group(0)
 
 
@@ -256,7 +273,7 @@ def launch_softmax_fwd_resident(x2, y2, spin_limit: int = _SPIN_LIMIT, programs:
         chunks = flyc.cdiv(flyc.cdiv(n // 2, parts), chunk)  # the slices as even as whole chunks allow
         args = (x2, y2, slots, m, n, parts, groups or 1, x2.stride(0), y2.stride(0))
         meta = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=n // 2 == parts * chunks * chunk,
-                    PP=pp, SPIN_LIMIT=spin_limit, num_warps=warps)  # fmt: skip
+                    PP=pp, SPIN_LIMIT=spin_limit, HOLD=RESIDENT_HOLD, num_warps=warps)  # fmt: skip
         return args, meta
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_resident_kernel, x2, slot_cols, build, per_slice,
