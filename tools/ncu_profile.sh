@@ -2,6 +2,9 @@
 # Nsight Compute on the device machine (Firecracker: hardware counters readable): one launch of each
 # target's kernels matching KERNEL_RE (default: fly-norm's row kernels; torch's for copy), after the warm-up runs; reports and text
 # under $OUT/ncu (summarize the SASS lines with tools/ncu_sass.py). Usage: bash tools/ncu_profile.sh 'OP N [--bwd]' ...
+# NCU_TARGET: another target script (default fly-norm's benchmarks/ncu_target.py), e.g.
+#   NCU_TARGET=packages/fly-gemm/benchmarks/ncu_target.py KERNEL_RE='regex:.' SKIP=0 COUNT=1 \
+#     bash tools/ncu_profile.sh 'gemm 1 4096 4096' 'read 32'   (SKIP: launches to pass over first)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 dir=$OUT/ncu
@@ -16,7 +19,7 @@ for target in "$@"; do
   # the last run's launches: skip the first runs' (each run launches the same kernels)
   ncu --clock-control none -k "$re" --launch-skip "${SKIP:-3}" --launch-count "${COUNT:-1}" $sections \
     --import-source no -f -o "$dir/$name" \
-    python3 packages/fly-norm/benchmarks/ncu_target.py $target > "$dir/$name.log" 2>&1
+    python3 "${NCU_TARGET:-packages/fly-norm/benchmarks/ncu_target.py}" $target > "$dir/$name.log" 2>&1
   echo "== $target rc=$?"; tail -3 "$dir/$name.log"
   ncu --import "$dir/$name.ncu-rep" --print-details all > "$dir/$name.txt" 2>&1
   ncu --import "$dir/$name.ncu-rep" --page raw --csv > "$dir/$name.raw.csv" 2>&1
