@@ -3,8 +3,8 @@
 # target's kernels matching KERNEL_RE (default: fly-norm's row kernels; torch's for copy), after the warm-up runs; reports and text
 # under $OUT/ncu (summarize the SASS lines with tools/ncu_sass.py). Usage: bash tools/ncu_profile.sh 'OP N [--bwd]' ...
 # NCU_TARGET: another target script (default fly-norm's benchmarks/ncu_target.py), e.g.
-#   NCU_TARGET=packages/fly-gemm/benchmarks/ncu_target.py KERNEL_RE='regex:.' SKIP=0 COUNT=1 \
-#     bash tools/ncu_profile.sh 'gemm 1 4096 4096' 'read 32'   (SKIP: launches to pass over first)
+#   NCU_TARGET=packages/fly-gemm/benchmarks/ncu_target.py KERNEL_RE='regex:_gemm|_gemv|_read|gemm|gemv' \
+#     bash tools/ncu_profile.sh 'gemm 1 4096 4096' 'read 32'   (SKIP: matching launches passed over first)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 dir=$OUT/ncu
