@@ -18,7 +18,8 @@ So every element is read from memory once and written once (the copy's floor), w
 ``RESIDENT_LEFT`` chunks of later rows in flight while a slice is held. The split paths instead hold a
 slice in registers (or let Triton's software pipeliner stage the next rows) and exchange the sums from
 registers; here the slice stays in shared memory, so a slice can be 64K columns and a 64K row needs no
-exchange at all (PERF.md v18: 80-81% of the copy for softmax's staged kernel at 64K, 85-86% here).
+exchange at all (PERF.md v18, benchmark at 64K / 128K / 256K / 1M: 84 / 83 / 80 / 74% of the copy, where
+softmax's staged kernel ran 79 / 76 / 74 / 58%).
 
 Written in the explicit-layout language (``flydsl.gexpr``: Triton's Gluon), which lets a kernel allocate
 its shared memory and issue and await its copies; ``flydsl.expr`` leaves both to the compiler. It compiles
@@ -27,7 +28,8 @@ for a GPU only: the interpreter and other GPUs take the split paths.
 Exponentials are 2^(x log2(e) - s) with s = m log2(e) rounded, m the thread's max (one FMA an element);
 merging rescales by 2^(s_thread - s_row) from the same rounded shifts, so the result is consistent. Where
 some thread's |max| reaches BIG, s's rounding residual could be large: the slice's sum is taken again
-from shared memory as 2^((x - m) log2(e)) (exactly 1 at the max), and so are its outputs.
+from shared memory as 2^((x - m) log2(e)) (exactly 1 at the max), and the outputs are where the row's max
+reaches BIG.
 """
 
 from __future__ import annotations
