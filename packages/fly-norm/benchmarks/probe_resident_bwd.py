@@ -36,6 +36,7 @@ import flydsl  # noqa: F401 - choose compiled vs interpreted Triton first
 import flydsl.compiler as flyc
 import flydsl.gexpr as gx
 from fly_norm._kernels.passes import word_aligned
+from fly_norm._kernels.resident import chunk_words
 from flydsl_common.device import bf16_pairs, bf16_words, collect_from, publish, sum2_f32
 
 
@@ -60,11 +61,7 @@ def _norm_bwd_resident_kernel(
     ROWS: gx.constexpr = RING // 2  # rows in the ring: x and dy of each
     layout: gx.constexpr = gx.BlockedLayout([1, 1, 4], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
     ring = gx.allocate_shared_memory(gx.int32, [RING, REPS, THREADS, 4], gx.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    reps = gx.arange(0, REPS, layout=gx.SliceLayout(1, gx.SliceLayout(2, layout)))
-    lanes = gx.arange(0, THREADS, layout=gx.SliceLayout(0, gx.SliceLayout(2, layout)))
-    quad = gx.arange(0, 4, layout=gx.SliceLayout(0, gx.SliceLayout(1, layout)))
-    cols = (gx.expand_dims(gx.expand_dims(reps, 1), 2) * THREADS + gx.expand_dims(gx.expand_dims(lanes, 0), 2)) * 4
-    cols = cols + gx.expand_dims(gx.expand_dims(quad, 0), 1)
+    cols = chunk_words(REPS, THREADS, layout)
     xw_ptr = x_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     dyw_ptr = dy_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     dxw_ptr = dx_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
@@ -162,7 +159,8 @@ def launch(h, w, dy, mean, rstd, is_rms, chunk=8192, ring=6, warps=16):
     return dx, dwp, dbp
 
 
-def _compile_offline(n, is_rms, chunk=8192, ring=6, warps=16):
+def compile_sm90(kernel, sig: dict, consts: dict, aligned, warps: int):
+    """('REG:n STACK:n', shared bytes) of a Gluon kernel compiled offline for sm_90 (no GPU needed)."""
     import re
     import subprocess
     import tempfile
@@ -171,7 +169,19 @@ def _compile_offline(n, is_rms, chunk=8192, ring=6, warps=16):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    k = _norm_bwd_resident_kernel
+    sig = {**sig, **{name: "constexpr" for name in consts}}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})  # fmt: skip
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([str(cuobjdump), "-res-usage", cubin], capture_output=True, text=True).stdout
+    return re.search(r"REG:(\d+) STACK:(\d+)", out).group(0), compiled.metadata.shared
+
+
+def _compile_offline(n, is_rms, chunk=8192, ring=6, warps=16):
     ptrs = ("x_ptr", "w_ptr", "dy_ptr", "dx_ptr")
     sig = {p: "*bf16" for p in ptrs}
     sig.update({p: "*fp32" for p in ("mean_ptr", "rstd_ptr", "dwp_ptr", "dbp_ptr")}, slot_ptr="*i64")
@@ -181,19 +191,9 @@ def _compile_offline(n, is_rms, chunk=8192, ring=6, warps=16):
                   IS_RMS=is_rms)  # fmt: skip
     if parts == 1:
         consts["P"] = 1
-    for name in consts:
-        sig[name] = "constexpr"
     aligned = (*ptrs, "mean_ptr", "rstd_ptr", "dwp_ptr", "dbp_ptr", "slot_ptr", "N", "stride_x", "stride_dy",
                "stride_dx")  # fmt: skip
-    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    compiled = triton.compile(GluonASTSource(k, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        out = subprocess.run([str(cuobjdump), "-res-usage", cubin], capture_output=True, text=True).stdout
-    return re.search(r"REG:(\d+) STACK:(\d+)", out).group(0), compiled.metadata.shared
+    return compile_sm90(_norm_bwd_resident_kernel, sig, consts, aligned, warps)
 
 
 def _reference(h, w, dy, is_rms, eps):

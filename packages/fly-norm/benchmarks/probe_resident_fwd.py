@@ -36,6 +36,7 @@ import flydsl  # noqa: F401 - choose compiled vs interpreted Triton first
 import flydsl.compiler as flyc
 import flydsl.gexpr as gx
 from fly_norm._kernels.passes import word_aligned
+from fly_norm._kernels.resident import chunk_words
 from flydsl_common.device import (
     bf16_pairs,
     bf16_words,
@@ -77,11 +78,7 @@ def _norm_fwd_resident_kernel(
     smem: gx.constexpr = gx.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     ring = gx.allocate_shared_memory(gx.int32, [RING, REPS, THREADS, 4], smem)
     wb = gx.allocate_shared_memory(gx.int32, [2 * CHUNKS, REPS, THREADS, 4], smem)  # weight, then bias words
-    reps = gx.arange(0, REPS, layout=gx.SliceLayout(1, gx.SliceLayout(2, layout)))
-    lanes = gx.arange(0, THREADS, layout=gx.SliceLayout(0, gx.SliceLayout(2, layout)))
-    quad = gx.arange(0, 4, layout=gx.SliceLayout(0, gx.SliceLayout(1, layout)))
-    cols = (gx.expand_dims(gx.expand_dims(reps, 1), 2) * THREADS + gx.expand_dims(gx.expand_dims(lanes, 0), 2)) * 4
-    cols = cols + gx.expand_dims(gx.expand_dims(quad, 0), 1)
+    cols = chunk_words(REPS, THREADS, layout)
     xw_ptr = x_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     yw_ptr = y_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     W = N // 2
@@ -187,15 +184,8 @@ def launch(x, w, b, eps, is_rms, chunk=4096, chunks=2, ring=10, warps=16):
 
 
 def _compile_offline(n, is_rms, chunk, chunks, ring, warps=16):
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    from probe_resident_bwd import compile_sm90
 
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    k = _norm_fwd_resident_kernel
     sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
     sig.update({p: "*fp32" for p in ("mean_ptr", "rstd_ptr")}, slot_ptr="*i64", eps="fp32")
     sig.update({a: "i32" for a in ("M", "N", "P", "groups", "stride_x", "stride_y")})
@@ -204,18 +194,8 @@ def _compile_offline(n, is_rms, chunk, chunks, ring, warps=16):
                   SPIN_LIMIT=1 << 20, IS_RMS=is_rms)  # fmt: skip
     if parts == 1:
         consts["P"] = 1
-    for name in consts:
-        sig[name] = "constexpr"
     aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "mean_ptr", "rstd_ptr", "slot_ptr", "N", "stride_x", "stride_y")
-    attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    compiled = triton.compile(GluonASTSource(k, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        out = subprocess.run([str(cuobjdump), "-res-usage", cubin], capture_output=True, text=True).stdout
-    return re.search(r"REG:(\d+) STACK:(\d+)", out).group(0), compiled.metadata.shared
+    return compile_sm90(_norm_fwd_resident_kernel, sig, consts, aligned, warps)
 
 
 def main(argv=None):

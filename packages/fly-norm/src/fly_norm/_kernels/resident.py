@@ -62,6 +62,17 @@ BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice t
 
 
 @flyc.gluon_kernel
+def chunk_words(REPS: gx.constexpr, THREADS: gx.constexpr, layout: gx.constexpr):
+    """A chunk's int32 word offsets as [REPS, THREADS, 4] in ``layout`` (four consecutive words a thread, REPS
+    times, THREADS * 4 words apart): a thread's own reductions over it need no exchange."""
+    reps = gx.arange(0, REPS, layout=gx.SliceLayout(1, gx.SliceLayout(2, layout)))
+    lanes = gx.arange(0, THREADS, layout=gx.SliceLayout(0, gx.SliceLayout(2, layout)))
+    quad = gx.arange(0, 4, layout=gx.SliceLayout(0, gx.SliceLayout(1, layout)))
+    cols = (gx.expand_dims(gx.expand_dims(reps, 1), 2) * THREADS + gx.expand_dims(gx.expand_dims(lanes, 0), 2)) * 4
+    return cols + gx.expand_dims(gx.expand_dims(quad, 0), 1)
+
+
+@flyc.gluon_kernel
 def _issue(ring, xw_ptr, t, group, groups, col0, M, W, stride_xw, cols,
            CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr):  # fmt: skip
     """Queue the copy of chunk ``t`` of this program's sequence (row group + (t // CHUNKS) * groups, chunk t %
@@ -199,18 +210,13 @@ def _softmax_fwd_resident_kernel(
     CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr, WARPS: gx.constexpr, EVEN: gx.constexpr,
     PP: gx.constexpr, SPIN_LIMIT: gx.constexpr, HOLD: gx.constexpr,
 ):  # fmt: skip
-    # rows as int32 words of two bf16 columns; a chunk is held as [REPS, THREADS, 4] words (four consecutive
-    # words a thread, REPS times), so that a thread's own reductions need no exchange; EVEN: every slice of
+    # rows as int32 words of two bf16 columns, a chunk held as chunk_words lays it out; EVEN: every slice of
     # every row is CHUNKS whole chunks (no column masks)
     THREADS: gx.constexpr = 32 * WARPS
     REPS: gx.constexpr = CHUNK // (4 * THREADS)
     layout: gx.constexpr = gx.BlockedLayout([1, 1, 4], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
     ring = gx.allocate_shared_memory(gx.int32, [RING, REPS, THREADS, 4], gx.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    reps = gx.arange(0, REPS, layout=gx.SliceLayout(1, gx.SliceLayout(2, layout)))
-    lanes = gx.arange(0, THREADS, layout=gx.SliceLayout(0, gx.SliceLayout(2, layout)))
-    quad = gx.arange(0, 4, layout=gx.SliceLayout(0, gx.SliceLayout(1, layout)))
-    cols = (gx.expand_dims(gx.expand_dims(reps, 1), 2) * THREADS + gx.expand_dims(gx.expand_dims(lanes, 0), 2)) * 4
-    cols = cols + gx.expand_dims(gx.expand_dims(quad, 0), 1)
+    cols = chunk_words(REPS, THREADS, layout)
     xw_ptr = x_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     yw_ptr = y_ptr.to(gx.pointer_type(gx.int32), bitcast=True)
     W = N // 2
