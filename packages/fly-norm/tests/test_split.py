@@ -454,7 +454,9 @@ def _softmax_extremes(m, n, seed):
     -inf slice's sum rescaled to the others' would underflow to 0 / 0), rows near the bf16 extremes (+-3e38),
     one of ties near 1e5 (past the kernels' fast exponent range: the exact branch), one near 100, one whose
     first quarter is near -1e5 (one thread's max past that range, the row's not), and one with a NaN (NaN
-    throughout, as torch.softmax, though the words' max passes over NaN on NVIDIA). Rows 3 and 9: all NaN."""
+    throughout, as torch.softmax, though the words' max passes over NaN on NVIDIA), and one whose NaN sits
+    among columns all -inf (with 512-word chunks over 4 warps, every column of one thread). Rows 3, 9 and 11:
+    all NaN."""
     x = randn(m, n, dtype=torch.float32, device="cuda", seed=seed, scale=3.0)
     x[1, ::3] = float("-inf")
     x[2, n // 2 :] += 80.0
@@ -468,12 +470,14 @@ def _softmax_extremes(m, n, seed):
     x[8] += 100.0
     x[9, n - 3] = float("nan")
     x[10, : n // 4] -= 1e5
+    x[11, (torch.arange(n) % 1024) < 8] = float("-inf")  # a thread's every column -inf (512-word chunks, 4 warps)
+    x[11, 3] = float("nan")  # ... but one NaN: the row NaN, as torch.softmax
     return x.bfloat16()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hold", [0, 1, 2], ids=["", "hold1", "hold2"])
-@pytest.mark.parametrize(("m", "n"), [(11, 2000), (2001, 5000), (300, 6144), (11, 65536)])
+@pytest.mark.parametrize(("m", "n"), [(12, 2000), (2001, 5000), (300, 6144), (12, 65536)])
 def test_resident_softmax_forward(m, n, hold, monkeypatch):
     """The resident softmax forward (each slice in a shared-memory ring) against fp64 on the extreme rows of
     _softmax_extremes. Small chunks (512 words) and a ring of 6 (slices of two chunks): one slice a row, with
@@ -484,15 +488,15 @@ def test_resident_softmax_forward(m, n, hold, monkeypatch):
     from fly_norm._kernels import resident
 
     monkeypatch.setattr(resident, "RESIDENT_HOLD", hold)
-    if (m, n) != (11, 65536):
+    if n != 65536:
         monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
         monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
     x = _softmax_extremes(m, n, seed=n)
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
     assert resident.resident_applies(x, y)
     assert resident.launch_softmax_fwd_resident(x, y)
-    assert torch.isnan(y[3]).all() and torch.isnan(y[9]).all()
-    rows = [r for r in range(m) if r not in (3, 9)]
+    assert torch.isnan(y[3]).all() and torch.isnan(y[9]).all() and torch.isnan(y[11]).all()
+    rows = [r for r in range(m) if r not in (3, 9, 11)]
     assert_rel_close(y[rows], softmax_ref(x[rows]))
     for r in (1, 2, 4, 5, 6, 7, 8, 10):
         assert_rel_close(y[r], softmax_ref(x[r]), name=f"row {r}")

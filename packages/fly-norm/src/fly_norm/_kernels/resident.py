@@ -123,8 +123,9 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
         ce, co = bf16_pairs(_mine_max(w))
         mnew = gx.maximum(mt, gx.maximum(ce, co))
         znew = gx.where(mnew > ninf, mnew, 0.0)  # all -inf so far: e = 0 whatever the shift
-        rescale = gx.where(mt > ninf, gx.exp2(mt * LOG2E - znew * LOG2E), 0.0)
-        st = gx.where(mt > ninf, st * gx.exp2(mt * LOG2E - znew * LOG2E), 0.0)
+        # a thread with no finite column yet holds 0, or NaN from a NaN column: kept as it is
+        rescale = gx.where(mt > ninf, gx.exp2(mt * LOG2E - znew * LOG2E), 1.0)
+        st = st * rescale
         shift = gx.expand_dims(gx.expand_dims(znew * LOG2E, 0), 2)
         xe, xo = bf16_pairs(w)
         ee = gx.exp2(gx.fma(xe, LOG2E, -shift))
@@ -137,7 +138,7 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
     top = gx.max(mt, axis=0)
     z = gx.where(top > ninf, top, 0.0)
     zt = gx.where(mt > ninf, mt, 0.0)
-    total = gx.sum(gx.where(mt > ninf, st * gx.exp2(zt * LOG2E - z * LOG2E), 0.0), axis=0)
+    total = gx.sum(gx.where(mt > ninf, st * gx.exp2(zt * LOG2E - z * LOG2E), st), axis=0)
     return top, total, gx.max(gx.abs(zt), axis=0), mt, pe, po, ee, eo, rescale
 
 
