@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import flydsl  # noqa: E402, F401 - backend choice before triton
-from fly_norm._kernels import norm, split  # noqa: E402
+from fly_norm._kernels import norm, resident, split  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
 
 softmax = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
@@ -43,7 +43,12 @@ def resources(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg
     # benchmarks' widths: it is what lets masked row loads vectorize)
     aligned = [n for n, t in sig.items() if t.startswith("*") or n == "N" or n.startswith("stride")]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(kernel, sig, constexprs, attrs)
+    if getattr(kernel, "_flydsl_gluon", False):  # flyc.gluon_kernel
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(kernel, sig, constexprs, attrs)
+    else:
+        src = ASTSource(kernel, sig, constexprs, attrs)
     compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "maxnreg": maxnreg})
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -150,6 +155,16 @@ def _softmax_fwd(block_m, block_n, warps, single):
     return softmax._softmax_fwd_kernel, sig, consts, warps
 
 
+def _resident(chunks, parts=1, even=True):
+    """The resident softmax forward (resident.RESIDENT) with slices of ``chunks`` chunks, ``parts`` a row."""
+    chunk, ring, warps = resident.RESIDENT
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32", "P": "i32",
+           "groups": "i32", "stride_x": "i32", "stride_y": "i32"}
+    consts = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=even, PP=parts,
+                  SPIN_LIMIT=split._SPIN_LIMIT)
+    return resident._softmax_fwd_resident_kernel, sig, consts, warps
+
+
 CASES = {
     "norm_split": [("rms bwd", _bwd_split()), ("ln bwd", _bwd_split(is_rms=False)),
                    ("rms", _split()), ("ln", _split(is_rms=False)),
@@ -166,6 +181,8 @@ CASES = {
                    ("rms bwd staged", _bwd_staged()), ("ln bwd staged", _bwd_staged(is_rms=False)),
                    ("rms bwd staged dres", _bwd_staged(dres=True)),
                    ("ln bwd staged dres", _bwd_staged(is_rms=False, dres=True))],
+    "resident": [("softmax 64K (one slice)", _resident(8)), ("softmax 128K (two)", _resident(8, parts=2)),
+                 ("softmax 1M (sixteen)", _resident(8, parts=16))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)

@@ -6,7 +6,7 @@
 A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` (or, as
 ``norm.NAME`` / ``resident.NAME``, of ``fly_norm._kernels.norm`` / ``.resident``) set to the Python literal
 VALUE for that variant's runs
-(restored after). bf16, M * N = 2^27 as the benchmark; each
+(restored after). bf16, M * N = 2^27 as the benchmark (``--rows``: other multiples of that M); each
 variant's output (with ``--bwd`` the backward's dx, through autograd) against fp64 (relative error) and
 against the first variant's (max difference); the time as a fraction of the device copy measured in the same
 run (the rows' bytes: x and y, or x, dy and dx). Design probe, not the benchmark.
@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tag", default="configs")
+    ap.add_argument("--rows", nargs="*", type=float, default=[1.0],
+                    help="row counts as multiples of the benchmark's M = 2^27 / N (each width, each count)")
     args = ap.parse_args()
     variants = [_parse(v) for v in args.variant] or [{}]
     ops = {
@@ -74,8 +76,8 @@ def main() -> None:
     f = ops[args.op]
     copy = copy_gbps(1 << 29)
     rows = [dict(copy_GBps=copy, op=args.op)]
-    for n in args.widths:
-        m = (1 << 27) // n
+    for n, scale in ((n, s) for n in args.widths for s in args.rows):
+        m = round(scale * ((1 << 27) // n))
         x = torch.randn(m, n, dtype=_DT, device="cuda") * 2 + 0.5
         w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
         b = torch.randn(n, dtype=_DT, device="cuda")
@@ -104,10 +106,10 @@ def main() -> None:
                 diff = 0.0 if first is None else (y.float() - first.float()).abs().max().item()
                 first = y if first is None else first
                 us = bench(run).median_us
-                r = dict(N=n, variant=text, us=us, frac_copy=rows_moved * 2 * m * n / (us * 1e-6) / 1e9 / copy,
+                r = dict(N=n, M=m, variant=text, us=us, frac_copy=rows_moved * 2 * m * n / (us * 1e-6) / 1e9 / copy,
                          rel_err=err, max_diff_vs_first=diff)  # fmt: skip
             except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                r = dict(N=n, variant=text, error=repr(e)[:300])
+                r = dict(N=n, M=m, variant=text, error=repr(e)[:300])
             finally:
                 for (module, attr), v in saved.items():
                     setattr(module, attr, v)

@@ -476,18 +476,14 @@ def _softmax_extremes(m, n, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hold", [0, 1, 2], ids=["", "hold1", "hold2"])
 @pytest.mark.parametrize(("m", "n"), [(12, 2000), (2001, 5000), (300, 6144), (12, 65536)])
-def test_resident_softmax_forward(m, n, hold, monkeypatch):
+def test_resident_softmax_forward(m, n, monkeypatch):
     """The resident softmax forward (each slice in a shared-memory ring) against fp64 on the extreme rows of
     _softmax_extremes. Small chunks (512 words) and a ring of 6 (slices of two chunks): one slice a row, with
     a masked tail (2000); three slices, the last short, more rows than a wave holds (5000); three whole slices
-    (6144, no column masks); and the shipped config, one slice (64K). ``hold``: the last chunks' exponentials
-    kept from the statistics pass (RESIDENT_HOLD; with two, the one before the last rescaled to the thread's
-    final shift where the last chunk raised its max)."""
+    (6144, no column masks); and the shipped config, one slice (64K)."""
     from fly_norm._kernels import resident
 
-    monkeypatch.setattr(resident, "RESIDENT_HOLD", hold)
     if n != 65536:
         monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
         monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)

@@ -54,9 +54,6 @@ from .split import _SPIN_LIMIT, _launch_split
 RESIDENT = (4096, 12, 16)  # chunk (int32 words), ring slots (at most: the device's shared memory), warps
 RESIDENT_MIN_N = 65536
 RESIDENT_LEFT = 4  # ring slots beyond a slice: chunks of later rows in flight while a slice is held
-# Chunks (0-2) whose exponentials the output pass takes from the statistics pass instead of computing them
-# again (each 1/8 of its MUFU work at 64K, +16 registers). Not yet measured (PERF.md v18 Next): 0.
-RESIDENT_HOLD = 0
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
 
@@ -102,19 +99,11 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
     """(max or -inf, sum of 2^(x log2(e) - s)) of the slice in chunks ``base``.. of the sequence, each chunk
     read as soon as it lands (chunk base + j once at most WAIT_FROM - j copy groups are in flight), one pass:
     every thread keeps its own max and sum, rescaled when its max grows, merged at the end. Also returns the
-    largest |max| of a thread (at BIG and past it the caller takes the sum again exactly), the threads' maxima,
-    the last two chunks' exponentials (even, odd columns: the last's against each thread's final shift, the
-    one before against its shift then) and the threads' last rescale (the one before's factor to the final
-    shift)."""
+    largest |max| of a thread (at BIG and past it the caller takes the sum again exactly)."""
     ninf = float("-inf")
     mt = gx.max(gx.max(gx.full(cols.shape, ninf, gx.float32, layout), axis=2), axis=0)
     st = gx.zeros_like(mt)
-    ee = gx.zeros(cols.shape, gx.float32, layout)
-    eo = ee
-    rescale = st
     for j in gx.static_range(CHUNKS):
-        pe = ee
-        po = eo
         gx.async_copy.wait_group(WAIT_FROM - j)
         gx.thread_barrier()
         w = ring.index((base + j) % RING).load(layout)
@@ -124,13 +113,10 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
         mnew = gx.maximum(mt, gx.maximum(ce, co))
         znew = gx.where(mnew > ninf, mnew, 0.0)  # all -inf so far: e = 0 whatever the shift
         # a thread with no finite column yet holds 0, or NaN from a NaN column: kept as it is
-        rescale = gx.where(mt > ninf, gx.exp2(mt * LOG2E - znew * LOG2E), 1.0)
-        st = st * rescale
+        st = st * gx.where(mt > ninf, gx.exp2(mt * LOG2E - znew * LOG2E), 1.0)
         shift = gx.expand_dims(gx.expand_dims(znew * LOG2E, 0), 2)
         xe, xo = bf16_pairs(w)
-        ee = gx.exp2(gx.fma(xe, LOG2E, -shift))
-        eo = gx.exp2(gx.fma(xo, LOG2E, -shift))
-        e = ee + eo
+        e = gx.exp2(gx.fma(xe, LOG2E, -shift)) + gx.exp2(gx.fma(xo, LOG2E, -shift))
         if not EVEN:
             e = gx.where(col0 + j * CHUNK + cols < W, e, 0.0)
         st += _mine_sum(e)
@@ -139,7 +125,7 @@ def _slice_stats(ring, base, col0, W, cols, layout: gx.constexpr, WAIT_FROM: gx.
     z = gx.where(top > ninf, top, 0.0)
     zt = gx.where(mt > ninf, mt, 0.0)
     total = gx.sum(gx.where(mt > ninf, st * gx.exp2(zt * LOG2E - z * LOG2E), st), axis=0)
-    return top, total, gx.max(gx.abs(zt), axis=0), mt, pe, po, ee, eo, rescale
+    return top, total, gx.max(gx.abs(zt), axis=0)
 
 
 @flyc.gluon_kernel
@@ -176,24 +162,15 @@ def _row_stats(slot_ptr, row, P, k, PP: gx.constexpr, SPIN_LIMIT: gx.constexpr):
 
 
 @flyc.gluon_kernel
-def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, held, f, f_prev,
+def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv,
                layout: gx.constexpr, CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr,
-               SMALL: gx.constexpr, HELD: gx.constexpr):  # fmt: skip
+               SMALL: gx.constexpr):  # fmt: skip
     """Write the slice's y = e * inv (SMALL: e = 2^(x log2(e) - m log2(e) rounded), else 2^((x - m) log2 e)),
-    each chunk's slot refilled with the chunk RING places later once every thread has read it. HELD (0-2):
-    the last HELD chunks' y are their exponentials from the statistics pass (``held``: the one before's even
-    and odd, the last's) times ``f_prev`` / ``f``, each thread's 2^(its shift then - the row's) * inv, where
-    the other chunks take an exponential an element."""
+    each chunk's slot refilled with the chunk RING places later once every thread has read it."""
     shift = m * LOG2E
     for j in gx.static_range(CHUNKS):
         xe, xo = bf16_pairs(ring.index((base + j) % RING).load(layout))
-        if HELD >= 1 and j == CHUNKS - 1:
-            ye = held[2] * f
-            yo = held[3] * f
-        elif HELD >= 2 and j == CHUNKS - 2:
-            ye = held[0] * f_prev
-            yo = held[1] * f_prev
-        elif SMALL:
+        if SMALL:
             ye = gx.exp2(gx.fma(xe, LOG2E, -shift)) * inv
             yo = gx.exp2(gx.fma(xo, LOG2E, -shift)) * inv
         else:
@@ -209,7 +186,7 @@ def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, c
 def _softmax_fwd_resident_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, P, groups, stride_x, stride_y,
     CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr, WARPS: gx.constexpr, EVEN: gx.constexpr,
-    PP: gx.constexpr, SPIN_LIMIT: gx.constexpr, HOLD: gx.constexpr,
+    PP: gx.constexpr, SPIN_LIMIT: gx.constexpr,
 ):  # fmt: skip
     # rows as int32 words of two bf16 columns, a chunk held as chunk_words lays it out; EVEN: every slice of
     # every row is CHUNKS whole chunks (no column masks)
@@ -233,8 +210,7 @@ def _softmax_fwd_resident_kernel(
         row = group + it * groups
         base = it * CHUNKS
         # chunks issued so far: base + RING (one for each chunk of earlier rows read by the output pass)
-        top, total, widest, mt, pe, po, he, ho, rescale = _slice_stats(ring, base, col0, W, cols, layout, RING - 1,
-                                                                       CHUNK, CHUNKS, RING, EVEN)  # fmt: skip
+        top, total, widest = _slice_stats(ring, base, col0, W, cols, layout, RING - 1, CHUNK, CHUNKS, RING, EVEN)
         if widest >= BIG:  # rare: the slice's sum again, exactly, from the chunks still held
             total = _slice_sum_exact(ring, base, col0, W, cols, gx.where(top > float("-inf"), top, 0.0), layout,
                                      CHUNK, CHUNKS, RING, EVEN)  # fmt: skip
@@ -244,18 +220,12 @@ def _softmax_fwd_resident_kernel(
         m = gx.where(top > float("-inf"), top, 0.0)
         inv = 1.0 / total  # an all -inf row: 0 / 0, NaN as torch.softmax
         yrow = yw_ptr + row.to(gx.int64) * (stride_y // 2)
-        args = (ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, (pe, po, he, ho))
         if gx.abs(m) < BIG:
-            if HOLD > 0 and widest < BIG:  # the threads' shifts are good: the held exponentials stand
-                zt = gx.where(mt > float("-inf"), mt, 0.0)
-                f = gx.where(mt > float("-inf"), gx.exp2(zt * LOG2E - m * LOG2E), 0.0) * inv
-                f_prev = gx.expand_dims(gx.expand_dims(f * rescale, 0), 2)
-                f = gx.expand_dims(gx.expand_dims(f, 0), 2)
-                _slice_out(*args, f, f_prev, layout, CHUNK, CHUNKS, RING, True, HOLD)
-            else:
-                _slice_out(*args, inv, inv, layout, CHUNK, CHUNKS, RING, True, 0)
+            _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, layout, CHUNK,
+                       CHUNKS, RING, True)  # fmt: skip
         else:
-            _slice_out(*args, inv, inv, layout, CHUNK, CHUNKS, RING, False, 0)
+            _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, layout, CHUNK,
+                       CHUNKS, RING, False)  # fmt: skip
     gx.async_copy.wait_group(0)
 
 
@@ -295,7 +265,7 @@ def launch_softmax_fwd_resident(x2, y2, spin_limit: int = _SPIN_LIMIT, programs:
         chunks = flyc.cdiv(flyc.cdiv(n // 2, parts), chunk)  # the slices as even as whole chunks allow
         args = (x2, y2, slots, m, n, parts, groups or 1, x2.stride(0), y2.stride(0))
         meta = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=n // 2 == parts * chunks * chunk,
-                    PP=pp, SPIN_LIMIT=spin_limit, HOLD=min(RESIDENT_HOLD, chunks), num_warps=warps)  # fmt: skip
+                    PP=pp, SPIN_LIMIT=spin_limit, num_warps=warps)  # fmt: skip
         return args, meta
 
     return x2.shape[0] == 0 or _launch_split(_softmax_fwd_resident_kernel, x2, slot_cols, build, per_slice,
