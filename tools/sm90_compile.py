@@ -157,7 +157,7 @@ def _softmax_fwd(block_m, block_n, warps, single):
 
 def _resident(chunks, parts=1, even=True):
     """The resident softmax forward (resident.RESIDENT) with slices of ``chunks`` chunks, ``parts`` a row."""
-    chunk, ring, warps = resident.RESIDENT
+    chunk, ring, warps, _ = resident.RESIDENT
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32", "P": "i32",
            "groups": "i32", "stride_x": "i32", "stride_y": "i32"}
     consts = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=even, PP=parts,
@@ -181,8 +181,8 @@ CASES = {
                    ("rms bwd staged", _bwd_staged()), ("ln bwd staged", _bwd_staged(is_rms=False)),
                    ("rms bwd staged dres", _bwd_staged(dres=True)),
                    ("ln bwd staged dres", _bwd_staged(is_rms=False, dres=True))],
-    "resident": [("softmax 64K (one slice)", _resident(8)), ("softmax 128K (two)", _resident(8, parts=2)),
-                 ("softmax 1M (sixteen)", _resident(8, parts=16))],
+    "resident": [("softmax 64K (four slices)", _resident(8, parts=4)), ("softmax 128K (eight)", _resident(8, parts=8)),
+                 ("softmax 1M (sixty-four)", _resident(8, parts=64))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)

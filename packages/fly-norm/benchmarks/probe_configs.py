@@ -1,7 +1,7 @@
 """Probe: the shipped forward of one op with module configs overridden, variant by variant, in one process.
 
     python probe_configs.py --op softmax --widths 65536 262144 \\
-        --variant "resident.RESIDENT=(4096, 12, 16)" --variant "resident.RESIDENT=(4096, 12, 8)"
+        --variant "resident.RESIDENT=(1024, 10, 4, 2)" --variant "resident.RESIDENT=(2048, 6, 4, 2)"
 
 A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` (or, as
 ``norm.NAME`` / ``resident.NAME``, of ``fly_norm._kernels.norm`` / ``.resident``) set to the Python literal

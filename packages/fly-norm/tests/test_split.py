@@ -476,17 +476,22 @@ def _softmax_extremes(m, n, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "n"), [(12, 2000), (2001, 5000), (300, 6144), (12, 65536)])
+@pytest.mark.parametrize(("m", "n"), [(12, 2000), (2001, 5000), (300, 6144), (12, 65536), (12, 1048576),
+                                      (12, 1048576 + 2050)])
 def test_resident_softmax_forward(m, n, monkeypatch):
     """The resident softmax forward (each slice in a shared-memory ring) against fp64 on the extreme rows of
     _softmax_extremes. Small chunks (512 words) and a ring of 6 (slices of two chunks): one slice a row, with
     a masked tail (2000); three slices, the last short, more rows than a wave holds (5000); three whole slices
-    (6144, no column masks); and the shipped config, one slice (64K)."""
+    (6144, no column masks). The shipped configs: RESIDENT at 64K (four slices) and 1M (64, the most a row
+    may have), RESIDENT_WIDE past 1M (17 slices of 64K, the last short)."""
     from fly_norm._kernels import resident
 
-    if n != 65536:
-        monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
+    if n < 65536:
+        monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4, 4))
         monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
+    else:
+        shipped = resident.RESIDENT_WIDE if n > 1048576 else resident.RESIDENT
+        assert resident._config(torch.device("cuda"), n) == shipped
     x = _softmax_extremes(m, n, seed=n)
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
     assert resident.resident_applies(x, y)
@@ -516,7 +521,7 @@ def test_resident_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkey
     after the spin limit and its slice is NaN; nothing else is written."""
     from fly_norm._kernels import resident
 
-    monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4))
+    monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4, 4))
     monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
     x = randn(1, 4000, dtype=torch.bfloat16, device="cuda", seed=4)  # two slices: two chunks (2048 columns), 1952
     y = torch.zeros_like(x)
@@ -530,7 +535,12 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
 
     monkeypatch.setattr(resident.flyc, "interpreting", lambda: False)
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: SM90)
-    assert resident._ring(None) == 12
+    chunk, ring, warps, left = resident.RESIDENT
+    most = resident.SPLIT_MAX_PARTS * 2 * chunk * (ring - left)  # the widest row of RESIDENT's slices
+    assert resident._config(None, 65536) == resident._config(None, most) == resident.RESIDENT
+    assert resident._config(None, most + 2) == resident.RESIDENT_WIDE
+    wide = resident.RESIDENT_WIDE
+    assert resident._config(None, resident.SPLIT_MAX_PARTS * 2 * wide[0] * (wide[1] - wide[3]) + 2) is None
     rows = torch.zeros(2, resident.RESIDENT_MIN_N + 2, dtype=torch.bfloat16)
     assert resident.resident_applies(rows, rows)
     assert not resident.resident_applies(rows[:, :-4], rows[:, :-4])  # narrower than RESIDENT_MIN_N
@@ -538,13 +548,14 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
     assert not resident.resident_applies(rows[:, :-1], rows[:, :-1])  # an odd width
     assert not resident.resident_applies(rows[:, 1:], rows[:, 1:])  # rows off 4-byte boundaries
     # the ring shrinks with the shared memory; too small a ring, AMD or pre-sm_80: no
+    monkeypatch.setattr(resident, "RESIDENT", (4096, 12, 16, 4))
     ampere = Arch(**{**SM90.__dict__, "capability": (8, 6), "smem_per_block": 99 * 1024})
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: ampere)
-    assert resident._ring(None) == 6
+    assert resident._config(None, 65536) == (4096, 6, 16, 4)
     for arch in (Arch(**{**SM90.__dict__, "smem_per_block": 64 * 1024}), Arch(**{**SM90.__dict__, "backend": "hip"}),
                  Arch(**{**SM90.__dict__, "capability": (7, 5)})):  # fmt: skip
         monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None, a=arch: a)
-        assert resident._ring(None) == 0 and not resident.resident_applies(rows, rows)
+        assert resident._config(None, 65536) is None and not resident.resident_applies(rows, rows)
 
 
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):

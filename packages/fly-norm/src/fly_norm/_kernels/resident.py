@@ -1,11 +1,12 @@
 """Softmax forward over wide bf16 rows, each program's slice of a row resident in shared memory (GPU only).
 
 From 64K columns (bf16, word aligned, on NVIDIA sm_80+) a row is cut into ``parts`` slices of at most
-``ring - RESIDENT_LEFT`` chunks (a chunk: CHUNK int32 words, two columns each; 8192 columns, 16 KB), one
-slice a program, as the split paths do (:mod:`fly_norm._kernels.split`: one resident wave of ``groups *
-parts`` programs, program ``pid`` on slice ``pid % parts`` of rows ``group, group + groups, ...``). Each
-program owns a ring of ``ring`` chunk slots in shared memory, filled by ``cp.async`` in the order it will
-read them (its rows one after the other, chunk by chunk). For each row it
+``ring - left`` chunks (``(chunk, ring, warps, left)`` = RESIDENT, or RESIDENT_WIDE past 1M columns; a chunk
+is ``chunk`` int32 words, two columns each), one slice a program, as the split paths do
+(:mod:`fly_norm._kernels.split`: one resident wave of ``groups * parts`` programs, program ``pid`` on slice
+``pid % parts`` of rows ``group, group + groups, ...``). Each program owns a ring of ``ring`` chunk slots in
+shared memory, filled by ``cp.async`` in the order it will read them (its rows one after the other, chunk by
+chunk). For each row it
 
 1. reads each chunk of its slice as soon as it lands, every thread keeping the max of its own columns and
    their sum of exponentials (rescaled when its max grows), then merges the threads' pairs;
@@ -14,12 +15,13 @@ read them (its rows one after the other, chunk by chunk). For each row it
 3. reads the slice again from shared memory, writes y = e / sum, and refills each chunk's slot with the
    chunk RING places later in its sequence as soon as every thread has read it.
 
-So every element is read from memory once and written once (the copy's floor), with up to
-``RESIDENT_LEFT`` chunks of later rows in flight while a slice is held. The split paths instead hold a
-slice in registers (or let Triton's software pipeliner stage the next rows) and exchange the sums from
-registers; here the slice stays in shared memory, so a slice can be 64K columns and a 64K row needs no
-exchange at all (PERF.md v18, benchmark at 64K / 128K / 256K / 1M: 84 / 83 / 80 / 74% of the copy, where
-softmax's staged kernel ran 79 / 76 / 74 / 58%).
+So every element is read from memory once and written once (the copy's floor), with up to ``left`` chunks
+of later rows in flight while a slice is held. The split paths instead hold a slice in registers (or let
+Triton's software pipeliner stage the next rows) and exchange the sums from registers; here the slice stays
+in shared memory, so a slice can be up to 64K columns. Small programs win: five 4-warp programs an SM, each
+with a 40 KB ring and 16K-column slices, run 88-91% of the copy from 64K to 1M columns, where one 16-warp
+program an SM with 64K-column slices (no exchange at 64K) ran 75-86% (PERF.md v19): one program's
+exponential passes overlap the others' copies and waits.
 
 Written in the explicit-layout language (``flydsl.gexpr``: Triton's Gluon), which lets a kernel allocate
 its shared memory and issue and await its copies; ``flydsl.expr`` leaves both to the compiler. It compiles
@@ -49,11 +51,15 @@ from flydsl_common.device import (
 )
 
 from .passes import LOG2E, word_aligned
-from .split import _SPIN_LIMIT, _launch_split
+from .split import _SPIN_LIMIT, SPLIT_MAX_PARTS, _launch_split
 
-RESIDENT = (4096, 12, 16)  # chunk (int32 words), ring slots (at most: the device's shared memory), warps
+# (chunk in int32 words, ring slots (at most: the device's shared memory), warps, slots left beyond a slice:
+# chunks of later rows in flight while a slice is held). RESIDENT: 40 KB rings, five programs an SM, 16K-column
+# slices (PERF.md v19: 88-91% of the copy from 64K to 1M, where one program an SM with 64K slices ran 75-86%).
+# RESIDENT_WIDE: rows of more than SPLIT_MAX_PARTS of RESIDENT's slices (past 1M columns), 64K slices.
+RESIDENT = (1024, 10, 4, 2)
+RESIDENT_WIDE = (4096, 12, 16, 4)
 RESIDENT_MIN_N = 65536
-RESIDENT_LEFT = 4  # ring slots beyond a slice: chunks of later rows in flight while a slice is held
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
 
@@ -232,14 +238,18 @@ def _softmax_fwd_resident_kernel(
 # ---------------------------------------------------------------- host
 
 
-def _ring(device) -> int:
-    """Ring slots a program takes on ``device``: RESIDENT's, fewer where its shared memory is smaller; 0 where
-    the kernel cannot run (not NVIDIA sm_80+, or room for too few chunks)."""
+def _config(device, n: int):
+    """(chunk, ring, warps, left) for rows of ``n`` columns on ``device``: RESIDENT's, else RESIDENT_WIDE's
+    where RESIDENT's slices would be too many, the ring shrunk to the device's shared memory; None where the
+    kernel cannot run (not NVIDIA sm_80+, room for too few chunks, or more than SPLIT_MAX_PARTS slices)."""
     arch = flydsl.arch.current(device)
     if RESIDENT is None or arch.backend != "cuda" or (arch.capability or (0, 0)) < (8, 0):
-        return 0
-    ring = min(RESIDENT[1], arch.smem_per_block // (4 * RESIDENT[0]))
-    return ring if ring > RESIDENT_LEFT else 0
+        return None
+    for chunk, ring, warps, left in (RESIDENT, RESIDENT_WIDE):
+        ring = min(ring, arch.smem_per_block // (4 * chunk))
+        if ring > left and flyc.cdiv(n, 2 * chunk * (ring - left)) <= SPLIT_MAX_PARTS:
+            return chunk, ring, warps, left
+    return None
 
 
 def resident_applies(x2, y2) -> bool:
@@ -248,16 +258,15 @@ def resident_applies(x2, y2) -> bool:
     n = x2.shape[1]
     if n < RESIDENT_MIN_N or flyc.interpreting() or not (x2.dtype == y2.dtype == torch.bfloat16):
         return False
-    return word_aligned(x2, y2) and _ring(x2.device) > 0
+    return word_aligned(x2, y2) and _config(x2.device, n) is not None
 
 
 def launch_softmax_fwd_resident(x2, y2, spin_limit: int = _SPIN_LIMIT, programs: int | None = None) -> bool:
     """Softmax forward on [M, N] bf16 row views (:func:`resident_applies`) through the resident kernel, one
     wave (False: not launched; :func:`fly_norm._kernels.split._launch_split`). ``programs`` (tests): launch
     only the first programs of the wave (a row whose other slices never publish: its wait gives up)."""
-    chunk, _, warps = RESIDENT
-    ring = _ring(x2.device)
-    per_slice = 2 * chunk * (ring - RESIDENT_LEFT)  # columns
+    chunk, ring, warps, left = _config(x2.device, x2.shape[1])
+    per_slice = 2 * chunk * (ring - left)  # columns
     slot_cols = 1 if x2.shape[1] > per_slice else 0  # one slice a row: no exchange, no slots to zero
 
     def build(slots, parts, pp, groups):
