@@ -222,6 +222,27 @@ def test_empty(device, shape):
     assert x.grad.shape == x.shape
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [8193, 12345, 16384])
+def test_backward_of_rows_up_to_16k_takes_the_chunked_pass(dtype, n, monkeypatch):
+    """Softmax's backward from 8K to 16K columns on a GPU: the chunked pass, not the split path
+    (split.SOFTMAX_SPLIT_MIN_N_BWD), through autograd, against fp64."""
+    from fly_norm._kernels import split
+
+    def no_split(*args):
+        raise AssertionError("the split path took a row of at most 16K columns")
+
+    monkeypatch.setattr(sm, "launch_softmax_bwd_split", no_split)
+    assert n < split.SOFTMAX_SPLIT_MIN_N_BWD
+    x = _randn(37, n, dtype=dtype, device="cuda").requires_grad_(True)
+    g = _randn(37, n, dtype=dtype, seed=4, device="cuda")
+    softmax(x).backward(g)
+    xr = x.detach().double().requires_grad_(True)
+    softmax_ref(xr).backward(g.double())
+    assert_rel_close(x.grad, xr.grad, tol=_grad_tol(dtype))
+
+
 # ---------------------------------------------------------------- gradients
 
 

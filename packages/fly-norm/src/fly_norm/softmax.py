@@ -63,8 +63,8 @@ from ._kernels.passes import (
     softmax_write,
 )
 from ._kernels.split import (
+    SOFTMAX_SPLIT_MIN_N_BWD,
     SPLIT_MIN_N,
-    SPLIT_MIN_N_BWD,
     launch_softmax_bwd_split,
     launch_softmax_fwd_split,
     split_applies,
@@ -295,7 +295,7 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
 
 def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
     m, n = y2.shape
-    if split_applies(n, min_n=SPLIT_MIN_N_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
+    if split_applies(n, min_n=SOFTMAX_SPLIT_MIN_N_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
         return
     flyc.launch(
         _softmax_bwd_kernel, (flyc.cdiv(m, cfg.block_m),),

@@ -86,7 +86,7 @@ from .affine import load_bwd_rows, load_weight
 from .passes import LOG2E, NEG_INF, stages_fit, word_aligned
 
 __all__ = [
-    "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
+    "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "SOFTMAX_SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
     "launch_bwd_split", "launch_softmax_fwd_split", "launch_softmax_bwd_split",
 ]  # fmt: skip
 
@@ -99,6 +99,10 @@ SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
+# Softmax's backward splits only past 16K: its chunked pass (8192 x 16 warps, the row's second read from L2)
+# measured 187.3 us at 16K against the split's 202.9 (H200, bf16, 2^27 elements: 103% / 95% of the probe's
+# copy, PERF.md v20); at 32K the split stays ahead (205.7 against 211.4 us)
+SOFTMAX_SPLIT_MIN_N_BWD = 16384 + 1
 # (columns a program holds, warps, register cap or None): set by measurement (PERF.md, probe.py --part
 # split, probe_pipeline.py --part split); several programs share an SM so that one's wait overlaps the
 # others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
