@@ -41,7 +41,9 @@ OPS = (
 # Row widths the shipped artifacts cover (powers of two; a width is served by its bucket).
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
-# row config does not steer: `flydsl tune norm` skips those buckets there.
+# row config does not steer: `flydsl tune norm` skips those buckets there. (Softmax's backward splits only
+# past 16K: its 16K bucket runs the default chunked config, as measured in PERF.md v20, unsearched, since the
+# backward's space holds single-pass configs only.)
 _SPLIT_FROM = {"fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
