@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 for t in "${@:-packages/flydsl-runtime/tests packages/fly-common/tests}"; do
   for d in $t; do
-    name=$(basename "$(dirname "$d")")
+    name=$(echo "${d%/}" | sed 's#^packages/##; s#/tests##; s#[/.]#-#g')  # fly-norm, fly-common-test_common_device-py
     python3 -m pytest "$d" -q -p no:cacheprovider --require-gpu -n "${PYTEST_WORKERS:-8}" > "$OUT/pytest-$name.txt" 2>&1 || status=1
     tail -8 "$OUT/pytest-$name.txt"
   done

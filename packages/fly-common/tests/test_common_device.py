@@ -204,6 +204,44 @@ def test_collect_from_sums_every_published_slot(device):
 
 
 @flyc.kernel
+def _sum_exchange_kernel(slot_ptr, out_ptr, ok_ptr, P, ROUNDS: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+                         LANES: fx.constexpr):  # fmt: skip
+    """Each of P programs publishes (pid + 1) * (r + 1) in its slot of round r (rounds of P slots), then
+    waits for the round's sum through collect_sum; out[pid, r] = the sum, ok[pid, r] = its ok."""
+    pid = fx.program_id(0)
+    for r in range(0, ROUNDS):
+        dev.publish(slot_ptr + r * P + pid, ((pid + 1) * (r + 1)).to(fx.float32), pid < P)
+        total, ok = dev.collect_sum(slot_ptr + r * P, P, SPIN_LIMIT, LANES)
+        fx.store(out_ptr + pid * ROUNDS + r, total)
+        fx.store(ok_ptr + pid * ROUNDS + r, ok.to(fx.int32))
+
+
+@pytest.mark.parametrize("p, warps", [(3, 1), (8, 4), (64, 4), (130, 8)])
+def test_collect_sum_sums_every_published_slot(device, p, warps):
+    """publish + collect_sum between the programs of one wave (slots fewer and more than a warp's threads,
+    programs of 1-8 warps, LANES from slot_lanes): on a GPU every program returns every round's exact sum with
+    ok; in the interpreter (programs one after another) only the last program does, the earlier ones give up
+    (ok False) after SPIN_LIMIT reads instead of hanging."""
+    if flyc.interpreting() and p > 8:
+        pytest.skip("interpreter: 16-60 s a case; the small ones run the same code there")
+    rounds = 3
+    lanes = dev.slot_lanes(flyc.next_power_of_2(p), warps, 32)
+    assert lanes >= 2 * warps * 32 and lanes >= p
+    slots = torch.zeros(rounds, p, dtype=torch.int64, device=device)
+    out = empty_poisoned(p, rounds, dtype=torch.float32, device=device)
+    ok = torch.full((p, rounds), -1, dtype=torch.int32, device=device)
+    _sum_exchange_kernel[(p,)](slots, out, ok, p, rounds, 1 << 20 if device == "cuda" else 3, lanes,
+                               num_warps=warps)  # fmt: skip
+    expected = torch.tensor([float(p * (p + 1) // 2 * (r + 1)) for r in range(rounds)], device=device)
+    if flyc.interpreting():
+        assert (ok[:-1] == 0).all() and (ok[-1] == 1).all()
+        torch.testing.assert_close(out[-1], expected)
+    else:
+        assert (ok == 1).all()
+        torch.testing.assert_close(out, expected.expand(p, rounds), rtol=0, atol=0)
+
+
+@flyc.kernel
 def _pair_exchange_kernel(slot_ptr, out_ptr, P, ROUNDS: fx.constexpr, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
     """_exchange_kernel with pairs: each program publishes ((pid + 1) * (r + 1), (pid + 1)^2 / (r + 1)) in one
     slot (publish_pair); out[pid, r] = (sum of the low values, sum of the high values)."""

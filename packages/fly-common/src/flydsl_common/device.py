@@ -183,6 +183,41 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 
 
+@flyc.func
+def _min_add(t0, v0, t1, v1):
+    return fx.minimum(t0, t1), v0 + v1
+
+
+def slot_lanes(slots: int, warps: int, warp_size: int) -> int:
+    """The LANES of :func:`collect_sum` for ``slots`` slots in a program of ``warps`` warps: a power of two of at
+    least ``slots`` and twice the program's threads."""
+    return max(slots, 2 * warps * warp_size)
+
+
+@flyc.func
+def collect_sum(slot_ptr, count, SPIN_LIMIT: fx.constexpr, LANES: fx.constexpr):
+    """(the fp32 sum of the ``count`` slots from int64 ``slot_ptr``, ok) once every one is published, as
+    :func:`collect` and a sum, without its read after the wait.
+
+    The slots are held in a block of LANES (:func:`slot_lanes`: at least twice the program's threads, the
+    widest vector of int64 a thread loads), so that no thread holds a copy of another's: the poll's
+    reduction, the tags' minimum and the values' sum in one, then covers every word any thread read, and the
+    sum it returns is of the words that ended the wait. (:func:`collect` polls a block replicated over the
+    threads, whose reduction judges one copy of each slot; it reads every slot again after its loop, an L2
+    round trip on the row's critical path.)
+    """
+    i = fx.arange(0, LANES)
+    live = i < count
+    w = fx.load(slot_ptr + i, mask=live, other=_PUBLISHED, volatile=True)
+    tag, total = fx.reduce(((w >> 32).to(fx.int32), w.to(fx.int32).to(fx.float32, bitcast=True)), 0, _min_add)
+    spins = 0
+    while (tag == 0) & (spins < SPIN_LIMIT):
+        w = fx.load(slot_ptr + i, mask=live, other=_PUBLISHED, volatile=True)
+        tag, total = fx.reduce(((w >> 32).to(fx.int32), w.to(fx.int32).to(fx.float32, bitcast=True)), 0, _min_add)
+        spins += 1
+    return total, tag > 0
+
+
 def _await_ptx(outs: int) -> str:
     """The wait of collect_from (``outs`` 1) and collect_pairs_from (2) inside one asm statement (NVIDIA): the
     word at ``$outs+1``, starting from ``$outs``, the word read earlier, polled until its high half is

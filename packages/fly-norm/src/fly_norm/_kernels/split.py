@@ -74,10 +74,12 @@ from flydsl_common.device import (
     collect,
     collect_from,
     collect_pairs_from,
+    collect_sum,
     peek,
     publish,
     publish_pair,
     row_offset,
+    slot_lanes,
     sum2_f32,
 )
 from flydsl_common.rows import MAX_SINGLE_PASS
@@ -334,9 +336,10 @@ def _softmax_fwd_split_kernel(
 @flyc.kernel(do_not_specialize=["M"])
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
-    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, ROW_EVICT: fx.constexpr = "",
+    SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, LANES: fx.constexpr,
+    ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
-    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    group, groups, part, c, cmask, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
@@ -347,8 +350,8 @@ def _softmax_bwd_split_kernel(
         nxt = row + groups
         dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT)
-        dot = fx.where(ok, fx.sum(dots, axis=0), float("nan"))
+        dot, ok = collect_sum(base, parts, SPIN_LIMIT, LANES)
+        dot = fx.where(ok, dot, float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -880,7 +883,8 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         cfg = SOFTMAX_BWD_SLICE
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
+        lanes = slot_lanes(pp, cfg[1], flydsl.arch.current(y2.device).warp_size)
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **_launch_opts(cfg))
 
     cols = SOFTMAX_BWD_SLICE[0]
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
