@@ -34,6 +34,7 @@ import flydsl.compiler as flyc
 from fly_norm import layer_norm, rms_norm, softmax
 from fly_norm._kernels import norm as shared
 from fly_norm.autotune import bwd_default_row_config
+from flydsl import native
 from flydsl.autotune.timer import bench, rotating_copies
 from flydsl_common.bench import copy_gbps
 
@@ -110,7 +111,8 @@ def _host_us(fn, batch=200, batches=30) -> float:
 def part_latency() -> dict:
     """Small-batch latency and its pieces (the v2-v5 ``host`` part, which timed the eager path's pieces
     before the plans, is in git history; its results in results/probe-host-*.json): ours through the C path
-    (``eager.fast``) and through the Python path alone, torch's, and the floor of the mechanism."""
+    (``eager.fast``; with the C++ tensor API, and reading tensors through their methods) and through the
+    Python path alone, torch's, and the floor of the mechanism."""
     from fly_norm._kernels import eager
     from fly_norm.softmax import _EAGER_PLANS as softmax_plans
 
@@ -134,10 +136,16 @@ def part_latency() -> dict:
             ours()
             fast = eager.fast
             native_mod = getattr(fast, "__self__", None)  # eager_native's module (its driver switch)
-            for who, f in (("ours", ours), ("ours_triton", ours), ("ours_python", ours), ("torch", theirs)):
+            cap = native.tensor_api(wait=True)  # the C++ tensor API (v21), or None where it cannot be built
+            r["tensor_api"] = native_mod is not None and native_mod.tensor_api_in_use()
+            cases = (("ours", ours), ("ours_methods", ours), ("ours_triton", ours), ("ours_python", ours),
+                     ("torch", theirs))  # fmt: skip
+            for who, f in cases:
                 eager.fast = eager._no_fast if who == "ours_python" else fast
                 if who == "ours_triton" and native_mod is not None:
                     native_mod.driver(0, 0)  # the C path through Triton's launch function (v15e)
+                if who == "ours_methods" and native_mod is not None:
+                    native_mod.set_tensor_api(None)  # the C path reading tensors through their methods (v16)
                 try:
                     f()
                     r[who + "_latency"] = bench(f, backlog=False, sync_each=True).median_us
@@ -148,6 +156,7 @@ def part_latency() -> dict:
                     eager.fast = fast
                     if native_mod is not None:
                         r["driver_path"] = native_mod.driver()
+                        native_mod.set_tensor_api(cap)
             r["c_path"] = fast.__name__ == "call"
             # the floor of the mechanism: the output's allocation and the plan's launch, nothing else
             plans.clear()
@@ -175,6 +184,61 @@ def part_latency() -> dict:
             print(r, flush=True)
             rows.append(r)
     return {"latency": rows}
+
+
+def part_latency_ab(rounds: int = 60, batch: int = 200) -> dict:
+    """The C path with the C++ tensor API against the same path reading tensors through their methods, and
+    torch's op, interleaved round by round (the host's speed drifts by tens of percent within a run, so
+    back-to-back blocks per variant are not comparable): per round and variant, ``batch`` calls' host time
+    (no synchronization; the GPU keeps up) and ``batch`` calls each followed by a synchronization (the
+    latency bench's measure). Medians and minima over the rounds, us a call."""
+    from fly_norm._kernels import eager
+
+    cap = native.tensor_api(wait=True)
+    rows = []
+    for m in (1, 4, 64):
+        x = torch.randn(m, 4096, device="cuda", dtype=_DT)
+        w = torch.randn(4096, device="cuda", dtype=_DT)
+        b = torch.randn(4096, device="cuda", dtype=_DT)
+        ops = {
+            "rms_norm": (lambda: rms_norm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6)),
+            "layer_norm": (lambda: layer_norm(x, w, b, 1e-5),
+                           lambda: torch.nn.functional.layer_norm(x, (4096,), w, b, 1e-5)),
+            "softmax": (lambda: softmax(x, -1), lambda: torch.softmax(x, -1)),
+        }  # fmt: skip
+        for op, (ours, theirs) in ops.items():
+            ours()
+            mod = eager.fast.__self__
+            whos = {"api": (ours, cap), "methods": (ours, None), "torch": (theirs, cap)}
+            host = {k: [] for k in whos}
+            lat = {k: [] for k in whos}
+            for _ in range(rounds):
+                for who, (f, api) in whos.items():
+                    mod.set_tensor_api(api)
+                    f()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(batch):
+                        f()
+                    host[who].append((time.perf_counter() - t0) / batch * 1e6)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(batch):
+                        f()
+                        torch.cuda.synchronize()
+                    lat[who].append((time.perf_counter() - t0) / batch * 1e6)
+            mod.set_tensor_api(cap)
+            r = dict(op=op, M=m, tensor_api=cap is not None)
+            for who in whos:
+                r[f"{who}_host_med"], r[f"{who}_host_min"] = statistics.median(host[who]), min(host[who])
+                r[f"{who}_lat_med"], r[f"{who}_lat_min"] = statistics.median(lat[who]), min(lat[who])
+            # per round, torch's latency over ours (> 1: ours faster), its median over the rounds
+            r["lat_ratio_med"] = statistics.median(t / o for t, o in zip(lat["torch"], lat["api"], strict=True))
+            r["lat_ratio_methods_med"] = statistics.median(
+                t / o for t, o in zip(lat["torch"], lat["methods"], strict=True))  # fmt: skip
+            print(r, flush=True)
+            rows.append(r)
+    return {"latency_ab": rows}
 
 
 # rounds r1-r3 (PERF.md, v3) measured (16384, 16), (8192, 8), (4096, 4), (4096, 8), (2048, 4), (1024, 4) forward,
@@ -263,7 +327,8 @@ def part_split() -> dict:
     return out
 
 
-PARTS = {"latency": part_latency, "bwd_grid": part_bwd_grid, "size": part_size, "split": part_split}
+PARTS = {"latency": part_latency, "latency_ab": part_latency_ab, "bwd_grid": part_bwd_grid, "size": part_size,
+         "split": part_split}
 
 
 def main() -> None:

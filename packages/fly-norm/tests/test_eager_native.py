@@ -24,11 +24,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 @pytest.fixture(scope="module")
-def mod():
+def built():
     m = native.load("fly_norm_eager_native", (files("fly_norm._kernels") / "eager_native.c").read_text())
     if m is None:
         pytest.skip("no C compiler or Python headers here")
     return m
+
+
+@pytest.fixture(params=["methods", "api"])
+def mod(built, request):
+    """The C module reading tensors through their Python methods, or through a tensor API (a ctypes stand-in
+    for flydsl.native.tensor_api's, reading the same stand-in tensors): every test runs both ways."""
+    api = FakeApi() if request.param == "api" else None
+    built.set_tensor_api(api.capsule if api else None)
+    yield built
+    built.set_tensor_api(None)
 
 
 class FakeTensor:
@@ -56,6 +66,53 @@ class FakeParameter(FakeTensor):
     pass
 
 
+class _Info(ctypes.Structure):  # flydsl_tensor_info (flydsl/_native/tensor_api.h)
+    _fields_ = [("data_ptr", ctypes.c_ulonglong), ("sizes", ctypes.c_longlong * 8), ("ndim", ctypes.c_int),
+                ("device", ctypes.c_int), ("contiguous", ctypes.c_int), ("requires_grad", ctypes.c_int),
+                ("dtype", ctypes.c_void_p)]  # fmt: skip
+
+
+_INFO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_Info))
+_EMPTY_FN = ctypes.CFUNCTYPE(ctypes.py_object, ctypes.py_object, ctypes.POINTER(ctypes.c_ulonglong))
+_GRAD_FN = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+class _Api(ctypes.Structure):  # flydsl_tensor_api
+    _fields_ = [("info", _INFO_FN), ("empty_like", _EMPTY_FN), ("grad_enabled", _GRAD_FN)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class FakeApi:
+    """The tensor API over the stand-in tensors, for the Env installed last (its grad mode, its allocations)."""
+
+    env = None
+    _NAME = b"flydsl.tensor_api.v1"
+
+    def __init__(self):
+        def info(obj, out):
+            if not isinstance(obj, FakeTensor) or len(obj.shape) > 8:
+                return 0
+            o = out.contents
+            o.data_ptr, o.ndim = obj.ptr, len(obj.shape)
+            for i, d in enumerate(obj.shape):
+                o.sizes[i] = d
+            o.device = obj.device if obj.is_cuda else -1
+            o.contiguous, o.requires_grad, o.dtype = int(obj.contiguous), int(obj.requires_grad), id(obj.dtype)
+            return 1
+
+        def empty_like(obj, ptr):
+            y = FakeApi.env.empty_like(obj)
+            ptr[0] = y.ptr
+            return y
+
+        self.api = _Api(_INFO_FN(info), _EMPTY_FN(empty_like), _GRAD_FN(lambda: int(FakeApi.env.grad)))
+        self.capsule = _capsule_new(ctypes.addressof(self.api), self._NAME, None)
+
+
 class Hooks:
     """Triton's launch hook chain (``calls``: the installed hooks)."""
 
@@ -77,14 +134,15 @@ class Env:
         self.off, self.grad, self.device, self.knobs = [], True, 0, Knobs()
         self.launches, self.allocated = [], []
 
-    def install(self, mod):
-        def empty_like(x):
-            y = FakeTensor(tuple(x.shape), x.dtype, ptr=(9 << 20) + 16 * len(self.allocated))
-            self.allocated.append(y)
-            return y
+    def empty_like(self, x):
+        y = FakeTensor(tuple(x.shape), x.dtype, ptr=(9 << 20) + 16 * len(self.allocated))
+        self.allocated.append(y)
+        return y
 
+    def install(self, mod):
+        FakeApi.env = self
         mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.grad, lambda: self.device,
-                  lambda dev: 1000 + dev, self.knobs, empty_like)  # fmt: skip
+                  lambda dev: 1000 + dev, self.knobs, self.empty_like)  # fmt: skip
 
     def plan(self, block_m=2, layout=None, sig=None, packed=("packed",), pdl=1, tail=("t1", "t2")):
         def c_launch(*args):

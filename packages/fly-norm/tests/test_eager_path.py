@@ -138,7 +138,29 @@ def test_a_launch_hook_sees_every_launch():
     assert len(seen) == 2
 
 
-def test_plain_calls_take_the_c_path_and_keep_no_references():
+@pytest.fixture(params=["methods", "api"])
+def c_path(request):
+    """eager_native.c reading tensors through torch's Python methods, or through flydsl's C++ tensor API
+    (waited for here; the first call's waiter must have handed it to the module); restored after."""
+    from fly_norm import softmax
+    from fly_norm._kernels import eager
+    from flydsl import native
+
+    softmax(torch.zeros(1, 64, device="cuda"))  # the first call: builds the C path, starts the API's build
+    if eager.fast is eager._no_fast:
+        pytest.skip("eager_native.c could not be built here")
+    mod = eager.fast.__self__
+    cap = native.tensor_api(wait=True)
+    if request.param == "api":
+        if cap is None:
+            pytest.skip(f"the C++ tensor API cannot be built here: {native._api['error']!r:.200}")
+        assert mod.tensor_api_in_use()  # handed over by the waiter eager registered at the first call
+    mod.set_tensor_api(cap if request.param == "api" else None)
+    yield mod
+    mod.set_tensor_api(cap)
+
+
+def test_plain_calls_take_the_c_path_and_keep_no_references(c_path):
     """With a C compiler at hand (as Triton needs one), plain calls go through eager_native.c: right results,
     the same plans as the Python path, no reference or memory kept per call."""
     import sys
@@ -168,7 +190,7 @@ def test_plain_calls_take_the_c_path_and_keep_no_references():
     assert ([sys.getrefcount(t) for t in (x, w, b)], torch.cuda.memory_allocated()) == before
 
 
-def test_driver_path_launches_on_the_current_stream():
+def test_driver_path_launches_on_the_current_stream(c_path):
     """The C path launches through the driver on torch's current stream: calls captured in a CUDA graph on a
     side stream replay with the graph (a launch on any other stream would fail the capture or miss the
     replay), and their results follow the input's new values."""

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <flydsl/tensor_api.h>
+
 enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO };
 
 static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *current_device, *current_stream,
@@ -33,6 +35,9 @@ static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *curren
 static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_data_ptr, *s_dtype,
     *s_enter, *s_exit, *s_calls;
 static PyObject *zero, *one;
+/* flydsl's C++ tensor API once set_tensor_api gave it (flydsl.native.tensor_api): the tensors' fields,
+ * grad mode and the output's allocation without torch's Python methods. NULL: those methods. */
+static const flydsl_tensor_api *api;
 
 /* The driver entry points (libcuda's, or a test's stand-ins: driver()). CUresult is an int enum; CUfunction,
  * CUstream and CUcontext are pointers. */
@@ -80,6 +85,18 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *set_tensor_api(PyObject *self, PyObject *cap) {
+    const flydsl_tensor_api *a = NULL;
+    if (cap != Py_None) {
+        a = (const flydsl_tensor_api *)PyCapsule_GetPointer(cap, FLYDSL_TENSOR_API_CAPSULE);
+        if (!a) return NULL;
+    }
+    api = a;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tensor_api_in_use(PyObject *self, PyObject *unused) { return PyBool_FromLong(api != NULL); }
+
 /* 1 when r (a new reference, consumed) is True, 0 when anything else, -1 when NULL (an error is set). */
 static int is_true(PyObject *r) {
     if (!r) return -1;
@@ -125,24 +142,85 @@ static unsigned long long data_ptr(PyObject *o) {
     return v;
 }
 
+/* What the gate reads of a tensor. dtype and shape are new references (shape NULL where not asked for and
+ * the C++ API read the sizes); fields_clear releases them. */
+typedef struct {
+    unsigned long long ptr;
+    long long numel, n; /* n: the last dimension (0 for a 0-d tensor) */
+    int ndim, device, requires_grad;
+    PyObject *dtype, *shape;
+} fields;
+
+static void fields_clear(fields *f) {
+    Py_CLEAR(f->dtype);
+    Py_CLEAR(f->shape);
+}
+
+/* t's fields when t is a contiguous CUDA tensor: 1; else 0 (or 0 with an error set, which the caller clears
+ * before its Python path takes the call). requires_grad is read only when ``grad`` (else 0); the shape as an
+ * object only when ``want_shape`` (the key of a weight or bias) or where torch's methods are read. Through
+ * the C++ API when set (one call), else through the tensor's Python attributes and methods. */
+static int read_fields(PyObject *t, fields *f, int grad, int want_shape) {
+    memset(f, 0, sizeof *f);
+    if (api) {
+        flydsl_tensor_info info;
+        if (!api->info(t, &info) || info.device < 0 || !info.contiguous) return 0;
+        f->ptr = info.data_ptr;
+        f->ndim = info.ndim;
+        f->device = info.device;
+        f->requires_grad = grad && info.requires_grad;
+        f->numel = 1;
+        for (int i = 0; i < info.ndim; i++) f->numel *= info.sizes[i];
+        f->n = info.ndim ? info.sizes[info.ndim - 1] : 0;
+        f->dtype = Py_NewRef(info.dtype);
+        if (want_shape) {
+            if (!(f->shape = PyTuple_New(info.ndim))) return 0;
+            for (int i = 0; i < info.ndim; i++) {
+                PyObject *d = PyLong_FromLongLong(info.sizes[i]);
+                if (!d) return 0;
+                PyTuple_SET_ITEM(f->shape, i, d);
+            }
+        }
+        return 1;
+    }
+    if (is_true(PyObject_GetAttr(t, s_is_cuda)) != 1 || is_true(PyObject_CallMethodNoArgs(t, s_is_contiguous)) != 1)
+        return 0;
+    f->shape = PyObject_GetAttr(t, s_shape);
+    if (!f->shape || !PyTuple_Check(f->shape)) return 0;
+    f->ndim = (int)PyTuple_GET_SIZE(f->shape);
+    f->numel = 1; /* numel from the shape: no method call */
+    for (int i = 0; i < f->ndim; i++) {
+        f->n = PyLong_AsLongLong(PyTuple_GET_ITEM(f->shape, i));
+        f->numel *= f->n;
+    }
+    if (PyErr_Occurred()) return 0;
+    long long dev = method_ll(t, s_get_device);
+    if (dev < 0 || dev > INT32_MAX) return 0;
+    f->device = (int)dev;
+    if (grad && (f->requires_grad = is_true(PyObject_GetAttr(t, s_requires_grad))) < 0) return 0;
+    f->ptr = data_ptr(t);
+    if (PyErr_Occurred()) return 0;
+    return (f->dtype = PyObject_GetAttr(t, s_dtype)) != NULL;
+}
+
 /* A weight's or bias's key part as eager.vector_key: a new reference to None or (dtype, shape, ptr % 16);
- * NULL with *ok = 0 when no plan can take it, or on error. *ptr gets its data pointer (0 when absent). */
-static PyObject *vector_key(PyObject *v, long long dev, unsigned long long *ptr, int *ok) {
+ * NULL with *ok = 0 when no plan can take it (another device, not contiguous, needing a gradient while
+ * ``grad``, not a tensor), or on error. *ptr gets its data pointer (0 when absent). */
+static PyObject *vector_key(PyObject *v, long long dev, int grad, unsigned long long *ptr, int *ok) {
     *ptr = 0;
     *ok = 1;
     if (v == Py_None) Py_RETURN_NONE;
     *ok = 0;
     if (Py_TYPE(v) != (PyTypeObject *)tensor_type && Py_TYPE(v) != (PyTypeObject *)parameter_type) return NULL;
-    if (is_true(PyObject_GetAttr(v, s_is_cuda)) != 1 || method_ll(v, s_get_device) != dev) return NULL;
-    if (is_true(PyObject_CallMethodNoArgs(v, s_is_contiguous)) != 1) return NULL;
-    PyObject *dtype = PyObject_GetAttr(v, s_dtype);
-    PyObject *shape = dtype ? PyObject_GetAttr(v, s_shape) : NULL;
-    *ptr = shape ? data_ptr(v) : 0;
-    PyObject *low = (shape && !PyErr_Occurred()) ? PyLong_FromUnsignedLongLong(*ptr & 15) : NULL;
-    PyObject *key = low ? PyTuple_Pack(3, dtype, shape, low) : NULL;
-    Py_XDECREF(dtype);
-    Py_XDECREF(shape);
-    Py_XDECREF(low);
+    fields f;
+    PyObject *key = NULL;
+    if (read_fields(v, &f, grad, 1) && f.device == dev && !f.requires_grad) {
+        PyObject *low = PyLong_FromUnsignedLongLong(f.ptr & 15);
+        key = low ? PyTuple_Pack(3, f.dtype, f.shape, low) : NULL;
+        Py_XDECREF(low);
+        *ptr = f.ptr;
+    }
+    fields_clear(&f);
     *ok = key != NULL;
     return key;
 }
@@ -248,14 +326,12 @@ static int driver_launch(PyObject *plan, long long grid, const unsigned long lon
     return 1;
 }
 
-static PyObject *launch(PyObject *plan, PyObject *y, unsigned long long xp, unsigned long long wp,
-                        unsigned long long bp, long long m, long long n, PyObject *eps) {
+static PyObject *launch(PyObject *plan, unsigned long long xp, unsigned long long wp, unsigned long long bp,
+                        unsigned long long yp, long long m, long long n, PyObject *eps) {
     PyObject *c_launch = PyTuple_GET_ITEM(plan, 0), *tail = PyTuple_GET_ITEM(plan, 5),
              *layout = PyTuple_GET_ITEM(plan, 8);
     long long block_m = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 7));
     if (block_m <= 0 || !PyTuple_Check(tail) || !PyTuple_Check(layout)) return NULL;
-    unsigned long long yp = data_ptr(y);
-    if (PyErr_Occurred()) return NULL;
     unsigned long long ptrs[4] = {xp, wp, bp, yp};
     int done = driver_launch(plan, (m + block_m - 1) / block_m, ptrs, m, n, PyFloat_AsDouble(eps));
     if (done) return done > 0 ? Py_NewRef(Py_None) : NULL;
@@ -318,57 +394,46 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     PyObject *plans = args[0], *prefix = args[1], *x = args[2], *w = args[3], *b = args[4], *eps_in = args[5];
-    PyObject *shape = NULL, *dtype = NULL, *wkey = NULL, *bkey = NULL, *key = NULL, *eps = NULL, *y = NULL;
+    PyObject *wkey = NULL, *bkey = NULL, *key = NULL, *eps = NULL, *y = NULL;
+    fields xf = {0};
     /* The caller has checked that no tracing is on (torch.compile cannot trace this function). */
     if (!tensor_type || !PyDict_Check(plans) || PyList_GET_SIZE(off_list)) goto fallback;
     if (Py_TYPE(x) != (PyTypeObject *)tensor_type) goto fallback;
-    if (is_true(PyObject_GetAttr(x, s_is_cuda)) != 1 || is_true(PyObject_CallMethodNoArgs(x, s_is_contiguous)) != 1) FALLBACK();
-    shape = PyObject_GetAttr(x, s_shape);
-    if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) FALLBACK();
-    long long numel = 1, n = 0; /* numel from the shape: no method call */
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
-        n = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-        numel *= n;
-    }
-    if (n <= 0 || PyErr_Occurred()) FALLBACK();
-    long long dev = method_ll(x, s_get_device);
-    PyObject *cur = dev >= 0 ? PyObject_CallNoArgs(current_device) : NULL;
+    int grad = api ? api->grad_enabled() : is_true(PyObject_CallNoArgs(grad_enabled));
+    if (grad < 0 || !read_fields(x, &xf, grad, 0) || xf.ndim == 0 || xf.n <= 0 || xf.requires_grad) FALLBACK();
+    long long dev = xf.device, n = xf.n, m = xf.numel / xf.n;
+    PyObject *cur = PyObject_CallNoArgs(current_device);
     long long cur_dev = cur ? PyLong_AsLongLong(cur) : -2;
     Py_XDECREF(cur);
-    if (dev < 0 || dev != cur_dev || hooks_idle() != 1) FALLBACK();
-    int grad = is_true(PyObject_CallNoArgs(grad_enabled));
-    if (grad < 0) FALLBACK();
-    if (grad && (is_true(PyObject_GetAttr(x, s_requires_grad)) != 0
-                 || (w != Py_None && is_true(PyObject_GetAttr(w, s_requires_grad)) != 0)
-                 || (b != Py_None && is_true(PyObject_GetAttr(b, s_requires_grad)) != 0)))
-        FALLBACK();
-    long long m = numel / n;
-    unsigned long long xp = data_ptr(x), wp, bp;
-    if (PyErr_Occurred()) FALLBACK();
+    if (dev != cur_dev || hooks_idle() != 1) FALLBACK();
+    unsigned long long xp = xf.ptr, wp, bp;
     double e = 0.0;
     if (eps_in != Py_None) {
         e = PyFloat_AsDouble(eps_in);
         if (e == -1.0 && PyErr_Occurred()) FALLBACK();
     }
     int ok;
-    dtype = PyObject_GetAttr(x, s_dtype);
-    if (!dtype) FALLBACK();
-    wkey = vector_key(w, dev, &wp, &ok);
+    wkey = vector_key(w, dev, grad, &wp, &ok);
     if (!ok) FALLBACK();
-    bkey = vector_key(b, dev, &bp, &ok);
+    bkey = vector_key(b, dev, grad, &bp, &ok);
     if (!ok) FALLBACK();
-    key = Py_BuildValue("(OOLLLKOO)", prefix, dtype, n, dev, m >> 31, xp & 15, wkey, bkey);
+    key = Py_BuildValue("(OOLLLKOO)", prefix, xf.dtype, n, dev, m >> 31, xp & 15, wkey, bkey);
     if (!key) FALLBACK();
     PyObject *plan = PyDict_GetItemWithError(plans, key); /* borrowed */
     if (!plan || plan == Py_None || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 10) FALLBACK();
     Py_INCREF(plan); /* the dict may change under the calls below */
     eps = PyFloat_FromDouble(e);
-    y = eps ? PyObject_CallOneArg(empty_like, x) : NULL;
+    unsigned long long yp = 0;
+    y = !eps ? NULL : api ? api->empty_like(x, &yp) : PyObject_CallOneArg(empty_like, x);
+    if (y && !api) {
+        yp = data_ptr(y);
+        if (PyErr_Occurred()) Py_CLEAR(y);
+    }
     if (!y) {
         Py_DECREF(plan);
         FALLBACK();
     }
-    PyObject *r = launch(plan, y, xp, wp, bp, m, n, eps);
+    PyObject *r = launch(plan, xp, wp, bp, yp, m, n, eps);
     Py_DECREF(plan);
     if (!r) {
         Py_CLEAR(y);
@@ -381,8 +446,7 @@ fallback:
     Py_CLEAR(y);
     y = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(shape);
-    Py_XDECREF(dtype);
+    fields_clear(&xf);
     Py_XDECREF(wkey);
     Py_XDECREF(bkey);
     Py_XDECREF(key);
@@ -394,6 +458,8 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_grad_enabled, current device, "
                                    "current raw stream, triton.knobs.runtime, empty_like)"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(plans, prefix, x, w, b, eps) -> y or None"},
+    {"set_tensor_api", set_tensor_api, METH_O, "set_tensor_api(capsule of flydsl.native.tensor_api, or None)"},
+    {"tensor_api_in_use", tensor_api_in_use, METH_NOARGS, "whether tensors are read through the tensor API"},
     {"driver", driver, METH_VARARGS, "driver() finds libcuda's launch; driver(launch address, current-context "
                                      "address) takes stand-ins (0, 0: none). True when the driver path is on"},
     {NULL, NULL, 0, NULL},
