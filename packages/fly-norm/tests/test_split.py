@@ -350,6 +350,41 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
+@pytest.mark.parametrize("fma", [0, 3])
+@pytest.mark.parametrize("offset", [0.0, 40.0, 500.0, "spikes"])
+def test_staged_layer_backward_rows_far_from_zero(device, fma, offset, monkeypatch):
+    """LayerNorm's staged backward on rows whose mean is 0, 40, 500 and (a constant row of 4096 with a few
+    entries of 4128: bf16 rows can be no denser) ~3000 standard deviations from zero, with the sums and xhat
+    as written (0) and in their FMA forms (3: sum(g * h) - mean * sum(g), where past 64 standard deviations
+    the sum is taken again about the mean): dx and the weight gradients stay within bf16's tolerance of the
+    fp64 reference of the same (bf16) rows."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
+    monkeypatch.setattr(split, "BWD_STAGED_FMA", fma)
+    m, n = 6, 400
+    if offset == "spikes":
+        h = torch.full((m, n), 4096.0, device=device)
+        h[:, 7::97] = 4128.0
+        h = h.to(torch.bfloat16)
+    else:
+        h = (randn(m, n, device=device) + offset).to(torch.bfloat16)
+    w = randn(n, device=device, seed=1)
+    dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=2)
+    hd = h.double()
+    mu, var = hd.mean(-1), hd.var(-1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-5).float()
+    dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+    assert split._staged(h, dy, None, dx)
+    dwp, dbp = split.launch_bwd_split(h, w, dy, None, mu.float(), rstd, dx, True, True, 0.0, False)
+    xhat = (hd - mu[:, None]) * rstd.double()[:, None]
+    g = dy.double() * w.double()
+    ref = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    assert_rel_close(dx, ref)
+    assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-4)
+    assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
+
+
 def test_staged_backward_takes_only_word_aligned_bf16_rows():
     from fly_norm._kernels import split
 

@@ -144,6 +144,8 @@ FWD_STAGED_MIN_N = 65536
 # 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
 # 0 to -20 points).
 BWD_STAGED = (8192, 16, 3)
+# Probe (v21c): the staged backward's LayerNorm sums and xhat with an add an element fewer each
+BWD_STAGED_FMA = 0  # bits: 1 the sums, 2 xhat
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -530,7 +532,7 @@ def _norm_bwd_tiled_kernel(
 @flyc.func
 def _staged_pass1(
     h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, FMA: fx.constexpr = 0,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
     (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean. The
@@ -548,14 +550,25 @@ def _staged_pass1(
     if IS_RMS:
         publish(mine, fx.sum(ge * he + go * ho, axis=0) * rstd, ok)
     else:
-        s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
+        if FMA & 1:
+            # sum(g * (h - mean)) as sum(g * h) - mean * sum(g): an add an element fewer; taken again about the
+            # mean where the mean is more than 64 standard deviations from 0 (the cancellation then costs
+            # more than ~1e-4 of dx relative)
+            s_gh, s_g = sum2_f32(ge * he + go * ho, ge + go, 0)
+            s_gh = s_gh - mean * s_g
+            if mean * mean * rstd * rstd > 4096.0:  # uniform: row scalars; from the words (nothing held)
+                he2, ho2 = bf16_pairs_again(hw)
+                de2, do2 = bf16_pairs_again(dyw)
+                s_gh = fx.sum(de2 * we * (he2 - mean) + do2 * wo * (ho2 - mean), axis=0)
+        else:
+            s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
         publish(mine, s_gh * rstd, ok)
         publish(mine + 1, s_g, ok)
     return hw, dyw, rstd, mean
 
 
 @flyc.func
-def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
+def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, FMA: fx.constexpr = 0):
     """A norm backward's dx from a row held as words after its sums: h and dy widened anew (no fp32 copy held
     through the sums), xhat, and dx = (dy * w - c0 - xhat * c1) * rstd, with c1 = mean(g * xhat) and c0 =
     mean(g) (0 for RMSNorm). Returns (dy even, odd, xhat even, odd, dx even, odd) in fp32. Past the row dy
@@ -564,8 +577,13 @@ def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
     x 16 warps: 40-56 bytes, sm_90.)"""
     he, ho = bf16_pairs_again(hw)
     de, do = bf16_pairs_again(dyw)
-    xe = (he - mean) * rstd
-    xo = (ho - mean) * rstd
+    if FMA & 2:  # xhat = h * rstd - mean * rstd: one FMA an element (the error ~1e-7 * |mean| * rstd, absolute)
+        mr = mean * rstd
+        xe = he * rstd - mr
+        xo = ho * rstd - mr
+    else:
+        xe = (he - mean) * rstd
+        xo = (ho - mean) * rstd
     return de, do, xe, xo, (de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd
 
 
@@ -577,7 +595,7 @@ def _norm_bwd_staged_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr,
+    STAGES: fx.constexpr, FMA: fx.constexpr = 0,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -596,18 +614,18 @@ def _norm_bwd_staged_kernel(
     k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
     kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
     hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2, FMA)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
         early = peek(slots)
         hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
                                                         M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
-                                                        PARTS_POW2)  # fmt: skip
+                                                        PARTS_POW2, FMA)  # fmt: skip
         sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
         c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
         c1 = c1 / N  # mean(g * xhat)
         c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
-        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1)
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, FMA)
         if HAS_DRES:
             re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
                                         other=0))  # fmt: skip
@@ -926,6 +944,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
+            **({"FMA": BWD_STAGED_FMA} if staged and BWD_STAGED_FMA and not is_rms else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
