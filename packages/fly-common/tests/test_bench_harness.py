@@ -122,6 +122,32 @@ def test_rates_fractions_and_speedup_from_fake_timer(fake_timer):
     assert peer.speedup is None and peer.bw_fraction == pytest.approx(0.6 / 2.4)
 
 
+def test_interleaved_rounds_alternate_the_providers(fake_timer, monkeypatch):
+    """interleave=3: each provider timed in three one-window rounds, provider after provider within a round
+    (the timer sees ours, peer, ours, peer, ...), its time the median of its rounds' windows; a provider that
+    raises in the second round ends as an error row, the others keep their rounds."""
+    drift = iter([10.0, 20.0, 30.0, 14.0, 24.0, 12.0, 22.0])  # the host slowing and speeding up
+
+    class Drifting(FakeTimer):
+        def __call__(self, fn, *, arg_sets=None, device=None, **kwargs):
+            assert kwargs["windows"] == 1
+            self.timed.append(getattr(fn, "fake_us", None))
+            if fn.fake_us == 40.0 and len(self.timed) > 3:
+                raise RuntimeError("flaky")
+            us = next(drift)
+            return Timing(us, (us,), 7)
+
+    timer = Drifting()
+    monkeypatch.setattr(harness, "timer_bench", timer)
+    res = run(_add_bench(PROVIDERS[:3], interleave=3), device="cpu", ceilings=CEILINGS, cases=["n=1000"])
+    assert timer.timed == [10.0, 20.0, 40.0, 10.0, 20.0, 40.0, 10.0, 20.0]
+    ours, peer, slow = (_row(res, "n=1000", p) for p in ("ours", "peer", "slow_peer"))
+    assert ours.windows_us == [10.0, 14.0, 12.0] and ours.time_us == 12.0
+    assert peer.windows_us == [20.0, 24.0, 22.0] and peer.time_us == 22.0
+    assert slow.status == "error" and "flaky" in slow.reason
+    assert ours.speedup == pytest.approx(22.0 / 12.0)
+
+
 def test_no_ceilings_means_no_fractions(fake_timer):
     res = run(_add_bench(PROVIDERS[:2]), device="cpu", ceilings={}, cases=["n=1000"])
     ours = _row(res, "n=1000", "ours")

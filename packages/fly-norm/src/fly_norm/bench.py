@@ -262,7 +262,8 @@ def _latency_bench(name: str, sync_each: bool) -> Bench:
         group_by=("op",),
         rotate=False,
         timer_kwargs={"backlog": False, "sync_each": sync_each},
-        description=f"small batches, {what}.",
+        interleave=15,  # host-bound: ours and torch's alternate window by window, so host drift hits both
+        description=f"small batches, {what}; providers timed in 15 alternating rounds of one window, medians.",
     )
 
 

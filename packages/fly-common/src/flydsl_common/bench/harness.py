@@ -43,6 +43,7 @@ import datetime
 import gc
 import platform
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -165,6 +166,11 @@ class Bench:
       ``params["quick"]``, else the first case).
     - ``timer_kwargs``: this bench's timer settings over the run's; ``{"backlog":
       False}`` measures end-to-end call latency (host + device) instead of GPU time.
+    - ``interleave``: when > 0, a case's providers are timed in that many rounds
+      of one window each, provider after provider within a round, and each
+      provider's time is the median over its rounds: a host whose speed drifts
+      (host-bound latency benches) then slows every provider alike, where
+      timing one provider's windows after another's puts the drift between them.
     """
 
     name: str
@@ -184,6 +190,7 @@ class Bench:
     flops_ceiling: str = MATMUL_BF16_TFLOPS
     description: str = ""
     timer_kwargs: dict = field(default_factory=dict)  # e.g. {"backlog": False} to time host + device latency
+    interleave: int = 0  # > 0: rounds of one window per provider, alternating (see above)
 
     def select_cases(self, quick: bool) -> list[Case]:
         if not quick:
@@ -389,6 +396,38 @@ def _tolerance(bench: Bench, case: Case) -> float:
     return float(bench.tolerance(case)) if callable(bench.tolerance) else float(bench.tolerance)
 
 
+def _record(row: Row, t: Timing, bench: Bench, ceilings: dict) -> None:
+    """A provider's timing into its row, with its rates."""
+    row.time_us = float(t.median_us)
+    row.windows_us = [float(w) for w in t.windows_us]
+    row.calls_per_window = int(t.calls_per_window)
+    if t.median_us > 0:
+        row.spread = (max(t.windows_us) - min(t.windows_us)) / t.median_us
+    _rates(row, bench, ceilings)
+
+
+def _interleaved(timed: list, bench: Bench, dev: torch.device, ceilings: dict) -> None:
+    """Time ``timed``'s providers in ``bench.interleave`` rounds of one window each, provider after provider
+    within a round; each row's time is the median over its rounds (its windows: one a round). A provider
+    that raises leaves the rounds, its row an error."""
+    windows: dict[int, list[float]] = {i: [] for i in range(len(timed))}
+    calls: dict[int, int] = {}
+    for _ in range(bench.interleave):
+        for i, (row, call, arg_sets, settings) in enumerate(timed):
+            if row.status != OK:
+                continue
+            try:
+                t = timer_bench(call, arg_sets=arg_sets, device=dev, **settings)
+            except Exception as e:  # noqa: BLE001 - recorded as an error row, the others go on
+                row.status, row.reason = ERROR, _short(e)
+                continue
+            windows[i].extend(t.windows_us)
+            calls[i] = t.calls_per_window
+    for i, (row, *_) in enumerate(timed):
+        if row.status == OK and windows[i]:
+            _record(row, Timing(statistics.median(windows[i]), tuple(windows[i]), calls[i]), bench, ceilings)
+
+
 def _run_case(
     bench: Bench, case: Case, providers: list[Provider], dev: torch.device, timing: dict, ceilings: dict, l2: int
 ) -> list[Row]:
@@ -401,6 +440,7 @@ def _run_case(
     model_bytes = int(bench.bytes(case)) if bench.bytes is not None else None
     model_flops = int(bench.flops(case)) if bench.flops is not None else None
     rows: list[Row] = []
+    timed: list = []  # with bench.interleave: (row, call, arg_sets, timer settings) of each provider to time
     ref = None
     sets = None
     for p in providers:
@@ -429,19 +469,16 @@ def _run_case(
             if sets is None:
                 sets = _input_sets(bench, inputs, dev, l2) or []
             call, arg_sets = _rotated_calls(p, fn, sets)
-            t: Timing = timer_bench(call, arg_sets=arg_sets, device=dev, **{**timing, **bench.timer_kwargs})
+            settings = {**timing, **bench.timer_kwargs}
+            if bench.interleave > 0:  # timed below, round by round with the other providers
+                timed.append((row, call, arg_sets, {**settings, "windows": 1}))
+                continue
+            _record(row, timer_bench(call, arg_sets=arg_sets, device=dev, **settings), bench, ceilings)
         except Skip as e:  # e.g. a compiled peer that only fails when first called
             row.status, row.reason = SKIPPED, str(e) or "cannot serve this case"
-            continue
         except Exception as e:  # noqa: BLE001 - same: recorded as an error row, the other providers still run
             row.status, row.reason = ERROR, _short(e)
-            continue
-        row.time_us = float(t.median_us)
-        row.windows_us = [float(w) for w in t.windows_us]
-        row.calls_per_window = int(t.calls_per_window)
-        if t.median_us > 0:
-            row.spread = (max(t.windows_us) - min(t.windows_us)) / t.median_us
-        _rates(row, bench, ceilings)
+    _interleaved(timed, bench, dev, ceilings)
     _speedups(rows)
     del inputs, sets, ref
     _release(dev)
