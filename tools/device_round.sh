@@ -7,6 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export OUT PYTHONUNBUFFERED=1
 work=$OUT/round
+rm -rf "$work"  # a round's files only (a machine may keep an earlier session's $OUT/round)
 mkdir -p "$work"
 start=$(date +%s)
 OUT=$work timeout "${TEST_LIMIT:-300}" bash tools/gpu_session.sh ${TESTS:-} 2>&1 | tee "$work/tests.log" | tail -40
