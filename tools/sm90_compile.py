@@ -141,7 +141,8 @@ def _bwd_staged(is_rms=True, dres=False, cfg=None):
     """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows."""
     _, sig, consts, _ = _bwd_split(is_rms)
     slice_cols, warps, stages = cfg or split.BWD_STAGED
-    consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4, FMA=split.BWD_STAGED_FMA)
+    consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4, FMA=split.BWD_STAGED_FMA,
+                  ONE_WORD=split.BWD_STAGED_ONE_WORD and not is_rms)
     del consts["ROWS"]
     if dres:
         del consts["dres_ptr"]

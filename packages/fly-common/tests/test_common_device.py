@@ -280,12 +280,26 @@ def test_collect_pairs_from_sums_both_halves_of_every_slot(device):
 
 
 @flyc.kernel
-def _zero_pair_kernel(slot_ptr, out_ptr, lo, hi, B: fx.constexpr, SPIN_LIMIT: fx.constexpr):
+def _zero_pair_kernel(slot_ptr, out_ptr, lo, hi, B: fx.constexpr, SPIN_LIMIT: fx.constexpr,
+                      SIGNED: fx.constexpr = False):  # fmt: skip
     k = fx.arange(0, B)
     early = dev.peek(slot_ptr + k)
     first = k == 0  # the values as tensors (the interpreter passes float arguments as Python floats)
     lo_t, hi_t = fx.sum(fx.where(first, lo, 0.0), axis=0), fx.sum(fx.where(first, hi, 0.0), axis=0)
-    dev.publish_pair(slot_ptr, lo_t, hi_t, fx.max(first.to(fx.int32), axis=0) > 0)
-    los, his = dev.collect_pairs_from(early, slot_ptr + k, k < 1, SPIN_LIMIT)
+    dev.publish_pair(slot_ptr, lo_t, hi_t, fx.max(first.to(fx.int32), axis=0) > 0, SIGNED)
+    los, his = dev.collect_pairs_from(early, slot_ptr + k, k < 1, SPIN_LIMIT, SIGNED)
     fx.store(out_ptr, fx.sum(los, axis=0))
     fx.store(out_ptr + 1, fx.sum(his, axis=0))
+
+
+@pytest.mark.parametrize("hi", [-3.75, 0.0, -0.0, 2.5e-38, -1.0e30, float("inf")])
+def test_signed_pairs_keep_the_high_value_of_any_sign(device, hi):
+    """publish_pair / collect_pairs_from with SIGNED: the high value comes back as published whatever its sign
+    (+0 published as -0, still read as zero), and the slot reads as published (one read, no give-up); the
+    unsigned form would have taken a negative value's sign bit for the tag and dropped it."""
+    slot = torch.zeros(1, 8, dtype=torch.int64, device=device)
+    out = empty_poisoned(1, 1, 2, dtype=torch.float32, device=device)
+    _zero_pair_kernel[(1,)](slot, out, 1.5, hi, 8, 3, True)
+    got_lo, got_hi = out.flatten().tolist()
+    assert got_lo == 1.5 and got_hi == torch.tensor(hi, dtype=torch.float32).item()  # hi as fp32 holds it
+    assert slot[0, 0].item() != 0 and slot[0, 0].item() >> 32 != 0  # the tag: the high half is never 0

@@ -350,19 +350,21 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
-@pytest.mark.parametrize("fma", [0, 3])
+@pytest.mark.parametrize("fma, one_word", [(0, False), (3, False), (0, True), (3, True)])
 @pytest.mark.parametrize("offset", [0.0, 40.0, 500.0, "spikes"])
-def test_staged_layer_backward_rows_far_from_zero(device, fma, offset, monkeypatch):
+def test_staged_layer_backward_rows_far_from_zero(device, fma, one_word, offset, monkeypatch):
     """LayerNorm's staged backward on rows whose mean is 0, 40, 500 and (a constant row of 4096 with a few
     entries of 4128: bf16 rows can be no denser) ~3000 standard deviations from zero, with the sums and xhat
     as written (0) and in their FMA forms (3: sum(g * h) - mean * sum(g), where past 64 standard deviations
-    the sum is taken again about the mean): dx and the weight gradients stay within bf16's tolerance of the
-    fp64 reference of the same (bf16) rows."""
+    the sum is taken again about the mean), the slices' two sums published as two words or as one signed pair
+    (``one_word``): dx and the weight gradients stay within bf16's tolerance of the fp64 reference of the same
+    (bf16) rows. One slice a row in the interpreter, three on a GPU."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
     monkeypatch.setattr(split, "BWD_STAGED_FMA", fma)
-    m, n = 6, 400
+    monkeypatch.setattr(split, "BWD_STAGED_ONE_WORD", one_word)
+    m, n = 6, 400 if flyc.interpreting() else 1200
     if offset == "spikes":
         h = torch.full((m, n), 4096.0, device=device)
         h[:, 7::97] = 4128.0
@@ -397,8 +399,8 @@ def test_staged_backward_takes_only_word_aligned_bf16_rows():
     assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
 
 
-@pytest.mark.parametrize("is_rms", [True, False])
-def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms):
+@pytest.mark.parametrize("is_rms, one_word", [(True, False), (False, False), (False, True)])
+def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms, one_word):
     """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's or, for
     LayerNorm's pair of sums, collect_pairs_from's fallback) gives up after SPIN_LIMIT reads on the row's
     first slice (NaN), and the row's last program, which sees both slices' sums, writes its slice right."""
@@ -407,6 +409,7 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_STAGED", (64, 4, 3))
+    monkeypatch.setattr(split, "BWD_STAGED_ONE_WORD", one_word)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5

@@ -279,6 +279,7 @@ def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
 
 # A pair of fp32 values in one slot (publish_pair): the high half's sign bit is the tag, so the high value
 # must be >= 0 or NaN (a variance, a sum of squares). Masked-off slots read as a published pair of zeros.
+# A signed pair (SIGNED=True) takes any high value: its own bits are the tag (nonzero: +0 is sent as -0).
 _PAIR_TAG = fx.constexpr(0x80000000)
 _PAIR_ZEROS = fx.constexpr(-(1 << 63))  # the tag alone: (0.0, 0.0) published
 
@@ -286,27 +287,34 @@ _AWAIT_PAIR_PTX = fx.constexpr(_await_ptx(2))
 
 
 @flyc.func
-def publish_pair(slot_ptr, lo, hi, mask):
+def publish_pair(slot_ptr, lo, hi, mask, SIGNED: fx.constexpr = False):
     """:func:`publish` of two fp32 values in one int64 slot (zeroed beforehand): ``lo`` in the low half,
     ``hi`` (>= 0 or NaN) in the high half with its sign bit set as the tag. One relaxed atomic where two
-    :func:`publish` calls would take two, and half the slots for a reader to poll."""
+    :func:`publish` calls would take two, and half the slots for a reader to poll. ``SIGNED``: ``hi`` of
+    any sign, its own bits the tag (+0 sent as -0, the one value whose bits are 0); read back with
+    :func:`collect_pairs_from`'s ``SIGNED``."""
     lo_bits = lo.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
-    hi_bits = (hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF) | _PAIR_TAG
+    if SIGNED:
+        hi_bits = hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF
+        hi_bits = fx.where(hi_bits == 0, _PAIR_TAG, hi_bits)
+    else:
+        hi_bits = (hi.to(fx.int32, bitcast=True).to(fx.int64) & 0xFFFFFFFF) | _PAIR_TAG
     fx.atomic_xchg(slot_ptr, lo_bits | (hi_bits << 32), mask=mask, sem="relaxed", scope="gpu")
 
 
 @flyc.func
-def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
+def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr, SIGNED: fx.constexpr = False):
     """:func:`collect_from` of :func:`publish_pair` slots: (low values, high values) in fp32, 0 where masked
-    off, NaN where SPIN_LIMIT more reads found a slot unpublished. NVIDIA: one asm statement; elsewhere a
-    poll loop as :func:`collect`."""
+    off (-0 for a signed pair's high value), NaN where SPIN_LIMIT more reads found a slot unpublished.
+    ``SIGNED`` as the slots were published. NVIDIA: one asm statement; elsewhere a poll loop as
+    :func:`collect`."""
     if _PTX:
         m32 = mask.to(fx.int32)
         lo, hi = fx.inline_asm_elementwise(
             _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, m32, _spin_limits(m32, SPIN_LIMIT)],
             dtype=(fx.float32, fx.int32), is_pure=False, pack=1,
         )  # fmt: skip
-        return lo, (hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
+        return lo, (hi if SIGNED else hi & 0x7FFFFFFF).to(fx.float32, bitcast=True)
     w = fx.load(slot_ptrs, mask=mask, other=_PAIR_ZEROS, volatile=True)
     spins = 0
     while (fx.min(((w >> 32) != 0).to(fx.int32), axis=None) == 0) & (spins < SPIN_LIMIT):
@@ -315,7 +323,8 @@ def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     ok = fx.min(((w >> 32) != 0).to(fx.int32), axis=None) > 0
     w = fx.load(slot_ptrs, mask=mask, other=_PAIR_ZEROS, volatile=True)  # every copy, as collect
     lo = w.to(fx.int32).to(fx.float32, bitcast=True)
-    hi = ((w >> 32).to(fx.int32) & 0x7FFFFFFF).to(fx.float32, bitcast=True)
+    hi_bits = (w >> 32).to(fx.int32)
+    hi = (hi_bits if SIGNED else hi_bits & 0x7FFFFFFF).to(fx.float32, bitcast=True)
     return fx.where(ok, lo, float("nan")), fx.where(ok, hi, float("nan"))
 
 

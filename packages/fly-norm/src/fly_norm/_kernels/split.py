@@ -146,6 +146,9 @@ FWD_STAGED_MIN_N = 65536
 BWD_STAGED = (8192, 16, 3)
 # Probe (v21c): the staged backward's LayerNorm sums and xhat with an add an element fewer each
 BWD_STAGED_FMA = 0  # bits: 1 the sums, 2 xhat
+# Probe (v21c): LayerNorm's staged backward publishes a slice's two sums as one signed pair (one atomic, half
+# the slots to poll)
+BWD_STAGED_ONE_WORD = False
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -532,7 +535,7 @@ def _norm_bwd_tiled_kernel(
 @flyc.func
 def _staged_pass1(
     h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, FMA: fx.constexpr = 0,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, FMA: fx.constexpr = 0, ONE_WORD: fx.constexpr = False,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
     (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean. The
@@ -562,8 +565,11 @@ def _staged_pass1(
                 s_gh = fx.sum(de2 * we * (he2 - mean) + do2 * wo * (ho2 - mean), axis=0)
         else:
             s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
-        publish(mine, s_gh * rstd, ok)
-        publish(mine + 1, s_g, ok)
+        if ONE_WORD:  # one atomic a slice, half the slots to poll
+            publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, s_gh * rstd, s_g, ok, True)
+        else:
+            publish(mine, s_gh * rstd, ok)
+            publish(mine + 1, s_g, ok)
     return hw, dyw, rstd, mean
 
 
@@ -595,7 +601,7 @@ def _norm_bwd_staged_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr, FMA: fx.constexpr = 0,
+    STAGES: fx.constexpr, FMA: fx.constexpr = 0, ONE_WORD: fx.constexpr = False,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -611,18 +617,26 @@ def _norm_bwd_staged_kernel(
     dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
-    k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
-    kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
+    if ONE_WORD:  # LayerNorm: a slot a slice, (sum of g * xhat, sum of g) as a signed pair
+        k = fx.arange(0, PARTS_POW2)
+        kmask = k < parts
+    else:
+        k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
+        kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
     hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2, FMA)  # fmt: skip
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2, FMA, ONE_WORD)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, 2 * PARTS_POW2) + k
+        slots = slot_ptr + row_offset(row, (1 if ONE_WORD else 2) * PARTS_POW2) + k
         early = peek(slots)
         hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
                                                         M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
-                                                        PARTS_POW2, FMA)  # fmt: skip
-        sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
-        c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
+                                                        PARTS_POW2, FMA, ONE_WORD)  # fmt: skip
+        if ONE_WORD:
+            s_gx, s_g = collect_pairs_from(early, slots, kmask, SPIN_LIMIT, True)  # NaN where a wait gave up
+            c1, c0 = sum2_f32(s_gx, s_g, 0)
+        else:
+            sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
+            c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
         c1 = c1 / N  # mean(g * xhat)
         c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
         de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, FMA)
@@ -945,6 +959,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
             **({"FMA": BWD_STAGED_FMA} if staged and BWD_STAGED_FMA and not is_rms else {}),
+            **({"ONE_WORD": True} if staged and BWD_STAGED_ONE_WORD and not is_rms else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
