@@ -109,6 +109,7 @@ def _softmax_split(backward=False, parts=16, cfg=None):
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
         consts["LANES"] = split.slot_lanes(parts, cfg[1], 32)
+        consts["WAIT_OWN"] = split.SOFTMAX_BWD_WAIT_OWN
         return split._softmax_bwd_split_kernel, sig, consts, warps
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}

@@ -44,6 +44,26 @@ def test_split_forward_matches_reference(dtype, m, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
+def test_split_softmax_backward_waits(monkeypatch, own, m, n):
+    """The split softmax backward through both of its waits (collect_sum, and the probe collect(OWN=True):
+    the replicated block, each thread's stale copies read again), five times over the same rows (a stale
+    copy read as 0 would leave a slice out of a row now and then): dx right every time."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "SOFTMAX_BWD_WAIT_OWN", own)
+    x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
+    dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
+    y = torch.softmax(x.float(), -1).to(torch.bfloat16)
+    ref = softmax_bwd_ref(dy, y)
+    for _ in range(5):
+        dx = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+        assert split.launch_softmax_bwd_split(dy, y, dx)
+        assert_rel_close(dx, ref, tol=2 * tolerance(torch.bfloat16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
 @pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
 def test_wide_slices_match_reference(monkeypatch, is_rms, m, n):
@@ -632,8 +652,8 @@ def test_one_slice_softmax(device):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled", "norm_bwd_lead",
-     "norm_bwd_lead2"],
+    ["rms", "layer", "softmax", "softmax_bwd", "softmax_bwd_own", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled",
+     "norm_bwd_lead", "norm_bwd_lead2"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     """Two slices a row in the interpreter (programs one after another): the first program of a row gives up
@@ -653,6 +673,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    monkeypatch.setattr(split, "SOFTMAX_BWD_WAIT_OWN", kernel == "softmax_bwd_own")
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
     out = empty_poisoned(m, n, dtype=torch.float32)
@@ -666,7 +687,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)
         ref = softmax_ref(x)
-    elif kernel == "softmax_bwd":
+    elif kernel in ("softmax_bwd", "softmax_bwd_own"):
         y = torch.softmax(x, -1)
         assert split.launch_softmax_bwd_split(w.expand(m, n).contiguous(), y, out)
         ref = softmax_bwd_ref(w.expand(m, n), y)

@@ -129,6 +129,8 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
+# Probe (v21d): the softmax backward's wait through collect(OWN=True) instead of collect_sum
+SOFTMAX_BWD_WAIT_OWN = False
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
 # warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit 7764574): RMSNorm 91 / 90 / 88% of copy
@@ -342,9 +344,9 @@ def _softmax_fwd_split_kernel(
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, LANES: fx.constexpr,
-    ROW_EVICT: fx.constexpr = "",
+    ROW_EVICT: fx.constexpr = "", WAIT_OWN: fx.constexpr = False,
 ):  # fmt: skip
-    group, groups, part, c, cmask, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
+    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
@@ -355,7 +357,11 @@ def _softmax_bwd_split_kernel(
         nxt = row + groups
         dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        dot, ok = collect_sum(base, parts, SPIN_LIMIT, LANES)
+        if WAIT_OWN:  # probe: the replicated block, each thread's stale copies read again (collect's OWN)
+            dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT, True)
+            dot = fx.sum(dots, axis=0)
+        else:
+            dot, ok = collect_sum(base, parts, SPIN_LIMIT, LANES)
         dot = fx.where(ok, dot, float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
@@ -916,7 +922,8 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         cfg = SOFTMAX_BWD_SLICE
         lanes = slot_lanes(pp, cfg[1], flydsl.arch.current(y2.device).warp_size)
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **_launch_opts(cfg))
+        own = {"WAIT_OWN": True} if SOFTMAX_BWD_WAIT_OWN else {}
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **own, **_launch_opts(cfg))
 
     cols = SOFTMAX_BWD_SLICE[0]
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
