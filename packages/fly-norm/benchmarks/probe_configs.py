@@ -5,8 +5,8 @@
 
 A variant is ``NAME=VALUE[; NAME=VALUE...]``, each NAME a constant of ``fly_norm._kernels.split`` (or, as
 ``norm.NAME`` / ``resident.NAME``, of ``fly_norm._kernels.norm`` / ``.resident``) set to the Python literal
-VALUE for that variant's runs
-(restored after). bf16, M * N = 2^27 as the benchmark (``--rows``: other multiples of that M); each
+VALUE for that variant's runs (restored after). bf16 (``--dtype``: fp16, fp32), M * N = 2^27 as the
+benchmark (``--rows``: other multiples of that M); each
 variant's output (with ``--bwd`` the backward's dx, through autograd) against fp64 (relative error) and
 against the first variant's (max difference); the time as a fraction of the device copy measured in the same
 run (the rows' bytes: x and y, or x, dy and dx). Design probe, not the benchmark.
@@ -26,7 +26,7 @@ from fly_norm._kernels import norm, resident, split
 from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 
-_DT = torch.bfloat16
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 _MODULES = {"split": split, "norm": norm, "resident": resident}
@@ -62,11 +62,13 @@ def main() -> None:
     ap.add_argument("--widths", nargs="*", type=int, default=[65536, 131072, 262144])
     ap.add_argument("--variant", action="append", default=[], help="NAME=VALUE[; NAME=VALUE...]")
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the rows' and operands' dtype")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tag", default="configs")
     ap.add_argument("--rows", nargs="*", type=float, default=[1.0],
                     help="row counts as multiples of the benchmark's M = 2^27 / N (each width, each count)")
     args = ap.parse_args()
+    dt = _DTYPES[args.dtype]
     variants = [_parse(v) for v in args.variant] or [{}]
     ops = {
         "softmax": lambda x, w, b: fly_norm.softmax(x, -1),
@@ -78,9 +80,9 @@ def main() -> None:
     rows = [dict(copy_GBps=copy, op=args.op)]
     for n, scale in ((n, s) for n in args.widths for s in args.rows):
         m = round(scale * ((1 << 27) // n))
-        x = torch.randn(m, n, dtype=_DT, device="cuda") * 2 + 0.5
-        w = torch.rand(n, dtype=_DT, device="cuda") + 0.5
-        b = torch.randn(n, dtype=_DT, device="cuda")
+        x = torch.randn(m, n, dtype=dt, device="cuda") * 2 + 0.5
+        w = torch.rand(n, dtype=dt, device="cuda") + 0.5
+        b = torch.randn(n, dtype=dt, device="cuda")
         ref = _reference(args.op, x, w, b)
         run, rows_moved = (lambda x=x, w=w, b=b: f(x, w, b)), 2
         if args.bwd:
@@ -106,7 +108,8 @@ def main() -> None:
                 diff = 0.0 if first is None else (y.float() - first.float()).abs().max().item()
                 first = y if first is None else first
                 us = bench(run).median_us
-                r = dict(N=n, M=m, variant=text, us=us, frac_copy=rows_moved * 2 * m * n / (us * 1e-6) / 1e9 / copy,
+                r = dict(N=n, M=m, dtype=args.dtype, variant=text, us=us,
+                         frac_copy=rows_moved * x.element_size() * m * n / (us * 1e-6) / 1e9 / copy,
                          rel_err=err, max_diff_vs_first=diff)  # fmt: skip
             except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
                 r = dict(N=n, M=m, variant=text, error=repr(e)[:300])
