@@ -386,3 +386,30 @@ def test_driver_path_keeps_no_references(mod, driver_call):
     env.allocated.clear()
     after = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape, SIG)]
     assert after == before
+
+
+def test_the_real_tensor_api_on_cpu_tensors_and_a_wrong_capsule(built):
+    """With flydsl's C++ tensor API (built here against this torch) and torch's own tensor types: CPU tensors
+    are left to Python (the API reads device -1), nothing leaks; a capsule of another name is refused."""
+    cap = native.tensor_api(wait=True)
+    if cap is None:
+        pytest.skip("the C++ tensor API cannot be built here")
+    x, w = torch.randn(4, 64), torch.randn(64)
+    built.setup(torch.Tensor, torch.nn.Parameter, [], torch.is_grad_enabled, lambda: 0, lambda dev: 0, Knobs(),
+                torch.empty_like)  # fmt: skip
+    try:
+        built.set_tensor_api(cap)
+        assert built.tensor_api_in_use()
+        plans = {}
+        for _ in range(10):
+            assert built.call(plans, PREFIX, x, w, None, 1e-6) is None
+        before = [sys.getrefcount(o) for o in (x, w, plans, torch.float32)]
+        for _ in range(1000):
+            built.call(plans, PREFIX, x, w, None, 1e-6)
+        assert [sys.getrefcount(o) for o in (x, w, plans, torch.float32)] == before
+        wrong = _capsule_new(ctypes.addressof(FakeApi().api), b"not.the.tensor.api", None)
+        with pytest.raises(ValueError):
+            built.set_tensor_api(wrong)
+    finally:
+        built.set_tensor_api(None)
+    assert not built.tensor_api_in_use()
