@@ -17,6 +17,11 @@
  * take (no signature: among them cooperative, PDL and cluster launches) and calls on a thread with no current
  * context.
  *
+ * The tensors' fields, grad mode and the output's allocation are read through torch's Python methods
+ * until set_tensor_api hands over flydsl's C++ tensor API (flydsl/tensor_api.h, built against torch's
+ * headers by flydsl.native.tensor_api in the background at the first GPU call), then through it: one
+ * call a tensor and at::empty_like, ~2 us less a call.
+ *
  * Errors raised by the objects it calls are cleared and the call falls back to Python, which raises
  * them properly; an error from the launch itself propagates.
  */
