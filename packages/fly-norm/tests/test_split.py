@@ -45,14 +45,16 @@ def test_split_forward_matches_reference(dtype, m, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("own", [False, True])
-@pytest.mark.parametrize("m,n", SPLIT_SHAPES[:4])
+@pytest.mark.parametrize("m,n", [*SPLIT_SHAPES, (3, 1048576 + 2050)])
 def test_split_softmax_backward_waits(monkeypatch, own, m, n):
     """The split softmax backward through both of its waits (collect_sum, and the probe collect(OWN=True):
     the replicated block, each thread's stale copies read again), five times over the same rows (a stale
-    copy read as 0 would leave a slice out of a row now and then): dx right every time."""
+    copy read as 0 would leave a slice out of a row now and then): dx right every time. Rows up to 1M + 2050
+    columns: 257 slices, with the probe's 512 slices a row at most (split.SOFTMAX_BWD_MAX_PARTS)."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "SOFTMAX_BWD_WAIT_OWN", own)
+    monkeypatch.setattr(split, "SOFTMAX_BWD_MAX_PARTS", 512)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
     y = torch.softmax(x.float(), -1).to(torch.bfloat16)

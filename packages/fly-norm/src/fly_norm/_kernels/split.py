@@ -131,6 +131,9 @@ LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Probe (v21d): the softmax backward's wait through collect(OWN=True) instead of collect_sum
 SOFTMAX_BWD_WAIT_OWN = False
+# The most slices a softmax backward row splits into (more: the chunked pass). Probe (v21e): 256, rows to
+# 1M columns, now that collect_sum's poll is one reduction whatever the count
+SOFTMAX_BWD_MAX_PARTS = SPLIT_MAX_PARTS
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
 # warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit 7764574): RMSNorm 91 / 90 / 88% of copy
@@ -812,9 +815,9 @@ def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
 
 
 def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1,
-                  programs: int | None = None) -> int:
+                  programs: int | None = None, max_parts: int = SPLIT_MAX_PARTS) -> int:
     """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
-    launched, or 0 (nothing launched) when a row has more than SPLIT_MAX_PARTS slices or one wave cannot
+    launched, or 0 (nothing launched) when a row has more than ``max_parts`` slices or one wave cannot
     hold them all: the caller then takes its chunked path. A program takes ``tile_rows`` rows at a time.
 
     ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
@@ -824,7 +827,7 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
-    if parts > SPLIT_MAX_PARTS:
+    if parts > max_parts:
         return 0
     pp = flyc.next_power_of_2(parts)
     slots = torch.zeros(m, stat_cols * pp, dtype=torch.int64, device=device)
@@ -926,7 +929,8 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **own, **_launch_opts(cfg))
 
     cols = SOFTMAX_BWD_SLICE[0]
-    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device) > 0
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device,
+                                             max_parts=SOFTMAX_BWD_MAX_PARTS) > 0  # fmt: skip
 
 
 def _staged(h2, dy2, dres2, dx2) -> bool:
