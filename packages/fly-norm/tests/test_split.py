@@ -478,14 +478,17 @@ def test_staged_rms_forward(device, slices, monkeypatch):
 
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("affine", ["both", "offset", "weight", "none"])
-def test_staged_layer_forward(device, slices, affine, monkeypatch):
+@pytest.mark.parametrize("wide_wb", [False, True])
+def test_staged_layer_forward(device, slices, affine, wide_wb, monkeypatch):
     """The staged LayerNorm forward: y and the saved mean and rstd against fp64, with and without a bf16
-    weight (and offset) and bias held as words, over rows whose means range from ordinary to ~100 standard
-    deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is taken instead) and a
-    constant row (M2 = 0). Three slices a row on a GPU (the last short); one in the interpreter."""
+    weight (and offset) and bias held as words (or, ``wide_wb``, widened), over rows whose means range from
+    ordinary to ~100 standard deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is
+    taken instead) and a constant row (M2 = 0). Three slices a row on a GPU (the last short); one in the
+    interpreter."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_WIDE_WB", wide_wb)
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")

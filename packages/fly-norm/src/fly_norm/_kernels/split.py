@@ -142,6 +142,9 @@ SOFTMAX_BWD_MAX_PARTS = SPLIT_MAX_PARTS
 # 55%. Softmax had a staged forward too (v16-v17, 81 / 78 / 76%), replaced in v18 by the resident kernel
 # (fly_norm._kernels.resident).
 FWD_STAGED = (16384, 16, 3)
+# Probe (v21f): LayerNorm's staged forward holding its weight and bias widened (fp32) across rows, as RMSNorm
+# holds its weight, for configs whose programs have the registers (8 warps: 254 at 16384 columns, offline)
+FWD_STAGED_WIDE_WB = False
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
 # loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split, in
@@ -718,6 +721,7 @@ def _norm_fwd_staged_kernel(
     M, N, parts, stride_x, stride_y, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
+    WIDE_WB: fx.constexpr = False,
 ):
     # fmt: on
     # The split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of each
@@ -735,8 +739,12 @@ def _norm_fwd_staged_kernel(
     else:
         if HAS_WEIGHT:
             ww = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)
+            if WIDE_WB:  # probe (v21f): held widened, for programs with the registers (8 warps)
+                we_h, wo_h = bf16_pairs(ww)
         if HAS_BIAS:
             bw = fx.load(as_words(b_ptr) + c2, mask=ok2, other=0)
+            if WIDE_WB:
+                be_h, bo_h = bf16_pairs(bw)
         n_k = fx.maximum(fx.minimum(N - k * SLICE, SLICE), 1) * 1.0  # each slice's width
     xw = _fwd_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
@@ -760,7 +768,10 @@ def _norm_fwd_staged_kernel(
             se = rstd
             so = rstd
             if HAS_WEIGHT:
-                we, wo = _widened_each_row(ww, rstd)
+                if WIDE_WB:
+                    we, wo = we_h, wo_h
+                else:
+                    we, wo = _widened_each_row(ww, rstd)
                 if weight_offset is not None:
                     se = fx.fma(we, rstd, weight_offset * rstd)
                     so = fx.fma(wo, rstd, weight_offset * rstd)
@@ -768,7 +779,10 @@ def _norm_fwd_staged_kernel(
                     se = we * rstd
                     so = wo * rstd
             if HAS_BIAS:
-                be, bo = _widened_each_row(bw, rstd)
+                if WIDE_WB:
+                    be, bo = be_h, bo_h
+                else:
+                    be, bo = _widened_each_row(bw, rstd)
                 ye = fx.fma(xe - mean, se, be)
                 yo = fx.fma(xo - mean, so, bo)
             else:
@@ -898,7 +912,8 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
         args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps)  # fmt: skip
+                    STAGES=stages, num_warps=warps,
+                    **({"WIDE_WB": True} if FWD_STAGED_WIDE_WB and not is_rms else {}))  # fmt: skip
         return args, meta
 
     return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
