@@ -195,6 +195,13 @@ def _min_add(t0, v0, t1, v1):
     return fx.minimum(t0, t1), v0 + v1
 
 
+@flyc.func
+def _poll_sum(slot_ptrs, live):
+    """One read of the slots, reduced: (the smallest tag, the sum of the values); masked off: published 0."""
+    w = fx.load(slot_ptrs, mask=live, other=_PUBLISHED, volatile=True)
+    return fx.reduce(((w >> 32).to(fx.int32), w.to(fx.int32).to(fx.float32, bitcast=True)), 0, _min_add)
+
+
 def slot_lanes(slots: int, warps: int, warp_size: int) -> int:
     """The LANES of :func:`collect_sum` for ``slots`` slots in a program of ``warps`` warps: a power of two of at
     least ``slots`` and twice the program's threads."""
@@ -214,13 +221,10 @@ def collect_sum(slot_ptr, count, SPIN_LIMIT: fx.constexpr, LANES: fx.constexpr):
     round trip on the row's critical path.)
     """
     i = fx.arange(0, LANES)
-    live = i < count
-    w = fx.load(slot_ptr + i, mask=live, other=_PUBLISHED, volatile=True)
-    tag, total = fx.reduce(((w >> 32).to(fx.int32), w.to(fx.int32).to(fx.float32, bitcast=True)), 0, _min_add)
+    tag, total = _poll_sum(slot_ptr + i, i < count)
     spins = 0
     while (tag == 0) & (spins < SPIN_LIMIT):
-        w = fx.load(slot_ptr + i, mask=live, other=_PUBLISHED, volatile=True)
-        tag, total = fx.reduce(((w >> 32).to(fx.int32), w.to(fx.int32).to(fx.float32, bitcast=True)), 0, _min_add)
+        tag, total = _poll_sum(slot_ptr + i, i < count)
         spins += 1
     return total, tag > 0
 

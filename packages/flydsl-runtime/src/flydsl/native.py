@@ -100,8 +100,8 @@ def _torch_build_flags():
     return cxx, flags, key
 
 
-def _api_module(compile: bool):
-    """tensor_api.cpp's module from Triton's cache, else compiled (``compile``) and cached, else None."""
+def _api_module():
+    """tensor_api.cpp's module from Triton's cache, else compiled and cached."""
     from triton.runtime.build import _load_module_from_path
     from triton.runtime.cache import get_cache_manager
 
@@ -111,8 +111,6 @@ def _api_module(compile: bool):
     fname = _API_NAME + sysconfig.get_config_var("EXT_SUFFIX")
     path = cache.get_file(fname)
     if path is None:
-        if not compile:
-            return None
         with tempfile.TemporaryDirectory() as d:
             src, so = os.path.join(d, "tensor_api.cpp"), os.path.join(d, fname)
             with open(src, "w") as f:
@@ -142,26 +140,23 @@ def _finish(capsule, error) -> None:
                       f"torch's Python methods", RuntimeWarning, stacklevel=2)  # fmt: skip
 
 
-def _build(compile: bool) -> bool:
-    """Finish the build from the cache or by compiling (``compile``); False: not cached (nothing done)."""
+def _build() -> None:
+    """Make the API available (from the cache or compiled) and tell the waiters."""
     try:
-        mod = _api_module(compile)
-        if mod is None:
-            return False
-        capsule, error = mod.API, None
+        capsule, error = _api_module().API, None
     except Exception as e:  # noqa: BLE001 - any failure: the C paths keep their Python-method reads
         capsule, error = None, e
     _finish(capsule, error)
-    return True
 
 
 def tensor_api(on_ready: Callable | None = None, wait: bool = False):
     """The capsule of flydsl's C++ tensor API (``_native/tensor_api.h``), or None while it is not available.
 
-    The first call makes it available: at once from Triton's cache, or by compiling it, on a background
-    thread unless ``wait`` (the caller keeps its Python-method path meanwhile). ``on_ready``, if given, is
-    called with the capsule once it is available (at once when it is), or with None where it cannot be
-    built (no C++ compiler, no torch headers, ``FLYDSL_NATIVE_TORCH=0``). Thread-safe.
+    The first call makes it available, from Triton's cache or by compiling it, on a background thread unless
+    ``wait`` (even the cache's check imports torch's extension helpers, ~0.4 s: no caller waits for it; the
+    caller keeps its Python-method path meanwhile). ``on_ready``, if given, is called with the capsule once it
+    is available (at once when it is), or with None where it cannot be built (no C++ compiler, no torch
+    headers, ``FLYDSL_NATIVE_TORCH=0``). Thread-safe.
     """
     with _api_lock:
         first = _api["state"] == "idle"
@@ -170,8 +165,11 @@ def tensor_api(on_ready: Callable | None = None, wait: bool = False):
         pending = _api["state"] == "building"
         if pending and on_ready is not None:
             _api["waiters"].append(on_ready)  # _finish calls it
-    if first and pending and not _build(compile=wait):
-        threading.Thread(target=_build, args=(True,), name="flydsl-tensor-api", daemon=True).start()
+    if first and pending:
+        if wait:
+            _build()
+        else:
+            threading.Thread(target=_build, name="flydsl-tensor-api", daemon=True).start()
     while wait and _api["state"] == "building":
         threading.Event().wait(0.05)
     if not pending and on_ready is not None:

@@ -912,8 +912,7 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
         args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps,
-                    **({"WIDE_WB": True} if FWD_STAGED_WIDE_WB and not is_rms else {}))  # fmt: skip
+                    STAGES=stages, num_warps=warps, WIDE_WB=FWD_STAGED_WIDE_WB and not is_rms)  # fmt: skip
         return args, meta
 
     return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
@@ -940,8 +939,8 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
         cfg = SOFTMAX_BWD_SLICE
         lanes = slot_lanes(pp, cfg[1], flydsl.arch.current(y2.device).warp_size)
-        own = {"WAIT_OWN": True} if SOFTMAX_BWD_WAIT_OWN else {}
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **own, **_launch_opts(cfg))
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes,
+                          WAIT_OWN=SOFTMAX_BWD_WAIT_OWN, **_launch_opts(cfg))  # fmt: skip
 
     cols = SOFTMAX_BWD_SLICE[0]
     return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device,
@@ -984,8 +983,8 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
-            **({"FMA": BWD_STAGED_FMA} if staged and BWD_STAGED_FMA and not is_rms else {}),
-            **({"ONE_WORD": True} if staged and BWD_STAGED_ONE_WORD and not is_rms else {}),
+            **({"FMA": 0 if is_rms else BWD_STAGED_FMA, "ONE_WORD": BWD_STAGED_ONE_WORD and not is_rms}
+               if staged else {}),  # the staged kernel's probe forms (LayerNorm's)
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
