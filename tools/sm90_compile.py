@@ -109,7 +109,6 @@ def _softmax_split(backward=False, parts=16, cfg=None):
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
         consts["LANES"] = split.slot_lanes(parts, cfg[1], 32)
-        consts["WAIT_OWN"] = split.SOFTMAX_BWD_WAIT_OWN
         return split._softmax_bwd_split_kernel, sig, consts, warps
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
@@ -142,8 +141,7 @@ def _bwd_staged(is_rms=True, dres=False, cfg=None):
     """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows."""
     _, sig, consts, _ = _bwd_split(is_rms)
     slice_cols, warps, stages = cfg or split.BWD_STAGED
-    consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4, FMA=split.BWD_STAGED_FMA,
-                  ONE_WORD=split.BWD_STAGED_ONE_WORD and not is_rms)
+    consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4)
     del consts["ROWS"]
     if dres:
         del consts["dres_ptr"]
@@ -190,7 +188,8 @@ CASES = {
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
     # The wide rows' slices (split.FWD_SLICE_WIDE)
     "split_wide": [("rms wide", _split(cfg=split.FWD_SLICE_WIDE, parts=32)),
-                   ("softmax wide", _softmax_split(cfg=split.FWD_SLICE_WIDE, parts=32))],
+                   ("softmax wide", _softmax_split(cfg=split.FWD_SLICE_WIDE, parts=32)),
+                   ("softmax bwd wide", _softmax_split(backward=True, parts=128, cfg=split.SOFTMAX_BWD_SLICE_WIDE))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),

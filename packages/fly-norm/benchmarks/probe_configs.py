@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--widths", nargs="*", type=int, default=[65536, 131072, 262144])
     ap.add_argument("--variant", action="append", default=[], help="NAME=VALUE[; NAME=VALUE...]")
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--residual", action="store_true",
+                    help="the norms with a fused residual (with --bwd: the residual's gradient too)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="the rows' and operands' dtype")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--tag", default="configs")
@@ -72,8 +74,8 @@ def main() -> None:
     variants = [_parse(v) for v in args.variant] or [{}]
     ops = {
         "softmax": lambda x, w, b: fly_norm.softmax(x, -1),
-        "rms_norm": lambda x, w, b: fly_norm.rms_norm(x, w, 1e-6),
-        "layer_norm": lambda x, w, b: fly_norm.layer_norm(x, w, b, 1e-5),
+        "rms_norm": lambda x, w, b, r=None: fly_norm.rms_norm(x, w, 1e-6, residual=r),
+        "layer_norm": lambda x, w, b, r=None: fly_norm.layer_norm(x, w, b, 1e-5, residual=r),
     }
     f = ops[args.op]
     copy = copy_gbps(1 << 29)
@@ -83,17 +85,26 @@ def main() -> None:
         x = torch.randn(m, n, dtype=dt, device="cuda") * 2 + 0.5
         w = torch.rand(n, dtype=dt, device="cuda") + 0.5
         b = torch.randn(n, dtype=dt, device="cuda")
+        if args.residual and not args.bwd:
+            raise SystemExit("--residual is a backward probe (with --bwd)")
         ref = _reference(args.op, x, w, b)
         run, rows_moved = (lambda x=x, w=w, b=b: f(x, w, b)), 2
         if args.bwd:
             leaves = [t.detach().requires_grad_() for t in (x, w, b)]
             dy = torch.randn_like(x)
-            y_graph = f(*leaves)
             xd = x.double().requires_grad_()
-            ref = torch.autograd.grad(_reference(args.op, xd, w, b), xd, dy.double())[0]
-            rows_moved = 3
+            if args.residual:  # y and h = x + r, their gradients dy and dres: dx = the norm's + dres
+                r = torch.randn_like(x)
+                dres = torch.randn_like(x)
+                y_graph, h_graph = f(*leaves, r)
+                hd = xd + r.double()
+                ref = torch.autograd.grad((_reference(args.op, hd, w, b), hd), xd, (dy.double(), dres.double()))[0]
+                outs, grads, rows_moved = (y_graph, h_graph), (dy, dres), 4  # h, dy, dres read; dx written
+            else:
+                ref = torch.autograd.grad(_reference(args.op, xd, w, b), xd, dy.double())[0]
+                outs, grads, rows_moved = f(*leaves), dy, 3
 
-            def run(y=y_graph, x=leaves[0], g=dy):
+            def run(y=outs, x=leaves[0], g=grads):
                 return torch.autograd.grad(y, x, g, retain_graph=True)[0]
 
         first = None

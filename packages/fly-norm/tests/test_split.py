@@ -44,17 +44,14 @@ def test_split_forward_matches_reference(dtype, m, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("own", [False, True])
-@pytest.mark.parametrize("m,n", [*SPLIT_SHAPES, (3, 1048576 + 2050)])
-def test_split_softmax_backward_waits(monkeypatch, own, m, n):
-    """The split softmax backward through both of its waits (collect_sum, and the probe collect(OWN=True):
-    the replicated block, each thread's stale copies read again), five times over the same rows (a stale
-    copy read as 0 would leave a slice out of a row now and then): dx right every time. Rows up to 1M + 2050
-    columns: 257 slices, with the probe's 512 slices a row at most (split.SOFTMAX_BWD_MAX_PARTS)."""
+@pytest.mark.parametrize("m,n", [*SPLIT_SHAPES, (5, 524288 + 6), (3, 1048576 + 2050)])
+def test_split_softmax_backward_waits(m, n):
+    """The split softmax backward's wait (collect_sum), five times over the same rows (a stale slot read as 0
+    would leave a slice out of a row now and then): dx right every time. Rows past 64 slices of 4096 take
+    slices of 8192 (split.SOFTMAX_BWD_SLICE_WIDE): 65 of them at 512K + 6 columns, 129 at 1M + 2050 (the last
+    slice short)."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "SOFTMAX_BWD_WAIT_OWN", own)
-    monkeypatch.setattr(split, "SOFTMAX_BWD_MAX_PARTS", 512)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
     y = torch.softmax(x.float(), -1).to(torch.bfloat16)
@@ -372,20 +369,17 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
-@pytest.mark.parametrize("fma, one_word", [(0, False), (3, False), (0, True), (3, True)])
 @pytest.mark.parametrize("offset", [0.0, 40.0, 500.0, "spikes"])
-def test_staged_layer_backward_rows_far_from_zero(device, fma, one_word, offset, monkeypatch):
+def test_staged_layer_backward_rows_far_from_zero(device, offset, monkeypatch):
     """LayerNorm's staged backward on rows whose mean is 0, 40, 500 and (a constant row of 4096 with a few
-    entries of 4128: bf16 rows can be no denser) ~3000 standard deviations from zero, with the sums and xhat
-    as written (0) and in their FMA forms (3: sum(g * h) - mean * sum(g), where past 64 standard deviations
-    the sum is taken again about the mean), the slices' two sums published as two words or as one signed pair
-    (``one_word``): dx and the weight gradients stay within bf16's tolerance of the fp64 reference of the same
-    (bf16) rows. One slice a row in the interpreter, three on a GPU."""
+    entries of 4128: bf16 rows can be no denser) ~3000 standard deviations from zero. Its sums are taken as
+    sum(g * h) - mean * sum(g) (past 64 standard deviations again about the mean) and xhat as h * rstd - mean
+    * rstd, the slices' two sums published as one signed pair: dx and the weight gradients stay within
+    bf16's tolerance of the fp64 reference of the same (bf16) rows. One slice a row in the interpreter, three
+    on a GPU."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
-    monkeypatch.setattr(split, "BWD_STAGED_FMA", fma)
-    monkeypatch.setattr(split, "BWD_STAGED_ONE_WORD", one_word)
     m, n = 6, 400 if flyc.interpreting() else 1200
     if offset == "spikes":
         h = torch.full((m, n), 4096.0, device=device)
@@ -421,8 +415,8 @@ def test_staged_backward_takes_only_word_aligned_bf16_rows():
     assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
 
 
-@pytest.mark.parametrize("is_rms, one_word", [(True, False), (False, False), (False, True)])
-def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms, one_word):
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms):
     """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's or, for
     LayerNorm's pair of sums, collect_pairs_from's fallback) gives up after SPIN_LIMIT reads on the row's
     first slice (NaN), and the row's last program, which sees both slices' sums, writes its slice right."""
@@ -431,7 +425,6 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "BWD_STAGED", (64, 4, 3))
-    monkeypatch.setattr(split, "BWD_STAGED_ONE_WORD", one_word)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5
@@ -478,17 +471,15 @@ def test_staged_rms_forward(device, slices, monkeypatch):
 
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("affine", ["both", "offset", "weight", "none"])
-@pytest.mark.parametrize("wide_wb", [False, True])
-def test_staged_layer_forward(device, slices, affine, wide_wb, monkeypatch):
+def test_staged_layer_forward(device, slices, affine, monkeypatch):
     """The staged LayerNorm forward: y and the saved mean and rstd against fp64, with and without a bf16
-    weight (and offset) and bias held as words (or, ``wide_wb``, widened), over rows whose means range from
+    weight (and offset) and bias held as words, over rows whose means range from
     ordinary to ~100 standard deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is
     taken instead) and a constant row (M2 = 0). Three slices a row on a GPU (the last short); one in the
     interpreter."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
-    monkeypatch.setattr(split, "FWD_STAGED_WIDE_WB", wide_wb)
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
@@ -657,7 +648,7 @@ def test_one_slice_softmax(device):
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rms", "layer", "softmax", "softmax_bwd", "softmax_bwd_own", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled",
+    ["rms", "layer", "softmax", "softmax_bwd", "norm_bwd", "norm_bwd_tiles", "norm_bwd_tiled",
      "norm_bwd_lead", "norm_bwd_lead2"],
 )  # fmt: skip
 def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
@@ -678,7 +669,6 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
-    monkeypatch.setattr(split, "SOFTMAX_BWD_WAIT_OWN", kernel == "softmax_bwd_own")
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
     out = empty_poisoned(m, n, dtype=torch.float32)
@@ -692,7 +682,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     elif kernel == "softmax":
         assert split.launch_softmax_fwd_split(x, out)
         ref = softmax_ref(x)
-    elif kernel in ("softmax_bwd", "softmax_bwd_own"):
+    elif kernel == "softmax_bwd":
         y = torch.softmax(x, -1)
         assert split.launch_softmax_bwd_split(w.expand(m, n).contiguous(), y, out)
         ref = softmax_bwd_ref(w.expand(m, n), y)

@@ -158,7 +158,7 @@ def publish(slot_ptr, value, mask):
 
 
 @flyc.func
-def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr, OWN: fx.constexpr = False):
+def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     """Poll the masked int64 slots (a block of any shape) until every one holds a published word;
     returns (fp32 values, ok). One poll loop for every slot: a caller exchanging several values per
     program collects them together rather than waiting once per value.
@@ -167,10 +167,6 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr, OWN: fx.constexpr = False
     never published (a grid larger than one wave, or SMs taken away). Callers
     poison their output instead of hanging the GPU. Masked-off slots read as
     published zeros.
-
-    ``OWN`` (a probe, v21): after the loop, only a thread's copies still unpublished are read again (a
-    load predicated copy by copy), where by default every copy is: no read is issued where a warp's copies
-    all ended the loop published.
     """
     w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     spins = 0
@@ -183,10 +179,9 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr, OWN: fx.constexpr = False
     # copies than those this thread holds (measured: a stale, unpublished copy read as 0 now and
     # then, a slice left out of a row). Every slot was published before this read (the reduction's
     # barrier orders it after the poll that saw them all), so every copy now holds its word.
-    if OWN:
-        w = fx.load(slot_ptrs, mask=mask & ((w >> 32) == 0), other=w, volatile=True)
-    else:
-        w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
+    # (Reading again only the copies still unpublished, a load predicated copy by copy, measured slower:
+    # softmax backward 2-30% at 32K-256K, H200, fly-norm PERF.md v21d.)
+    w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 
 

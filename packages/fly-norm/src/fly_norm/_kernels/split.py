@@ -129,34 +129,28 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# Probe (v21d): the softmax backward's wait through collect(OWN=True) instead of collect_sum
-SOFTMAX_BWD_WAIT_OWN = False
-# The most slices a softmax backward row splits into (more: the chunked pass). Probe (v21e): 256, rows to
-# 1M columns, now that collect_sum's poll is one reduction whatever the count
-SOFTMAX_BWD_MAX_PARTS = SPLIT_MAX_PARTS
+# Rows of more than SPLIT_MAX_PARTS slices of SOFTMAX_BWD_SLICE take slices of 8192 columns x 8 warps, up to
+# SOFTMAX_BWD_MAX_PARTS of them (collect_sum's poll is one reduction whatever the count). H200 (PERF.md
+# v21e, bf16, 1M columns): 78% of copy against the chunked pass's 55% (it reads the rows twice) and 64% for
+# 256 slices of 4096
+SOFTMAX_BWD_SLICE_WIDE = (8192, 8, None)
+SOFTMAX_BWD_MAX_PARTS = 256
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
 # warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit 7764574): RMSNorm 91 / 90 / 88% of copy
 # at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower;
 # at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 /
 # 55%. Softmax had a staged forward too (v16-v17, 81 / 78 / 76%), replaced in v18 by the resident kernel
-# (fly_norm._kernels.resident).
+# (fly_norm._kernels.resident). 16384 x 8 warps (one uncapped program an SM; v21f): -1 to +0.5 points;
+# LayerNorm's weight and bias held widened there: -20 to -30.
 FWD_STAGED = (16384, 16, 3)
-# Probe (v21f): LayerNorm's staged forward holding its weight and bias widened (fp32) across rows, as RMSNorm
-# holds its weight, for configs whose programs have the registers (8 warps: 254 at 16384 columns, offline)
-FWD_STAGED_WIDE_WB = False
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
 # loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split, in
 # commit 7764574): RMSNorm 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 /
 # 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
-# 0 to -20 points).
+# 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
-# Probe (v21c): the staged backward's LayerNorm sums and xhat with an add an element fewer each
-BWD_STAGED_FMA = 0  # bits: 1 the sums, 2 xhat
-# Probe (v21c): LayerNorm's staged backward publishes a slice's two sums as one signed pair (one atomic, half
-# the slots to poll)
-BWD_STAGED_ONE_WORD = False
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -350,9 +344,9 @@ def _softmax_fwd_split_kernel(
 def _softmax_bwd_split_kernel(
     dy_ptr, y_ptr, dx_ptr, slot_ptr, M, N, parts, stride_dy, stride_y, stride_dx,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, LANES: fx.constexpr,
-    ROW_EVICT: fx.constexpr = "", WAIT_OWN: fx.constexpr = False,
+    ROW_EVICT: fx.constexpr = "",
 ):  # fmt: skip
-    group, groups, part, c, cmask, p_idx, p_ok = _my_slice(N, parts, SLICE, PARTS_POW2)
+    group, groups, part, c, cmask, _, _ = _my_slice(N, parts, SLICE, PARTS_POW2)
     dy_nx = _load_row(dy_ptr, group, stride_dy, c, cmask & (group < M), 0.0, ROW_EVICT)
     y_nx = _load_row(y_ptr, group, stride_y, c, cmask & (group < M), 0.0, ROW_EVICT)
     for row in range(group, M, groups):
@@ -363,11 +357,7 @@ def _softmax_bwd_split_kernel(
         nxt = row + groups
         dy_nx = _load_row(dy_ptr, nxt, stride_dy, c, cmask & (nxt < M), 0.0, ROW_EVICT)
         y_nx = _load_row(y_ptr, nxt, stride_y, c, cmask & (nxt < M), 0.0, ROW_EVICT)
-        if WAIT_OWN:  # probe: the replicated block, each thread's stale copies read again (collect's OWN)
-            dots, ok = collect(base + p_idx, p_ok, SPIN_LIMIT, True)
-            dot = fx.sum(dots, axis=0)
-        else:
-            dot, ok = collect_sum(base, parts, SPIN_LIMIT, LANES)
+        dot, ok = collect_sum(base, parts, SPIN_LIMIT, LANES)
         dot = fx.where(ok, dot, float("nan"))
         fx.store(dx_ptr + row_offset(row, stride_dx) + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cmask)
 
@@ -547,11 +537,13 @@ def _norm_bwd_tiled_kernel(
 @flyc.func
 def _staged_pass1(
     h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, FMA: fx.constexpr = 0, ONE_WORD: fx.constexpr = False,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
-    (two columns each), the slice's sums of g * xhat and g published; returns the words, rstd and mean. The
-    sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer (PERF.md v17)."""
+    (two columns each), the slice's sum of g * xhat (and, LayerNorm, of g) published in the slice's slot (one
+    word: LayerNorm's two sums as a signed pair, one atomic a slice, PERF.md v21c); returns the words, rstd
+    and mean. The sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer (PERF.md
+    v17), and LayerNorm's sum(g * (h - mean)) as sum(g * h) - mean * sum(g), an add an element fewer (v21c)."""
     ok = row < M
     hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
     dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
@@ -559,49 +551,39 @@ def _staged_pass1(
     mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
     he, ho = bf16_pairs(hw)
     de, do = bf16_pairs(dyw)
-    mine = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+    mine = slot_ptr + row_offset(row, PARTS_POW2) + part
     ge = de * we  # 0 past the row (dy reads 0 there), and so is every term of the sums: no select
     go = do * wo
     if IS_RMS:
         publish(mine, fx.sum(ge * he + go * ho, axis=0) * rstd, ok)
     else:
-        if FMA & 1:
-            # sum(g * (h - mean)) as sum(g * h) - mean * sum(g): an add an element fewer; taken again about the
-            # mean where the mean is more than 64 standard deviations from 0 (the cancellation then costs
-            # more than ~1e-4 of dx relative)
-            s_gh, s_g = sum2_f32(ge * he + go * ho, ge + go, 0)
-            s_gh = s_gh - mean * s_g
-            if mean * mean * rstd * rstd > 4096.0:  # uniform: row scalars; from the words (nothing held)
-                he2, ho2 = bf16_pairs_again(hw)
-                de2, do2 = bf16_pairs_again(dyw)
-                s_gh = fx.sum(de2 * we * (he2 - mean) + do2 * wo * (ho2 - mean), axis=0)
-        else:
-            s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
-        if ONE_WORD:  # one atomic a slice, half the slots to poll
-            publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, s_gh * rstd, s_g, ok, True)
-        else:
-            publish(mine, s_gh * rstd, ok)
-            publish(mine + 1, s_g, ok)
+        # one exchange between warps for both sums; where the mean is more than 64 standard deviations from 0
+        # (the cancellation would then cost more than ~1e-4 of dx relative) sum(g * (h - mean)) is taken
+        # again about the mean, re-widened from the words (nothing more held through the loop)
+        s_gh, s_g = sum2_f32(ge * he + go * ho, ge + go, 0)
+        s_gh = s_gh - mean * s_g
+        if mean * mean * rstd * rstd > 4096.0:  # uniform: row scalars
+            he2, ho2 = bf16_pairs_again(hw)
+            de2, do2 = bf16_pairs_again(dyw)
+            s_gh = fx.sum(de2 * we * (he2 - mean) + do2 * wo * (ho2 - mean), axis=0)
+        publish_pair(mine, s_gh * rstd, s_g, ok, True)
     return hw, dyw, rstd, mean
 
 
 @flyc.func
-def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, FMA: fx.constexpr = 0):
+def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
     """A norm backward's dx from a row held as words after its sums: h and dy widened anew (no fp32 copy held
     through the sums), xhat, and dx = (dy * w - c0 - xhat * c1) * rstd, with c1 = mean(g * xhat) and c0 =
     mean(g) (0 for RMSNorm). Returns (dy even, odd, xhat even, odd, dx even, odd) in fp32. Past the row dy
     reads 0, so the weight-gradient terms are 0 there without a select (and dx is not stored). (dx as
     fma(-xhat, c1 rstd, fma(dy w, rstd, -c0 rstd)), an instruction fewer, spills LayerNorm's kernel at 8192
-    x 16 warps: 40-56 bytes, sm_90.)"""
+    x 16 warps: 40-56 bytes, sm_90.) xhat is h * rstd - mean * rstd, one FMA an element (its error ~1e-7 *
+    |mean| * rstd, absolute; PERF.md v21c)."""
     he, ho = bf16_pairs_again(hw)
     de, do = bf16_pairs_again(dyw)
-    if FMA & 2:  # xhat = h * rstd - mean * rstd: one FMA an element (the error ~1e-7 * |mean| * rstd, absolute)
-        mr = mean * rstd
-        xe = he * rstd - mr
-        xo = ho * rstd - mr
-    else:
-        xe = (he - mean) * rstd
-        xo = (ho - mean) * rstd
+    mr = mean * rstd
+    xe = he * rstd - mr
+    xo = ho * rstd - mr
     return de, do, xe, xo, (de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd
 
 
@@ -613,7 +595,7 @@ def _norm_bwd_staged_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr, FMA: fx.constexpr = 0, ONE_WORD: fx.constexpr = False,
+    STAGES: fx.constexpr,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -629,29 +611,26 @@ def _norm_bwd_staged_kernel(
     dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
-    if ONE_WORD:  # LayerNorm: a slot a slice, (sum of g * xhat, sum of g) as a signed pair
-        k = fx.arange(0, PARTS_POW2)
-        kmask = k < parts
-    else:
-        k = fx.arange(0, 2 * PARTS_POW2)  # a row's slots, [part, (g * xhat, g)] flattened
-        kmask = (k // 2 < parts) & (k % 2 < 2 - IS_RMS)
+    k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
+    kmask = k < parts
     hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2, FMA, ONE_WORD)  # fmt: skip
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, (1 if ONE_WORD else 2) * PARTS_POW2) + k
+        slots = slot_ptr + row_offset(row, PARTS_POW2) + k
         early = peek(slots)
         hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
                                                         M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
-                                                        PARTS_POW2, FMA, ONE_WORD)  # fmt: skip
-        if ONE_WORD:
-            s_gx, s_g = collect_pairs_from(early, slots, kmask, SPIN_LIMIT, True)  # NaN where a wait gave up
-            c1, c0 = sum2_f32(s_gx, s_g, 0)
+                                                        PARTS_POW2)  # fmt: skip
+        # NaN where a wait gave up: dx poisoned
+        if IS_RMS:
+            c1 = fx.sum(collect_from(early, slots, kmask, SPIN_LIMIT), axis=0) / N  # mean(g * xhat)
+            c0 = 0.0
         else:
-            sums = collect_from(early, slots, kmask, SPIN_LIMIT)  # NaN where a wait gave up: dx poisoned
-            c1, c0 = sum2_f32(fx.where(k % 2 == 0, sums, 0.0), fx.where(k % 2 == 1, sums, 0.0), 0)
-        c1 = c1 / N  # mean(g * xhat)
-        c0 = c0 / N  # mean(g); 0 for RMSNorm (its slots are masked off)
-        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1, FMA)
+            s_gx, s_g = collect_pairs_from(early, slots, kmask, SPIN_LIMIT, True)
+            c1, c0 = sum2_f32(s_gx, s_g, 0)
+            c1 = c1 / N  # mean(g * xhat)
+            c0 = c0 / N  # mean(g)
+        de, do, xe, xo, dxe, dxo = staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1)
         if HAS_DRES:
             re, ro = bf16_pairs(fx.load(as_words(dres_ptr) + row_offset(row, stride_dres // 2) + c2, mask=ok2,
                                         other=0))  # fmt: skip
@@ -721,7 +700,6 @@ def _norm_fwd_staged_kernel(
     M, N, parts, stride_x, stride_y, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
-    WIDE_WB: fx.constexpr = False,
 ):
     # fmt: on
     # The split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of each
@@ -739,12 +717,8 @@ def _norm_fwd_staged_kernel(
     else:
         if HAS_WEIGHT:
             ww = fx.load(as_words(w_ptr) + c2, mask=ok2, other=0)
-            if WIDE_WB:  # probe (v21f): held widened, for programs with the registers (8 warps)
-                we_h, wo_h = bf16_pairs(ww)
         if HAS_BIAS:
             bw = fx.load(as_words(b_ptr) + c2, mask=ok2, other=0)
-            if WIDE_WB:
-                be_h, bo_h = bf16_pairs(bw)
         n_k = fx.maximum(fx.minimum(N - k * SLICE, SLICE), 1) * 1.0  # each slice's width
     xw = _fwd_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
@@ -768,10 +742,7 @@ def _norm_fwd_staged_kernel(
             se = rstd
             so = rstd
             if HAS_WEIGHT:
-                if WIDE_WB:
-                    we, wo = we_h, wo_h
-                else:
-                    we, wo = _widened_each_row(ww, rstd)
+                we, wo = _widened_each_row(ww, rstd)
                 if weight_offset is not None:
                     se = fx.fma(we, rstd, weight_offset * rstd)
                     so = fx.fma(wo, rstd, weight_offset * rstd)
@@ -779,10 +750,7 @@ def _norm_fwd_staged_kernel(
                     se = we * rstd
                     so = wo * rstd
             if HAS_BIAS:
-                if WIDE_WB:
-                    be, bo = be_h, bo_h
-                else:
-                    be, bo = _widened_each_row(bw, rstd)
+                be, bo = _widened_each_row(bw, rstd)
                 ye = fx.fma(xe - mean, se, be)
                 yo = fx.fma(xo - mean, so, bo)
             else:
@@ -912,7 +880,7 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
         args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps, WIDE_WB=FWD_STAGED_WIDE_WB and not is_rms)  # fmt: skip
+                    STAGES=stages, num_warps=warps)  # fmt: skip
         return args, meta
 
     return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
@@ -934,16 +902,17 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
 
+    cfg = SOFTMAX_BWD_SLICE
+    if flyc.cdiv(y2.shape[1], cfg[0]) > SPLIT_MAX_PARTS:
+        cfg = SOFTMAX_BWD_SLICE_WIDE
+
     def build(slots, parts, pp, groups):
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
-        cfg = SOFTMAX_BWD_SLICE
         lanes = slot_lanes(pp, cfg[1], flydsl.arch.current(y2.device).warp_size)
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes,
-                          WAIT_OWN=SOFTMAX_BWD_WAIT_OWN, **_launch_opts(cfg))  # fmt: skip
+        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **_launch_opts(cfg))
 
-    cols = SOFTMAX_BWD_SLICE[0]
-    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cols, y2.device,
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cfg[0], y2.device,
                                              max_parts=SOFTMAX_BWD_MAX_PARTS) > 0  # fmt: skip
 
 
@@ -983,8 +952,6 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
-            **({"FMA": 0 if is_rms else BWD_STAGED_FMA, "ONE_WORD": BWD_STAGED_ONE_WORD and not is_rms}
-               if staged else {}),  # the staged kernel's probe forms (LayerNorm's)
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
