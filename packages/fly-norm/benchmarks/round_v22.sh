@@ -3,7 +3,8 @@
 # (carry .whl; results in $OUT/round.tgz):
 #   bash packages/fly-norm/benchmarks/round_v22.sh 1   GPU tests; the staged backward's one-word sums
 #       (layer_norm, also with a residual gradient; rms_norm's one slot a slice); softmax backward slices
-#   bash packages/fly-norm/benchmarks/round_v22.sh 2   the backward benchmarks of the three ops
+#   bash packages/fly-norm/benchmarks/round_v22.sh 2   the split tests; layer_norm's staged backward with a
+#       residual gradient, both forms; the backward benchmarks of the three ops
 set -uo pipefail
 P=packages/fly-norm/benchmarks/probe_configs.py
 case "${1:-}" in
@@ -20,10 +21,14 @@ case "${1:-}" in
        --variant 'SOFTMAX_BWD_SLICE_WIDE=(8192, 4, None)'"
   ;;
 2)
-  export TESTS=none
+  export TEST_LIMIT=${TEST_LIMIT:-120}
+  export TESTS=${TESTS:-"packages/fly-norm/tests/test_split.py"}
   bash tools/device_round.sh \
-    "400 python3 packages/fly-norm/benchmarks/run.py --only layernorm_bwd rmsnorm_bwd softmax_bwd --out \$OUT \
-       --stem nvidia-h200-bwd-v22"
+    "60 python3 $P --op layer_norm --bwd --residual --widths 16384 32768 --tag v22-lnbwd-res-pair --out \$OUT \
+       --variant 'BWD_STAGED_DRES_PAIR=False' --variant 'BWD_STAGED_DRES_PAIR=True'" \
+    "170 python3 packages/fly-norm/benchmarks/run.py --only layernorm_bwd --out \$OUT --stem nvidia-h200-layernorm_bwd-v22" \
+    "150 python3 packages/fly-norm/benchmarks/run.py --only softmax_bwd --out \$OUT --stem nvidia-h200-softmax_bwd-v22" \
+    "150 python3 packages/fly-norm/benchmarks/run.py --only rmsnorm_bwd --out \$OUT --stem nvidia-h200-rmsnorm_bwd-v22"
   ;;
 *)
   echo "usage: $0 1|2" >&2

@@ -369,12 +369,14 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
         assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
 
+@pytest.mark.parametrize("pair", [True, False])
 @pytest.mark.parametrize("offset", [0.0, 40.0, 500.0, "spikes"])
-def test_staged_layer_backward_rows_far_from_zero(device, offset, monkeypatch):
+def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypatch):
     """LayerNorm's staged backward on rows whose mean is 0, 40, 500 and (a constant row of 4096 with a few
     entries of 4128: bf16 rows can be no denser) ~3000 standard deviations from zero. Its sums are taken as
     sum(g * h) - mean * sum(g) (past 64 standard deviations again about the mean) and xhat as h * rstd - mean
-    * rstd, the slices' two sums published as one signed pair: dx and the weight gradients stay within
+    * rstd, the slices' two sums published as one signed pair (``pair``; without: the form taken with a
+    residual gradient, sum(g * (h - mean)) and two slots a slice): dx and the weight gradients stay within
     bf16's tolerance of the fp64 reference of the same (bf16) rows. One slice a row in the interpreter, three
     on a GPU."""
     from fly_norm._kernels import split
@@ -393,12 +395,13 @@ def test_staged_layer_backward_rows_far_from_zero(device, offset, monkeypatch):
     mu, var = hd.mean(-1), hd.var(-1, unbiased=False)
     rstd = torch.rsqrt(var + 1e-5).float()
     dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-    assert split._staged(h, dy, None, dx)
-    dwp, dbp = split.launch_bwd_split(h, w, dy, None, mu.float(), rstd, dx, True, True, 0.0, False)
+    dr = None if pair else randn(m, n, dtype=torch.bfloat16, device=device, seed=3)
+    assert split._staged(h, dy, dr, dx)
+    dwp, dbp = split.launch_bwd_split(h, w, dy, dr, mu.float(), rstd, dx, True, True, 0.0, False)
     xhat = (hd - mu[:, None]) * rstd.double()[:, None]
     g = dy.double() * w.double()
     ref = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
-    assert_rel_close(dx, ref)
+    assert_rel_close(dx, ref + (0.0 if dr is None else dr.double()))
     assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-4)
     assert_rel_close(dbp.sum(0), dy.double().sum(0), tol=1e-5)
 
@@ -415,11 +418,12 @@ def test_staged_backward_takes_only_word_aligned_bf16_rows():
     assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
 
 
-@pytest.mark.parametrize("is_rms", [True, False])
-def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms):
+@pytest.mark.parametrize("is_rms, dres", [(True, False), (False, False), (False, True)])
+def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_rms, dres):
     """Two slices a row in the interpreter: the staged kernel's asm-free wait (collect_from's or, for
-    LayerNorm's pair of sums, collect_pairs_from's fallback) gives up after SPIN_LIMIT reads on the row's
-    first slice (NaN), and the row's last program, which sees both slices' sums, writes its slice right."""
+    LayerNorm's pair of sums, collect_pairs_from's fallback; with a residual gradient two slots a slice)
+    gives up after SPIN_LIMIT reads on the row's first slice (NaN), and the row's last program, which sees
+    both slices' sums, writes its slice right."""
     if not flyc.interpreting():
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
@@ -434,11 +438,13 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_
     var = xd.pow(2).mean(-1) if is_rms else xd.var(-1, unbiased=False)
     rstd = torch.rsqrt(var + 1e-6).float()
     dx = empty_poisoned(m, n, dtype=torch.bfloat16)
-    split.launch_bwd_split(x, None, dy, None, None if is_rms else mean.float(), rstd, dx, False, False, 0.0, is_rms)
+    dr = randn(m, n, dtype=torch.bfloat16, seed=3) if dres else None
+    split.launch_bwd_split(x, None, dy, dr, None if is_rms else mean.float(), rstd, dx, False, False, 0.0, is_rms)
     xhat = (xd - mean[:, None]) * rstd.double()[:, None]
     g = dy.double()
     c0 = 0.0 if is_rms else g.mean(-1, keepdim=True)
     ref = (g - c0 - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.double()[:, None]
+    ref = ref + (0.0 if dr is None else dr.double())
     assert torch.isnan(dx[:, :64]).all()
     assert_rel_close(dx[:, 64:], ref[:, 64:])
 

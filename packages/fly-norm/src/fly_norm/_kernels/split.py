@@ -151,6 +151,8 @@ FWD_STAGED_MIN_N = 65536
 # 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
 # 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
+# Probe (v22): the staged kernel's PAIR form (LayerNorm's one-word sums) also with a residual gradient
+BWD_STAGED_DRES_PAIR = False
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -537,13 +539,14 @@ def _norm_bwd_tiled_kernel(
 @flyc.func
 def _staged_pass1(
     h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
-    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr,
+    IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, PAIR: fx.constexpr,
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
-    (two columns each), the slice's sum of g * xhat (and, LayerNorm, of g) published in the slice's slot (one
-    word: LayerNorm's two sums as a signed pair, one atomic a slice, PERF.md v21c); returns the words, rstd
+    (two columns each), the slice's sum of g * xhat (and, LayerNorm, of g) published; returns the words, rstd
     and mean. The sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer (PERF.md
-    v17), and LayerNorm's sum(g * (h - mean)) as sum(g * h) - mean * sum(g), an add an element fewer (v21c)."""
+    v17). LayerNorm with ``PAIR`` (see the kernel): sum(g * (h - mean)) as sum(g * h) - mean * sum(g), an add
+    an element fewer, and both sums one signed pair in the slice's slot, one atomic a slice (v21c); without:
+    two slots a slice."""
     ok = row < M
     hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
     dyw = fx.load(as_words(dy_ptr) + row_offset(row, stride_dy // 2) + c2, mask=ok2 & ok, other=0)
@@ -551,12 +554,12 @@ def _staged_pass1(
     mean = 0.0 if IS_RMS else fx.load(mean_ptr + row, mask=ok, other=0.0)
     he, ho = bf16_pairs(hw)
     de, do = bf16_pairs(dyw)
-    mine = slot_ptr + row_offset(row, PARTS_POW2) + part
+    mine = slot_ptr + row_offset(row, PARTS_POW2) + part  # one slot a slice (RMSNorm, PAIR)
     ge = de * we  # 0 past the row (dy reads 0 there), and so is every term of the sums: no select
     go = do * wo
     if IS_RMS:
         publish(mine, fx.sum(ge * he + go * ho, axis=0) * rstd, ok)
-    else:
+    elif PAIR:
         # one exchange between warps for both sums; where the mean is more than 64 standard deviations from 0
         # (the cancellation would then cost more than ~1e-4 of dx relative) sum(g * (h - mean)) is taken
         # again about the mean, re-widened from the words (nothing more held through the loop)
@@ -567,6 +570,11 @@ def _staged_pass1(
             de2, do2 = bf16_pairs_again(dyw)
             s_gh = fx.sum(de2 * we * (he2 - mean) + do2 * wo * (ho2 - mean), axis=0)
         publish_pair(mine, s_gh * rstd, s_g, ok, True)
+    else:
+        s_gh, s_g = sum2_f32(ge * (he - mean) + go * (ho - mean), ge + go, 0)  # one exchange between warps
+        two = slot_ptr + row_offset(row, 2 * PARTS_POW2) + 2 * part
+        publish(two, s_gh * rstd, ok)
+        publish(two + 1, s_g, ok)
     return hw, dyw, rstd, mean
 
 
@@ -595,7 +603,7 @@ def _norm_bwd_staged_kernel(
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr,
+    STAGES: fx.constexpr, PAIR: fx.constexpr = True,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -604,6 +612,8 @@ def _norm_bwd_staged_kernel(
     # published before this row's are awaited, so the wait is on sums published an iteration ago), and the
     # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
     # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
+    # LayerNorm's PAIR form (_staged_pass1) is a register or two heavier: with a residual gradient it spills
+    # (16 bytes, sm_90), so the host passes PAIR only without one.
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
     wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
@@ -611,22 +621,31 @@ def _norm_bwd_staged_kernel(
     dwo = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbe = fx.zeros([SLICE // 2], dtype=fx.float32)
     dbo = fx.zeros([SLICE // 2], dtype=fx.float32)
-    k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
-    kmask = k < parts
+    if IS_RMS or PAIR:
+        k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
+        kmask = k < parts
+    else:
+        k = fx.arange(0, 2 * PARTS_POW2)  # [part, (g * xhat, g)] flattened
+        kmask = k // 2 < parts
     hw, dyw, rstd, mean = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, group, M, c2, ok2, we, wo,
-                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2)  # fmt: skip
+                                        part, stride_h, stride_dy, IS_RMS, PARTS_POW2, PAIR)  # fmt: skip
     for row in fx.range(group, M, groups, num_stages=STAGES):
-        slots = slot_ptr + row_offset(row, PARTS_POW2) + k
+        slots = slot_ptr + row_offset(row, (1 if IS_RMS or PAIR else 2) * PARTS_POW2) + k
         early = peek(slots)
         hw_nx, dyw_nx, rstd_nx, mean_nx = _staged_pass1(h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row + groups,
                                                         M, c2, ok2, we, wo, part, stride_h, stride_dy, IS_RMS,
-                                                        PARTS_POW2)  # fmt: skip
+                                                        PARTS_POW2, PAIR)  # fmt: skip
         # NaN where a wait gave up: dx poisoned
         if IS_RMS:
             c1 = fx.sum(collect_from(early, slots, kmask, SPIN_LIMIT), axis=0) / N  # mean(g * xhat)
             c0 = 0.0
         else:
-            s_gx, s_g = collect_pairs_from(early, slots, kmask, SPIN_LIMIT, True)
+            if PAIR:
+                s_gx, s_g = collect_pairs_from(early, slots, kmask, SPIN_LIMIT, True)
+            else:
+                sums = collect_from(early, slots, kmask, SPIN_LIMIT)
+                s_gx = fx.where(k % 2 == 0, sums, 0.0)
+                s_g = fx.where(k % 2 == 1, sums, 0.0)
             c1, c0 = sum2_f32(s_gx, s_g, 0)
             c1 = c1 / N  # mean(g * xhat)
             c0 = c0 / N  # mean(g)
@@ -952,6 +971,8 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
+            # the staged kernel's LayerNorm PAIR form without a residual gradient (probe v22: with one too)
+            **({"PAIR": dres2 is None or BWD_STAGED_DRES_PAIR} if staged else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
