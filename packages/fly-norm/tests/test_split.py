@@ -47,7 +47,7 @@ def test_split_forward_matches_reference(dtype, m, n):
 @pytest.mark.parametrize("m,n", [*SPLIT_SHAPES, (5, 524288 + 6), (3, 1048576 + 2050)])
 def test_split_softmax_backward_waits(m, n):
     """The split softmax backward's wait (collect_sum), five times over the same rows (a stale slot read as 0
-    would leave a slice out of a row now and then): dx right every time. Rows past 64 slices of 4096 take
+    would leave a slice out of a row now and then): dx right every time. Rows of 256K+ columns take
     slices of 8192 (split.SOFTMAX_BWD_SLICE_WIDE): 65 of them at 512K + 6 columns, 129 at 1M + 2050 (the last
     slice short)."""
     from fly_norm._kernels import split

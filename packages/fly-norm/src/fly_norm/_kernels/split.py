@@ -129,11 +129,12 @@ BWD_ROWS = 1
 BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
-# Rows of more than SPLIT_MAX_PARTS slices of SOFTMAX_BWD_SLICE take slices of 8192 columns x 8 warps, up to
-# SOFTMAX_BWD_MAX_PARTS of them (collect_sum's poll is one reduction whatever the count). H200 (PERF.md
-# v21e, bf16, 1M columns): 78% of copy against the chunked pass's 55% (it reads the rows twice) and 64% for
-# 256 slices of 4096
+# Rows of SOFTMAX_BWD_WIDE_MIN_N+ columns take slices of 8192 columns x 8 warps, up to SOFTMAX_BWD_MAX_PARTS
+# of them (collect_sum's poll is one reduction whatever the count). H200 (PERF.md v21e, v22; bf16, % of copy):
+# 256K 93 against 90 for 4096 x 4, 512K 85 and 1M 78 against the chunked pass's 59 and 55 (it reads the rows
+# twice; 256 slices of 4096 at 1M: 64); 16384 x 16 and 8192 x 4 no better
 SOFTMAX_BWD_SLICE_WIDE = (8192, 8, None)
+SOFTMAX_BWD_WIDE_MIN_N = 262144
 SOFTMAX_BWD_MAX_PARTS = 256
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
@@ -921,9 +922,7 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
 
-    cfg = SOFTMAX_BWD_SLICE
-    if flyc.cdiv(y2.shape[1], cfg[0]) > SPLIT_MAX_PARTS:
-        cfg = SOFTMAX_BWD_SLICE_WIDE
+    cfg = SOFTMAX_BWD_SLICE_WIDE if y2.shape[1] >= SOFTMAX_BWD_WIDE_MIN_N else SOFTMAX_BWD_SLICE
 
     def build(slots, parts, pp, groups):
         m, n = y2.shape
