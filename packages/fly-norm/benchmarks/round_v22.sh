@@ -22,7 +22,7 @@ case "${1:-}" in
   ;;
 2)
   export TEST_LIMIT=${TEST_LIMIT:-120}
-  export TESTS=${TESTS:-"packages/fly-norm/tests/test_split.py"}
+  export TESTS=${TESTS:-"packages/fly-norm/tests/test_split.py packages/fly-norm/tests/test_softmax.py"}
   bash tools/device_round.sh \
     "60 python3 $P --op layer_norm --bwd --residual --widths 16384 32768 --tag v22-lnbwd-res-pair --out \$OUT \
        --variant 'BWD_STAGED_DRES_PAIR=False' --variant 'BWD_STAGED_DRES_PAIR=True'" \
