@@ -152,8 +152,6 @@ FWD_STAGED_MIN_N = 65536
 # 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
 # 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
-# Probe (v22): the staged kernel's PAIR form (LayerNorm's one-word sums) also with a residual gradient
-BWD_STAGED_DRES_PAIR = False
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
 # "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
@@ -614,7 +612,8 @@ def _norm_bwd_staged_kernel(
     # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
     # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
     # LayerNorm's PAIR form (_staged_pass1) is a register or two heavier: with a residual gradient it spills
-    # (16 bytes, sm_90), so the host passes PAIR only without one.
+    # (16 bytes, sm_90; H200 at 16K / 32K: 69 / 68% of copy against 92 / 91% without PAIR, PERF.md v22), so
+    # the host passes PAIR only without one.
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
     wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
@@ -970,8 +969,8 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
-            # the staged kernel's LayerNorm PAIR form without a residual gradient (probe v22: with one too)
-            **({"PAIR": dres2 is None or BWD_STAGED_DRES_PAIR} if staged else {}),
+            # LayerNorm's PAIR form without a residual gradient (with one it spills: 69% of copy, 92% without)
+            **({"PAIR": dres2 is None} if staged else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
