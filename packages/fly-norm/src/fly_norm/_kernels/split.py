@@ -153,8 +153,9 @@ FWD_STAGED_MIN_N = 65536
 # 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
-# "evict_last". Not measured yet (PERF.md, next): the probe compares ("", "") with ("evict_first",
-# "evict_last"), which would keep the forward's per-column operands in L1 across the streaming rows.
+# "evict_last" (probe.py --part split compares ("", "") with ("evict_first", "evict_last")). H200 (PERF.md
+# v4): no gain, within 1-3% and worse on the softmax backward; the per-column operands' evict_last in the
+# chunked quant and layer_norm forward neither (v10). None shipped.
 SPLIT_EVICT = ("", "")
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 
