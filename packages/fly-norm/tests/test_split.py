@@ -475,24 +475,31 @@ def test_staged_rms_forward(device, slices, monkeypatch):
         assert_rel_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6))
 
 
+@pytest.mark.parametrize("own_mean", [False, True])
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("affine", ["both", "offset", "weight", "none"])
-def test_staged_layer_forward(device, slices, affine, monkeypatch):
+def test_staged_layer_forward(device, slices, affine, own_mean, monkeypatch):
     """The staged LayerNorm forward: y and the saved mean and rstd against fp64, with and without a bf16
     weight (and offset) and bias held as words, over rows whose means range from
     ordinary to ~100 standard deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is
-    taken instead) and a constant row (M2 = 0). Three slices a row on a GPU (the last short); one in the
-    interpreter."""
+    taken instead), a constant row (M2 = 0) and rows whose slices' means differ by ~1000 and ~16 standard
+    deviations of their own (merged about one slice's mean, ``own_mean``, the probe FWD_STAGED_OWN_MEAN, the
+    first cancels: the slices are merged again about the row's mean). Three slices a row on a GPU (the last
+    short); one in the interpreter."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    monkeypatch.setattr(split, "FWD_STAGED_OWN_MEAN", own_mean)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
-    m, n = 7, 200 if slices == 1 else 700
+    m, n = 9, 200 if slices == 1 else 700
     x = randn(m, n, dtype=torch.float32, device=device, seed=slices)
-    x = x * torch.tensor([2.0, 0.5, 1.0, 0.5, 0.25, 0.0, 0.0], device=device)[:, None]
-    x = (x + torch.tensor([0.5, -3.0, 40.0, 50.0, -24.0, 7.0, 64.0], device=device)[:, None]).bfloat16()
+    x = x * torch.tensor([2.0, 0.5, 1.0, 0.5, 0.25, 0.0, 0.0, 0.5, 1.0], device=device)[:, None]
+    x = (x + torch.tensor([0.5, -3.0, 40.0, 50.0, -24.0, 7.0, 64.0, 0.0, 0.0], device=device)[:, None])
+    x[7, 512:] += 1000.0  # the last slice ~2000 standard deviations above the others
+    x[8, :256] -= 16.0  # the first slice ~16 below
+    x = x.bfloat16()
     x[6, n // 3] = 64.5  # one element an ulp off a constant row: mean / std ~ 2000, M2 from the sums is noise
     w = None if affine == "none" else randn(n, dtype=torch.bfloat16, device=device, seed=1)
     b = randn(n, dtype=torch.bfloat16, device=device, seed=2) if affine in ("both", "offset") else None
