@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import torch
-from torch._inductor.utils import run_and_get_code
 
 import fly_norm
 import flydsl  # noqa: F401 - choose compiled vs interpreted Triton first
@@ -24,16 +23,20 @@ from flydsl_common.bench import copy_gbps
 
 
 def main() -> None:
+    from torch._inductor.utils import run_and_get_code  # after flydsl (it imports triton)
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", nargs="*", type=int, default=[2048, 4096, 16384])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--elements", type=int, default=1 << 27, help="M * N (a smoke run on the CPU: small)")
     args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    copy = copy_gbps(1 << 29)
+    copy = copy_gbps(1 << 29) if dev == "cuda" else float("nan")
     rows = [dict(copy_GBps=copy)]
     for n in args.widths:
-        m = (1 << 27) // n
-        x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda") * 2
+        m = args.elements // n
+        x = torch.randn(m, n, dtype=torch.bfloat16, device=dev) * 2
         dy = torch.randn_like(x)
         xd = x.double().requires_grad_()
         ref = torch.autograd.grad(torch.softmax(xd, -1), xd, dy.double())[0]
@@ -61,7 +64,8 @@ def main() -> None:
             print(r, flush=True)
             rows.append(r)
         del x, xd, ref
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     (args.out / "probe-inductor.json").write_text(json.dumps(rows, indent=1))
 
 
