@@ -1001,6 +1001,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
     cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
     tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms and not staged else 1)
     kernel = _norm_bwd_staged_kernel if staged else _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
-    if not _launch_split(kernel, h2, 2, build, cfg[0], h2.device, tile_rows):
+    one_slot = staged and (is_rms or dres2 is None)  # the staged kernel's one slot a slice (PAIR, RMSNorm)
+    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows):
         return None
     return partials.get("dw"), partials.get("db")
