@@ -987,8 +987,7 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
-            # LayerNorm's PAIR form without a residual gradient (with one it spills: 69% of copy, 92% without)
-            **({"PAIR": dres2 is None} if staged else {}),
+            **({"PAIR": pair} if staged else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
@@ -1001,7 +1000,10 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
     cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
     tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms and not staged else 1)
     kernel = _norm_bwd_staged_kernel if staged else _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
-    one_slot = staged and (is_rms or dres2 is None)  # the staged kernel's one slot a slice (PAIR, RMSNorm)
+    # the staged kernel's LayerNorm PAIR form only without a residual gradient (with one it spills: 69% of copy
+    # against 92%); it and RMSNorm's staged kernel take one slot a slice, the rest two
+    pair = dres2 is None
+    one_slot = staged and (is_rms or pair)
     if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows):
         return None
     return partials.get("dw"), partials.get("db")
