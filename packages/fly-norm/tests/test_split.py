@@ -475,22 +475,19 @@ def test_staged_rms_forward(device, slices, monkeypatch):
         assert_rel_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6))
 
 
-@pytest.mark.parametrize("own_mean", [False, True])
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("affine", ["both", "offset", "weight", "none"])
-def test_staged_layer_forward(device, slices, affine, own_mean, monkeypatch):
+def test_staged_layer_forward(device, slices, affine, monkeypatch):
     """The staged LayerNorm forward: y and the saved mean and rstd against fp64, with and without a bf16
     weight (and offset) and bias held as words, over rows whose means range from
     ordinary to ~100 standard deviations (there M2 from the sums cancels more than 6 bits: the exact M2 is
     taken instead), a constant row (M2 = 0) and rows whose slices' means differ by ~1000 and ~16 standard
-    deviations of their own (merged about one slice's mean, ``own_mean``, the probe FWD_STAGED_OWN_MEAN, the
-    first cancels: the slices are merged again about the row's mean). Three slices a row on a GPU (the last
-    short); one in the interpreter."""
+    deviations of their own (Chan's merge of the slices' M2s about the row's mean). Three slices a row on a
+    GPU (the last short); one in the interpreter."""
     from fly_norm._kernels import split
 
     monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
-    monkeypatch.setattr(split, "FWD_STAGED_OWN_MEAN", own_mean)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
     m, n = 9, 200 if slices == 1 else 700

@@ -145,9 +145,6 @@ SOFTMAX_BWD_MAX_PARTS = 256
 # (fly_norm._kernels.resident). 16384 x 8 warps (one uncapped program an SM; v21f): -1 to +0.5 points;
 # LayerNorm's weight and bias held widened there: -20 to -30.
 FWD_STAGED = (16384, 16, 3)
-# Probe (v22c, unmeasured): LayerNorm's staged forward merging the slices about its own slice's mean (one
-# reduction after the wait instead of two dependent ones; _norm_fwd_staged_kernel's OWN_MEAN)
-FWD_STAGED_OWN_MEAN = False
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
 # loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split, in
@@ -682,7 +679,7 @@ def _fwd_staged_pass1(
 ):  # fmt: skip
     """The staged forward's pass 1 of ``row`` (nothing past M): its slice of x as int32 words; publishes the
     slice's sum of squares (RMSNorm), or its sum and its M2 (LayerNorm; ``n_mine``: the slice's columns).
-    Returns the words and the slice's mean (LayerNorm; RMSNorm: an unused 0).
+    Returns the words.
 
     LayerNorm's M2 comes from one exchange between warps, of the sum and the sum of squares, as
     ``sum x^2 - sum x * mean``; where that cancels more than 6 bits (``M2 < sum x^2 / 64``: a mean beyond
@@ -705,8 +702,7 @@ def _fwd_staged_pass1(
         # one word a slice, M2's sign bit the tag (never negative here: the fallback takes the exact M2 where
         # the sums' M2 would be; PERF.md v16: +0.7 points over two words)
         publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, s1, m2, ok)
-        return xw, mean
-    return xw, n_mine * 0.0
+    return xw
 
 
 @flyc.func
@@ -724,7 +720,6 @@ def _norm_fwd_staged_kernel(
     M, N, parts, stride_x, stride_y, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
-    OWN_MEAN: fx.constexpr = False,
 ):
     # fmt: on
     # The split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of each
@@ -745,12 +740,12 @@ def _norm_fwd_staged_kernel(
         if HAS_BIAS:
             bw = fx.load(as_words(b_ptr) + c2, mask=ok2, other=0)
         n_k = fx.maximum(fx.minimum(N - k * SLICE, SLICE), 1) * 1.0  # each slice's width
-    xw, own = _fwd_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
+    xw = _fwd_staged_pass1(x_ptr, slot_ptr, group, M, c2, ok2, n_mine, part, stride_x, IS_RMS, PARTS_POW2)
     for row in fx.range(group, M, groups, num_stages=STAGES):
         slots = slot_ptr + row_offset(row, PARTS_POW2) + k
         early = peek(slots)
-        xw_nx, own_nx = _fwd_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x,
-                                          IS_RMS, PARTS_POW2)  # fmt: skip
+        xw_nx = _fwd_staged_pass1(x_ptr, slot_ptr, row + groups, M, c2, ok2, n_mine, part, stride_x, IS_RMS,
+                                  PARTS_POW2)  # fmt: skip
         # NaN where a wait gave up: the row poisoned
         if IS_RMS:
             rstd = fx.rsqrt(fx.sum(collect_from(early, slots, kmask, SPIN_LIMIT), axis=0) / N + eps)
@@ -758,21 +753,10 @@ def _norm_fwd_staged_kernel(
             y = bf16_words(xe * rstd * we, xo * rstd * wo)
         else:
             sums, m2s = collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
-            if OWN_MEAN:  # probe (v22c): Chan's merge about this slice's own mean, one reduction after the wait
-                d = fx.where(kmask, sums / n_k - own, 0.0)
-                total, t = sum2_f32(sums, m2s + n_k * d * d, 0)
-                mean = total / N
-                dm = mean - own
-                m2 = t - N * dm * dm
-                if m2 * 64.0 < t:  # uniform: the slices' means spread more than 8x their own deviation
-                    dev = fx.where(kmask, sums / n_k - mean, 0.0)
-                    m2 = fx.sum(m2s + n_k * dev * dev, axis=0)  # masked-off slots read 0
-                rstd = fx.rsqrt(m2 / N + eps)
-            else:
-                mean = fx.sum(sums, axis=0) / N
-                dev = fx.where(kmask, sums / n_k - mean, 0.0)  # each slice's mean against the row's
-                m2, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: the slices' M2s and their means' spread
-                rstd = fx.rsqrt((m2 + spread) / N + eps)
+            mean = fx.sum(sums, axis=0) / N
+            dev = fx.where(kmask, sums / n_k - mean, 0.0)  # each slice's mean against the row's
+            m2, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: the slices' M2s and their means' spread
+            rstd = fx.rsqrt((m2 + spread) / N + eps)
             xe, xo = bf16_pairs_again(xw)
             # y = (x - mean) * (rstd * w) + b: the scale per column, then one FMA an element (PERF.md v17)
             se = rstd
@@ -799,7 +783,6 @@ def _norm_fwd_staged_kernel(
             fx.store(rstd_ptr + row, rstd, mask=part == 0)
         fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, y, mask=ok2)
         xw = xw_nx
-        own = own_nx
 
 
 # ---------------------------------------------------------------- host
@@ -917,7 +900,7 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
         args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps, OWN_MEAN=FWD_STAGED_OWN_MEAN and not is_rms)  # fmt: skip
+                    STAGES=stages, num_warps=warps)  # fmt: skip
         return args, meta
 
     return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
