@@ -104,13 +104,27 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
 
 
 def test_gpu_tuning_skips_the_widths_of_the_split_paths():
-    from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
+    from fly_norm._kernels.split import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
     for op in OPS:
         limit = SPLIT_MIN_N_BWD if op.endswith("_bwd") else SPLIT_MIN_N
+        limit = SOFTMAX_SPLIT_MIN_N_BWD if op == "softmax_bwd" else limit  # its chunked pass serves 16K
         gpu = [k["n_bucket"] for k in TUNABLES[op].tune_keys("sm_90")]
         assert gpu and max(gpu) < limit and max(gpu) * 2 >= limit and min(gpu) == 256
         assert max(k["n_bucket"] for k in TUNABLES[op].tune_keys("cpu")) == 262144
+
+
+@pytest.mark.parametrize("n", [256, 1024, 2048, 4096, 8192, 16384])
+def test_softmax_backward_candidates_add_its_chunked_pass_from_2k(n):
+    from fly_norm.autotune import bwd_candidates, softmax_bwd_candidates
+
+    key = {"n_bucket": n, "dtype": "bf16"}
+    space = softmax_bwd_candidates(key, "sm_90")
+    chunked = [c for c in space if not c.single_pass]
+    assert space and all(row_config_valid(c, n, "sm_90") for c in space) and len(space) <= 24
+    assert [c for c in space if c.single_pass] == (bwd_candidates(key, "sm_90") if n <= 8192 else [])
+    assert bool(chunked) == (n >= 2048)
+    assert all(c.block_n <= n <= 8 * c.block_n and c.block_n // (32 * c.num_warps) >= 4 for c in chunked)
 
 
 @pytest.mark.parametrize("n", [256, 1024, 4096, 8192])

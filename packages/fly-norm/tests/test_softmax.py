@@ -96,6 +96,29 @@ def test_chunked_forward_and_backward(device, dtype, n):
     assert_rel_close(dx, softmax_bwd_ref(dy, y), tol=_grad_tol(dtype))
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["n_fixed", "n_runtime"])
+@pytest.mark.parametrize("n", [1, 63, 64, 257, 1000])
+def test_chunked_backward_one_row_a_program(device, n, fixed, monkeypatch):
+    """The chunked backward (one row a program, no row mask): strided dy, y and dx rows of widths under,
+    at and past a chunk (the last chunk partial), the width fixed at compile time or read at run time;
+    nothing written past a row."""
+    from fly_norm._kernels import passes
+
+    monkeypatch.setattr(passes, "FIXED_WIDTHS_MAX", 16 if fixed else 0)
+    monkeypatch.setattr(passes, "_FIXED_WIDTHS", set())
+    assert passes.row_meta(CHUNKED, n)["N_FIXED"] == (n if fixed else 0)
+    m = 7
+    y = softmax_ref(_randn(m, n, device=device)).float()
+    y_buf = torch.zeros(m, n + 5, device=device)
+    y_buf[:, 3 : 3 + n] = y
+    dy_buf = _randn(m, n + 9, seed=3, device=device)
+    dx_buf = empty_poisoned(m, n + 4, dtype=torch.float32, device=device)
+    dy, y, dx = dy_buf[:, 9:], y_buf[:, 3 : 3 + n], dx_buf[:, :n]
+    softmax_bwd(dy, y, dx, CHUNKED)
+    assert_rel_close(dx, softmax_bwd_ref(dy, y), tol=_grad_tol(torch.float32))
+    assert dx_buf[:, n:].isnan().all()
+
+
 @pytest.mark.parametrize("n", WIDE)
 def test_wide_rows_take_the_default_chunked_path(device, n):
     cfg = sm.softmax_config(n, torch.float32, device)

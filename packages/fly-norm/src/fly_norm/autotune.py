@@ -25,11 +25,11 @@ from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
 from ._kernels.passes import CHUNKED, PACKED_MIN_N
-from ._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from ._kernels.split import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
-    "bwd_default_row_config",
+    "softmax_bwd_candidates", "bwd_default_row_config",
 ]  # fmt: skip
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -42,9 +42,9 @@ OPS = (
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
 # On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
 # row config does not steer: `flydsl tune norm` skips those buckets there. (Softmax's backward splits only
-# past 16K: its 16K bucket runs the default chunked config, as measured in PERF.md v20, unsearched, since the
-# backward's space holds single-pass configs only.)
+# past 16K: its space holds chunked configs, and its 16K bucket is searched.)
 _SPLIT_FROM = {"fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
+_SPLIT_FROM["softmax_bwd"] = SOFTMAX_SPLIT_MIN_N_BWD
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -183,12 +183,27 @@ def bwd_candidates(key, arch: str) -> list[RowConfig]:
     return out
 
 
+def softmax_bwd_candidates(key, arch: str) -> list[RowConfig]:
+    """The softmax backward's space: the backward's single pass (:func:`bwd_candidates`) and, from 2K
+    columns, its chunked pass (one read for sum(dy * y), a second, from L2, for dx) at chunks of 1K-16K and
+    8 or 16 warps, at most 8 chunks a row. On the H200 two reads of a row ran 1-2% faster than one at 2K-4K
+    and the chunk decides at 16K (PERF.md v23: 4 warps lost 5-30%)."""
+    n = key["n_bucket"]
+    out = bwd_candidates(key, arch) if n <= 32 * _BWD_MAX_WARPS * _BWD_ELEMS_PER_THREAD else []
+    if n >= 2048:
+        for block_n in (1024, 2048, 4096, 8192, 16384):
+            for warps in (8, 16):
+                if block_n <= n <= 8 * block_n and block_n // (32 * warps) >= 4:
+                    out.append(RowConfig(1, block_n, warps, False))
+    return out
+
+
 def _valid(cfg: RowConfig, key, arch: str) -> bool:
     return row_config_valid(cfg, key["n_bucket"], arch)
 
 
 def _tune_keys_for(name: str):
-    split_from = _SPLIT_FROM[name.rsplit("_", 1)[1]]
+    split_from = _SPLIT_FROM.get(name) or _SPLIT_FROM[name.rsplit("_", 1)[1]]
 
     def tune_keys(arch: str) -> list[dict]:
         gpu = arch != "cpu"
@@ -262,6 +277,7 @@ def _make_task(name: str):
 
 
 _CANDIDATES = {name: packed_candidates for name in ("rmsnorm_quant", "layernorm_fwd", "softmax_fwd")}
+_CANDIDATES["softmax_bwd"] = softmax_bwd_candidates
 
 
 def _make(name: str) -> Tunable:

@@ -14,11 +14,12 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
   once (:mod:`fly_norm._kernels.split`); bf16 rows from 64K columns forward on
   NVIDIA keep each program's slice in shared memory
   (:mod:`fly_norm._kernels.resident`);
-- chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``): the
-  forward makes one *online* pass over the row's chunks that carries the
-  running (max, sum) pair, then a second pass that normalizes and writes; the
-  backward accumulates ``sum(dy * y)`` in a first pass and writes dx in a
-  second. The extra read of each row comes mostly from L2.
+- chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``, and the
+  backward wherever its tuned config says: on the H200 at 4K and 16K, where two
+  reads of a row ran faster than one): the forward makes one *online* pass over
+  the row's chunks that carries the running (max, sum) pair, then a second pass
+  that normalizes and writes; the backward accumulates ``sum(dy * y)`` in a first
+  pass and writes dx in a second. The extra read of each row comes mostly from L2.
 
 Everything is computed in fp32 (16-bit inputs are upcast on load) and the
 output is stored in the input's dtype. A row holding only ``-inf`` gives NaN,
@@ -195,25 +196,35 @@ def _softmax_bwd_kernel(
         dot = fx.sum(dy * y, axis=1)
         fx.store(dx_rows + cols[None, :], (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=mask)
     else:
-        # Accumulate lane-wise and reduce once at the end: no cross-warp
-        # reduction per chunk, and shorter fp32 summation chains.
-        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_ok[:, None] & (c[None, :] < N)
-            dy = fx.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-            y = fx.load(y_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-            acc += dy.to(fx.float32) * y.to(fx.float32)
-        dot = fx.sum(acc, axis=1)
-        num_chunks = fx.cdiv(N, BLOCK_N)
-        for i in range(0, num_chunks):
-            c = (num_chunks - 1 - i) * BLOCK_N + cols
-            mask = row_ok[:, None] & (c[None, :] < N)
-            dy = fx.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            y = fx.load(y_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            y = y.to(fx.float32)
-            dx = y * (dy.to(fx.float32) - dot[:, None])
-            fx.store(dx_rows + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        fx.static_assert(BLOCK_M == 1, "chunked rows: one row a program (row_config_valid)")
+        _softmax_bwd_chunked_row(dy_ptr, y_ptr, dx_ptr, N, stride_dy, stride_y, stride_dx, BLOCK_N)
+
+
+@flyc.func
+def _softmax_bwd_chunked_row(dy_ptr, y_ptr, dx_ptr, N, stride_dy, stride_y, stride_dx, BLOCK_N: fx.constexpr):
+    """The chunked backward of this program's row (chunked configs hold one row a program, and the grid
+    is the row count: no row mask): sum(dy * y) accumulated lane-wise over the chunks and reduced once (no
+    cross-warp reduction a chunk, shorter fp32 chains), then dx chunk by chunk, front to back, the row read
+    again (from L2: evict_last on the first read, evict_first on the second). One row in 1D, the loads
+    unpredicated where N is fixed: 440 SASS instructions at 16K x 8192 x 16 warps against 512 with a row
+    mask on [1, BLOCK_N] blocks (sm_90; PERF.md v23)."""
+    row = fx.program_id(0).to(fx.int64)
+    cols = fx.arange(0, BLOCK_N)
+    dy_row = dy_ptr + row * stride_dy
+    y_row = y_ptr + row * stride_y
+    dx_row = dx_ptr + row * stride_dx
+    acc = fx.zeros([BLOCK_N], dtype=fx.float32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        dy = fx.load(dy_row + c, mask=c < N, other=0.0, eviction_policy="evict_last")
+        y = fx.load(y_row + c, mask=c < N, other=0.0, eviction_policy="evict_last")
+        acc += dy.to(fx.float32) * y.to(fx.float32)
+    dot = fx.sum(acc, axis=0)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        dy = fx.load(dy_row + c, mask=c < N, other=0.0, eviction_policy="evict_first")
+        y = fx.load(y_row + c, mask=c < N, other=0.0, eviction_policy="evict_first").to(fx.float32)
+        fx.store(dx_row + c, (y * (dy.to(fx.float32) - dot)).to(dx_ptr.dtype.element_ty), mask=c < N)
 
 
 # ------------------------------------------------------------ config choice
