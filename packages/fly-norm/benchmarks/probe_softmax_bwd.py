@@ -42,49 +42,33 @@ from flydsl_common.rows import RowConfig
 
 @flyc.kernel
 def _probe_bwd_fwd_order(
-    dy_ptr, y_ptr, dx_ptr, stride, N: fx.constexpr, BLOCK_N: fx.constexpr, HINTS: fx.constexpr
+    dy_ptr, y_ptr, dx_ptr, stride, N: fx.constexpr, BLOCK_N: fx.constexpr, FIRST: fx.constexpr,
+    SECOND: fx.constexpr,
 ):  # fmt: skip
-    """One row a program: sum(dy * y) over the row's chunks, then dx chunk by chunk in forward order (with
-    ``BLOCK_N >= N`` one read: the single pass, its loads ``evict_first`` with ``HINTS``)."""
+    """One row a program: sum(dy * y) over the row's chunks, then dx chunk by chunk in forward order; the
+    first read's loads with eviction policy FIRST, the second's with SECOND ("": none). With ``BLOCK_N >=
+    N``, one read: the single pass (its loads with SECOND)."""
     row = fx.program_id(0).to(fx.int64)
     cols = fx.arange(0, BLOCK_N)
     dy_row = dy_ptr + row * stride
     y_row = y_ptr + row * stride
     dx_row = dx_ptr + row * stride
-    if BLOCK_N >= N:
-        m = cols < N
-        if HINTS:
-            dy = fx.load(dy_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(fx.float32)
-            y = fx.load(y_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(fx.float32)
-        else:
-            dy = fx.load(dy_row + cols, mask=m, other=0.0).to(fx.float32)
-            y = fx.load(y_row + cols, mask=m, other=0.0).to(fx.float32)
-        dot = fx.sum(dy * y, axis=0)
-        fx.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=m)
-    else:
+    dot = 0.0
+    if BLOCK_N < N:
         acc = fx.zeros([BLOCK_N], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
             c = start + cols
-            m = c < N
-            if HINTS:
-                dy = fx.load(dy_row + c, mask=m, other=0.0, eviction_policy="evict_last")
-                y = fx.load(y_row + c, mask=m, other=0.0, eviction_policy="evict_last")
-            else:
-                dy = fx.load(dy_row + c, mask=m, other=0.0)
-                y = fx.load(y_row + c, mask=m, other=0.0)
+            dy = fx.load(dy_row + c, mask=c < N, other=0.0, eviction_policy=FIRST)
+            y = fx.load(y_row + c, mask=c < N, other=0.0, eviction_policy=FIRST)
             acc += dy.to(fx.float32) * y.to(fx.float32)
         dot = fx.sum(acc, axis=0)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            m = c < N
-            if HINTS:
-                dy = fx.load(dy_row + c, mask=m, other=0.0, eviction_policy="evict_first")
-                y = fx.load(y_row + c, mask=m, other=0.0, eviction_policy="evict_first")
-            else:
-                dy = fx.load(dy_row + c, mask=m, other=0.0)
-                y = fx.load(y_row + c, mask=m, other=0.0)
-            y = y.to(fx.float32)
-            fx.store(dx_row + c, (y * (dy.to(fx.float32) - dot)).to(dx_ptr.dtype.element_ty), mask=m)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        dy = fx.load(dy_row + c, mask=c < N, other=0.0, eviction_policy=SECOND).to(fx.float32)
+        y = fx.load(y_row + c, mask=c < N, other=0.0, eviction_policy=SECOND).to(fx.float32)
+        if BLOCK_N >= N:
+            dot = fx.sum(dy * y, axis=0)
+        fx.store(dx_row + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=c < N)
 
 
 def _inductor_configs() -> list[str]:
@@ -159,9 +143,11 @@ def _width(n: int, m: int, warps_list, copy: float, dev: str, rows: list) -> Non
                 if block == n:
                     name = f"1read {block} x {warps}{' evict_first' if hints else ''}"
 
-                def launch(block=block, warps=warps, hints=hints):
+                first, second = ("evict_last", "evict_first") if hints else ("", "")
+
+                def launch(block=block, warps=warps, first=first, second=second):
                     flyc.launch(_probe_bwd_fwd_order, (m,), dy, y, dx, y.stride(0), N=n, BLOCK_N=block,
-                                HINTS=hints, num_warps=warps)  # fmt: skip
+                                FIRST=first, SECOND=second, num_warps=warps)  # fmt: skip
 
                 attempt(name, launch, dx)
 
