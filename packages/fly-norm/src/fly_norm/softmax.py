@@ -15,7 +15,7 @@ Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfi
   NVIDIA keep each program's slice in shared memory
   (:mod:`fly_norm._kernels.resident`);
 - chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``, and the
-  backward wherever its tuned config says: on the H200 at 4K and 16K, where two
+  backward wherever its tuned config says: on the H200 at 2K, 4K and 16K, where two
   reads of a row ran faster than one): the forward makes one *online* pass over
   the row's chunks that carries the running (max, sum) pair, then a second pass
   that normalizes and writes; the backward accumulates ``sum(dy * y)`` in a first
