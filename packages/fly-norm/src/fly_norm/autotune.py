@@ -189,7 +189,7 @@ def softmax_bwd_candidates(key, arch: str) -> list[RowConfig]:
     8 or 16 warps, at most 8 chunks a row. On the H200 two reads of a row ran 1-2% faster than one at 2K-4K
     and the chunk decides at 16K (PERF.md v23: 4 warps lost 5-30%)."""
     n = key["n_bucket"]
-    out = bwd_candidates(key, arch) if n <= 32 * _BWD_MAX_WARPS * _BWD_ELEMS_PER_THREAD else []
+    out = bwd_candidates(key, arch)  # none past the single pass's reach (16K)
     if n >= 2048:
         for block_n in (1024, 2048, 4096, 8192, 16384):
             for warps in (8, 16):

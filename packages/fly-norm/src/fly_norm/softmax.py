@@ -180,16 +180,13 @@ def _softmax_bwd_kernel(
     N_FIXED: fx.constexpr,
     PACKED: fx.constexpr = False,
 ):
-    if N_FIXED != 0:
-        N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
-    rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
-    row_ok = rows < M
-    cols = fx.arange(0, BLOCK_N)
-    dy_rows = dy_ptr + rows[:, None] * stride_dy
-    y_rows = y_ptr + rows[:, None] * stride_y
-    dx_rows = dx_ptr + rows[:, None] * stride_dx
-
     if SINGLE_PASS:
+        rows = fx.program_id(0).to(fx.int64) * BLOCK_M + fx.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = fx.arange(0, BLOCK_N)
+        dy_rows = dy_ptr + rows[:, None] * stride_dy
+        y_rows = y_ptr + rows[:, None] * stride_y
+        dx_rows = dx_ptr + rows[:, None] * stride_dx
         mask = row_ok[:, None] & (cols[None, :] < N)
         dy = fx.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
         y = fx.load(y_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
@@ -197,6 +194,8 @@ def _softmax_bwd_kernel(
         fx.store(dx_rows + cols[None, :], (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=mask)
     else:
         fx.static_assert(BLOCK_M == 1, "chunked rows: one row a program (row_config_valid)")
+        if N_FIXED != 0:
+            N = N_FIXED  # chunked rows: a compile-time width (passes.row_meta)
         _softmax_bwd_chunked_row(dy_ptr, y_ptr, dx_ptr, N, stride_dy, stride_y, stride_dx, BLOCK_N)
 
 
