@@ -187,6 +187,20 @@ def test_gradients_lean_single_pass(device, monkeypatch, n, fused, offset, has_w
     test_gradients(device, monkeypatch, n, fused, offset, has_w, has_b, chunked)
 
 
+@pytest.mark.parametrize("used", [0, 1])
+def test_gradients_through_one_output(device, used):
+    """With a residual, only y or only residual_out reaching the loss: the other output's gradient arrives as
+    None (grads are not materialized) and counts as zero."""
+    x = randn(4, 33, device=device).requires_grad_()
+    w, b = (t.requires_grad_() for t in affine(33, torch.float32, device))
+    r = randn(4, 33, device=device, seed=2).requires_grad_()
+    up = randn(4, 33, device=device, seed=11)
+    (layer_norm(x, w, b, 1e-5, r)[used] * up).sum().backward()
+    ups = [up if i == used else torch.zeros_like(up) for i in range(2)]
+    ref = reference_grads(lambda a, c, d, e: layer_norm_ref(a, c, d, 1e-5, e), (x, w, b, r), ups)
+    assert_grads_close((x, w, b, r), ref, ("x", "weight", "bias", "residual"))
+
+
 def test_parameter_gradients_in_their_dtype(device):
     x = randn(4, 64, dtype=torch.bfloat16, device=device).requires_grad_()
     w = randn(64, device=device, seed=1).requires_grad_()

@@ -230,6 +230,19 @@ def test_gradients(device, n, fused, offset, has_w):
     assert_grads_close((x, w, r), ref, ("x", "weight", "residual"))
 
 
+@pytest.mark.parametrize("used", [0, 1])
+def test_gradients_through_one_output(device, used):
+    """With a residual, only y or only residual_out reaching the loss (the other's gradient: None, zero)."""
+    x = randn(4, 33, device=device).requires_grad_()
+    w = randn(33, device=device, seed=1).requires_grad_()
+    r = randn(4, 33, device=device, seed=2).requires_grad_()
+    up = randn(4, 33, device=device, seed=11)
+    (rms_norm(x, w, 1e-6, r)[used] * up).sum().backward()
+    ups = [up if i == used else torch.zeros_like(up) for i in range(2)]
+    ref = reference_grads(lambda a, b, c: rms_norm_ref(a, b, 1e-6, c), (x, w, r), ups)
+    assert_grads_close((x, w, r), ref, ("x", "weight", "residual"))
+
+
 def test_weight_gradient_in_weight_dtype(device):
     x = randn(4, 64, dtype=torch.bfloat16, device=device).requires_grad_()
     w = randn(64, device=device, seed=1).requires_grad_()  # fp32 master weight, bf16 activations

@@ -180,6 +180,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, mean, rstd)
     ctx.weight_offset = weight_offset
     ctx.x_dtype = x.dtype
+    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (two or one
+    # fill kernels a backward, PERF.md v24); dy and dh then come as None where their output went unused.
+    ctx.set_materialize_grads(False)
     ctx.residual_dtype = None if residual is None else residual.dtype
     # dweight and dbias come back in their parameter's dtype (fp32 when absent).
     ctx.param_dtype = torch.float32 if weight is None else weight.dtype
@@ -188,6 +191,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only residual_out reached the loss
+        dy = h.new_zeros(h.shape, dtype=ctx.x_dtype)
     _, need_w, need_b, need_r = ctx.needs_input_grad[:4]
     need_w = need_w and weight is not None
     fused = ctx.residual_dtype is not None

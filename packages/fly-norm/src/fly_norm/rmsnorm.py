@@ -173,11 +173,16 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, rstd)
     ctx.weight_offset = weight_offset
     ctx.x_dtype = x.dtype
+    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (two or one
+    # fill kernels a backward, PERF.md v24); dy and dh then come as None where their output went unused.
+    ctx.set_materialize_grads(False)
     ctx.residual_dtype = None if residual is None else residual.dtype
 
 
 def _backward(ctx, dy, dh, _drstd):
     h, weight, rstd = ctx.saved_tensors
+    if dy is None:  # only residual_out reached the loss
+        dy = h.new_zeros(h.shape, dtype=ctx.x_dtype)
     need_dw = weight is not None and ctx.needs_input_grad[1]
     fused = ctx.residual_dtype is not None
     # With a residual, one gradient is both x's and the residual's: computed in

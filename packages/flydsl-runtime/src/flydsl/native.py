@@ -85,13 +85,19 @@ _api: dict = {"state": "idle", "capsule": None, "waiters": [], "error": None}
 def _torch_build_flags():
     """(compiler, flags, cache key material) of a module built against the installed torch's headers."""
     import torch
-    from torch.utils import cpp_extension
 
     cxx = env.read_external("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX)")
-    includes = [sysconfig.get_paths()["include"], *cpp_extension.include_paths()]
-    libs = cpp_extension.library_paths()
+    # torch's header and library folders as torch.utils.cpp_extension names them, without importing it: that
+    # imports setuptools, whose distutils shim takes itself off sys.meta_path while another thread may be
+    # walking it, so an import on the main thread finds nothing (seen on the H200: "No module named
+    # 'torch._dynamo.distributed'" while this ran on its background thread)
+    root = os.path.dirname(torch.__file__)
+    torch_include = os.path.join(root, "include")
+    includes = [sysconfig.get_paths()["include"], torch_include, os.path.join(torch_include, "torch", "csrc", "api",
+                                                                              "include")]  # fmt: skip
+    libs = [os.path.join(root, "lib")]
     abi = int(torch.compiled_with_cxx11_abi())
     flags = ["-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{d}" for d in includes],
              *[f"-L{d}" for d in libs], *[f"-Wl,-rpath,{d}" for d in libs],
