@@ -512,6 +512,54 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5))
 
 
+def test_staged_kernels_keep_the_pooled_slots_zeroed_for_each_other(device, monkeypatch):
+    """The staged kernels take their slots from the stream's two pooled buffers (no memset a launch): each
+    launch uses the all-zero one and zeroes the one the launch before it used. Backward and forward launches
+    interleaved on one stream, rows of several counts (the pool outgrown once, then smaller launches), and in
+    the interpreter a launch whose wait gives up (its slots left dirty): every result right, and after each
+    launch the buffer the next one takes all zeros. Three slices a row on a GPU, one (two for the give-up)
+    in the interpreter."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED", (512, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    monkeypatch.setattr(split, "_POOLS", {})
+    n = 1200 if device == "cuda" else 400
+    w = randn(n, device=device, seed=1)
+
+    def clean_buffer():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        (pool,) = split._POOLS.values()
+        return pool.bufs[pool.clean]
+
+    for i, m in enumerate([7, 7, 40, 3, 7, 90, 2]):
+        h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0, seed=10 + i) + 1.0
+        dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=20 + i)
+        hd = h.double()
+        rstd = torch.rsqrt(hd.pow(2).mean(-1) + 1e-6)
+        dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+        dwp, _ = split.launch_bwd_split(h, w, dy, None, None, rstd.float(), dx, True, False, 0.0, True)
+        xhat = hd * rstd[:, None]
+        g = dy.double() * w.double()
+        assert_rel_close(dx, (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:, None], name=f"dx {i}")
+        assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-5)
+        assert (clean_buffer() == 0).all()
+        y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+        assert split.launch_fwd_split(h, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
+        assert_rel_close(y, rms_norm_ref(h, w, 1e-6), name=f"y {i}")
+        assert (clean_buffer() == 0).all()
+    if device != "cuda":  # a wait that gives up: two slices, programs one at a time, 3 polls
+        monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+        monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+        y = empty_poisoned(5, n, dtype=torch.bfloat16, device=device)
+        x = randn(5, n, dtype=torch.bfloat16, device=device, seed=3)
+        assert split.launch_fwd_split(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
+        assert torch.isnan(y[:, :256]).all()
+        assert (clean_buffer() == 0).all()
+
+
 def _softmax_extremes(m, n, seed):
     """bf16 rows for the wide softmax: ordinary rows, a row with -inf entries, a row whose halves' maxima differ
     by ~80, an all -inf row (NaN, as torch.softmax), a row whose first half is -inf and the rest near -200 (a
