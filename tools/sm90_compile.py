@@ -143,7 +143,6 @@ def _bwd_staged(is_rms=True, dres=False, cfg=None):
     slice_cols, warps, stages = cfg or split.BWD_STAGED
     consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4)
     del consts["ROWS"]
-    sig = dict(sig, clear_ptr="*i64", clear_n="i32")
     if dres:
         del consts["dres_ptr"]
         sig = dict(sig, dres_ptr="*bf16")

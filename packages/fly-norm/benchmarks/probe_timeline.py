@@ -2,11 +2,14 @@
 
     python probe_timeline.py --ops layer_norm rms_norm --widths 16384 32768 --out DIR
 
-For each op and width (bf16, M * N = 2^27), the backward through autograd as the benchmark times it, run
-back to back: the time an iteration (CUDA events over the loop) and, from torch.profiler, every device
-activity an iteration launches (kernels and memsets) with its mean duration. What is left of the iteration
-after the activities is the gaps between them (launch latency, a grid's ramp and tail). Design probe, not
-the benchmark.
+For each op and width (bf16, M * N = 2^27), the backward through autograd as the benchmark times it: the
+time a call (the benchmark's timer: back to back, the host's launch overhead hidden) and, from
+torch.profiler, every device activity a call launches (kernels and memsets) with its mean duration. What is
+left of the call after the activities is the gaps between them (launch latency, a grid's ramp and tail).
+``--variants`` times the same calls with one of v24's host changes undone in this process (``nopdl``: the
+column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``: the
+statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
+memset a call). Design probe, not the benchmark.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from pathlib import Path
 import torch
 
 import fly_norm
+from fly_norm import layernorm, rmsnorm
+from fly_norm._kernels import norm, split
+from flydsl.autotune.timer import bench
 from flydsl_common.bench import copy_gbps
 
 _OPS = {
@@ -32,16 +38,49 @@ def _backward(y, leaves, dy):
     return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
 
-def _iteration_us(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+def _undo(variant: str, mp) -> None:
+    """Undo one v24 change in this process (``mp``: a list collecting (object, name, old value))."""
+
+    def patch(obj, name, value):
+        mp.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    if variant == "nopdl":
+        patch(norm, "_pdl", lambda device: {})
+    elif variant == "twosums":
+        one = norm.launch_sum_partials
+
+        def two(partials, out, partials2=None, out2=None, clear=None, stream=None):
+            one(partials, out, clear=clear)
+            if partials2 is not None:
+                one(partials2, out2)
+
+        patch(norm, "launch_sum_partials", two)
+    elif variant == "materialize":
+        for mod in (layernorm, rmsnorm):
+            setup = mod._setup_context
+
+            def again(ctx, inputs, output, setup=setup):
+                setup(ctx, inputs, output)
+                ctx.set_materialize_grads(True)
+
+            name = "layer_norm_fwd" if mod is layernorm else "rms_norm_fwd"
+            torch.library.register_autograd(f"fly_norm::{name}", mod._backward, setup_context=again)
+            mp.append((None, name, (mod, setup)))
+    elif variant == "nopool":
+        patch(split, "take_slots", lambda words, device: None)
+    elif variant != "shipped":
+        raise SystemExit(f"unknown variant {variant}")
+
+
+def _redo(mp) -> None:
+    for obj, name, old in reversed(mp):
+        if obj is None:
+            mod, setup = old
+            torch.library.register_autograd(f"fly_norm::{name}", mod._backward, setup_context=setup)
+        else:
+            setattr(obj, name, old)
+    mp.clear()
 
 
 def _activities(fn, iters: int) -> list[dict]:
@@ -68,34 +107,34 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(_OPS))
     ap.add_argument("--widths", nargs="+", type=int, default=[16384, 32768])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--variants", nargs="+", default=["shipped"])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     copy = copy_gbps(2 * 2 * (1 << 27), torch.device("cuda"))
     rows = []
-    for op in args.ops:
+    for op, n, variant in [(o, n, v) for o in args.ops for n in args.widths for v in args.variants]:
         n_params, f = _OPS[op]
-        for n in args.widths:
-            m = (1 << 27) // n
-            x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            params = [torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(n_params)]
-            dy = torch.randn_like(x)
-            fn = _backward(f(x, params), [x, *params], dy)
-            it = _iteration_us(fn, args.iters)
-            acts = _activities(fn, args.iters)
-            busy = sum(a["per_iter"] * a["mean_us"] for a in acts)
-            nbytes = 2 * 3 * m * n + 2 * 2 * n_params * n + 8 * m
-            row = {
-                "op": op, "N": n, "M": m, "iteration_us": it, "activities_us": busy, "gaps_us": it - busy,
-                "pct_of_copy": 100 * nbytes / (it * 1e-6) / (copy * 1e9), "activities": acts,
-            }  # fmt: skip
-            rows.append(row)
-            print(f"{op} N={n}: iteration {it:.1f} us, activities {busy:.1f}, gaps {it - busy:.1f}, "
-                  f"{row['pct_of_copy']:.1f}% of copy")  # fmt: skip
-            for a in acts:
-                print(f"    {a['per_iter']:.0f} x {a['mean_us']:7.2f} us  {a['name']}")
-            del x, params, dy, fn
-            torch.cuda.empty_cache()
+        m = (1 << 27) // n
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        params = [torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(n_params)]
+        dy = torch.randn_like(x)
+        undo: list = []
+        _undo(variant, undo)
+        fn = _backward(f(x, params), [x, *params], dy)
+        it = bench(fn).median_us
+        acts = _activities(fn, args.iters)
+        _redo(undo)
+        busy = sum(a["per_iter"] * a["mean_us"] for a in acts)
+        nbytes = 2 * 3 * m * n + 2 * 2 * n_params * n + 8 * m
+        pct = 100 * nbytes / (it * 1e-6) / (copy * 1e9)
+        rows.append({"variant": variant, "op": op, "N": n, "M": m, "call_us": it, "activities_us": busy,
+                     "gaps_us": it - busy, "pct_of_copy": pct, "activities": acts})  # fmt: skip
+        print(f"{variant} {op} N={n}: call {it:.1f} us ({pct:.1f}% of copy), activities {busy:.1f}")
+        for a in acts:
+            print(f"    {a['per_iter']:.0f} x {a['mean_us']:7.2f} us  {a['name']}")
+        del x, params, dy, fn
+        torch.cuda.empty_cache()
     (args.out / "probe-timeline.json").write_text(json.dumps({"copy_gbps": copy, "rows": rows}, indent=1))
 
 

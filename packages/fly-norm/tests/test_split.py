@@ -512,52 +512,62 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5))
 
 
-def test_staged_kernels_keep_the_pooled_slots_zeroed_for_each_other(device, monkeypatch):
-    """The staged kernels take their slots from the stream's two pooled buffers (no memset a launch): each
-    launch uses the all-zero one and zeroes the one the launch before it used. Backward and forward launches
-    interleaved on one stream, rows of several counts (the pool outgrown once, then smaller launches), and in
-    the interpreter a launch whose wait gives up (its slots left dirty): every result right, and after each
-    launch the buffer the next one takes all zeros. Three slices a row on a GPU, one (two for the give-up)
-    in the interpreter."""
+def test_pooled_slots_are_lent_once_and_zeroed_by_the_column_sums(device, monkeypatch):
+    """The staged backward's pooled slots (split.take_slots): all zeros when lent, not lent again before they
+    are given back (that launch takes fresh zeros), a larger request gets a larger buffer; the column-sum
+    kernel zeroes the buffer it is given while it sums (the partials' sums right)."""
+    from fly_norm._kernels import norm, split
+
+    monkeypatch.setattr(split, "_POOLS", {})
+    a = split.take_slots(100, device)
+    assert a.numel() == 100 and (a == 0).all()
+    assert split.take_slots(10, device) is None  # lent
+    a.fill_(7)
+    partials = randn(5, 300, device=device)
+    out = empty_poisoned(300, dtype=torch.float32, device=device)
+    norm.launch_sum_partials(partials, out, clear=a)
+    assert (a == 0).all()
+    assert_rel_close(out, partials.double().sum(0))
+    split.give_back_slots(a)
+    b = split.take_slots(60, device)
+    assert b.data_ptr() == a.data_ptr() and (b == 0).all()
+    split.give_back_slots(b)
+    c = split.take_slots(1000, device)  # outgrown: a new buffer
+    assert c.numel() == 1000 and (c == 0).all()
+    c[:5] = 1
+    q = randn(5, 300, device=device, seed=3)
+    norm.launch_sum_partials(partials, out, q, out2 := empty_poisoned(300, dtype=torch.float32, device=device),
+                             clear=c)  # fmt: skip
+    assert (c == 0).all()
+    assert_rel_close(out2, q.double().sum(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms):
+    """The public backward through the staged kernel (16K + 2 and 32K columns), call after call with row
+    counts that grow (the pool outgrown) and shrink: dx, dweight (and dbias) right every time, and after each
+    call the stream's pooled slots all zeros again and free to lend."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
-    monkeypatch.setattr(split, "FWD_STAGED", (512, 4, 3))
-    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     monkeypatch.setattr(split, "_POOLS", {})
-    n = 1200 if device == "cuda" else 400
-    w = randn(n, device=device, seed=1)
-
-    def clean_buffer():
-        if device == "cuda":
-            torch.cuda.synchronize()
-        (pool,) = split._POOLS.values()
-        return pool.bufs[pool.clean]
-
-    for i, m in enumerate([7, 7, 40, 3, 7, 90, 2]):
-        h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0, seed=10 + i) + 1.0
-        dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=20 + i)
-        hd = h.double()
-        rstd = torch.rsqrt(hd.pow(2).mean(-1) + 1e-6)
-        dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-        dwp, _ = split.launch_bwd_split(h, w, dy, None, None, rstd.float(), dx, True, False, 0.0, True)
-        xhat = hd * rstd[:, None]
-        g = dy.double() * w.double()
-        assert_rel_close(dx, (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:, None], name=f"dx {i}")
-        assert_rel_close(dwp.sum(0), (dy.double() * xhat).sum(0), tol=1e-5)
-        assert (clean_buffer() == 0).all()
-        y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-        assert split.launch_fwd_split(h, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
-        assert_rel_close(y, rms_norm_ref(h, w, 1e-6), name=f"y {i}")
-        assert (clean_buffer() == 0).all()
-    if device != "cuda":  # a wait that gives up: two slices, programs one at a time, 3 polls
-        monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
-        monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
-        y = empty_poisoned(5, n, dtype=torch.bfloat16, device=device)
-        x = randn(5, n, dtype=torch.bfloat16, device=device, seed=3)
-        assert split.launch_fwd_split(x, None, w, None, None, y, None, None, None, None, 1e-6, 0.0, True, 0, 127.0)
-        assert torch.isnan(y[:, :256]).all()
-        assert (clean_buffer() == 0).all()
+    for i, (m, n) in enumerate([(64, 16386), (64, 16386), (300, 32768), (5, 16386), (130, 32768)]):
+        x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=i) + 0.5
+        w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
+        b = None if is_rms else randn(n, dtype=torch.bfloat16, device="cuda", seed=2).requires_grad_()
+        dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=10 + i)
+        xs = x.clone().requires_grad_()
+        out = rms_norm(xs, w) if is_rms else layer_norm(xs, w, b)
+        out.backward(dy)
+        torch.cuda.synchronize()
+        (entry,) = split._POOLS.values()
+        assert not entry[1] and (entry[0] == 0).all(), f"call {i}"
+        leaves = (x, w) if is_rms else (x, w, b)
+        fn = (lambda a, c: rms_norm_ref(a, c)) if is_rms else (lambda a, c, d: layer_norm_ref(a, c, d))
+        ref = reference_grads(fn, leaves, (dy,))
+        got = (xs.grad, w.grad) if is_rms else (xs.grad, w.grad, b.grad)
+        for g, r, name in zip(got, ref, ("dx", "dweight", "dbias"), strict=False):
+            assert_rel_close(g, r, tol=2 * tolerance(torch.bfloat16), name=f"{name} {i}")
 
 
 def _softmax_extremes(m, n, seed):

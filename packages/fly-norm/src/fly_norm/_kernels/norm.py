@@ -88,6 +88,7 @@ from .passes import (
 from .split import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
+    give_back_slots,
     launch_bwd_split,
     launch_fwd_split,
     split_applies,
@@ -511,15 +512,26 @@ def _norm_bwd_kernel(
                 fx.store(dbp_ptr + part + c, db, mask=c < N)
 
 
-@flyc.kernel
-def _sum_partials_kernel(p_ptr, out_ptr, q_ptr, out2_ptr, P, N, BLOCK_P: fx.constexpr, BLOCK_N: fx.constexpr):
+@flyc.kernel(do_not_specialize=["clear_n"])
+def _sum_partials_kernel(
+    p_ptr, out_ptr, q_ptr, out2_ptr, clear_ptr, P, N, clear_n, BLOCK_P: fx.constexpr, BLOCK_N: fx.constexpr
+):  # fmt: skip
     """out[c] = sum_p partials[p, c] in fp32 for a narrow band of columns, in a fixed order (deterministic);
     the programs of grid axis 1 index 1 sum q into out2 (dweight's and dbias's partials in one launch).
+    Every program also zeroes its share of the ``clear_n`` int64 words at ``clear_ptr`` (the split
+    backward's pooled slots, split.take_slots).
 
     Each step sums a [BLOCK_P, BLOCK_N] tile over its rows: the bands are
     narrow so that there are enough programs to keep every SM loading.
     """
     pdl_wait()  # launched with PDL (launch_sum_partials): the partials are the kernel before's
+    programs = fx.num_programs(0) * fx.num_programs(1)
+    per = (clear_n + programs - 1) // programs
+    first = (fx.program_id(1) * fx.num_programs(0) + fx.program_id(0)) * per
+    last = fx.minimum(first + per, clear_n)
+    for i in range(first, last, 256):
+        w = i + fx.arange(0, 256)
+        fx.store(clear_ptr + w, fx.zeros([256], dtype=fx.int64), mask=w < last)
     if fx.program_id(1) == 1:
         p_ptr = q_ptr
         out_ptr = out2_ptr
@@ -698,10 +710,11 @@ def launch_bwd(
 
 
 @flyc.jit(skip_empty=False)
-def launch_sum_partials(partials, out, partials2=None, out2=None, stream=None):
+def launch_sum_partials(partials, out, partials2=None, out2=None, clear=None, stream=None):
     """out[N] (any float dtype) = partials[P, N].sum(0) in fp32, deterministic; with ``partials2`` (the same
     shape) and ``out2`` (out's dtype), out2 = partials2.sum(0) in the same launch (a launch and its gap fewer
-    a LayerNorm backward: ~4.5 us on the H200, PERF.md v24).
+    a LayerNorm backward, PERF.md v24). ``clear``: an int64 buffer the launch also zeroes (the split
+    backward's pooled slots).
 
     Column bands of 16-128 columns, about two per SM, each summing
     [2048 / band, band] tiles (16 fp32 a thread at 4 warps). The band depends
@@ -715,7 +728,8 @@ def launch_sum_partials(partials, out, partials2=None, out2=None, stream=None):
     two = partials2 is not None
     flyc.launch(
         _sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out, partials2 if two else partials,
-        out2 if two else out, p, n, BLOCK_P=2048 // band, BLOCK_N=band, num_warps=4, **_pdl(partials.device),
+        out2 if two else out, partials if clear is None else clear, p, n, 0 if clear is None else clear.numel(),
+        BLOCK_P=2048 // band, BLOCK_N=band, num_warps=4, **_pdl(partials.device),
     )  # fmt: skip
 
 
@@ -1038,13 +1052,15 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
         return
     dev = h2.device
     split = None
+    lent = None
     cfg, pipelined = _bwd_plan(h2, weight, dy2, dres2, dx2, is_rms, cfg)
     if not pipelined and split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave
         split = launch_bwd_split(
-            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms
+            h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms,
+            pooled=True,
         )  # fmt: skip
     if split is not None:
-        dwp, dbp = split
+        dwp, dbp, lent = split
     else:
         scratch = None if cfg.single_pass else torch.empty(2, m, dtype=torch.float32, device=dev)
         per_sm = bwd_resident(
@@ -1058,11 +1074,13 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
             h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg, pipelined
         )  # fmt: skip
     if dwp is not None and dbp is not None and dweight.dtype == dbias.dtype:
-        launch_sum_partials(dwp, dweight, dbp, dbias)
+        launch_sum_partials(dwp, dweight, dbp, dbias, clear=lent)
     elif dwp is not None or dbp is not None:
         for part, out in ((dwp, dweight), (dbp, dbias)):
             if part is not None:
-                launch_sum_partials(part, out)
+                launch_sum_partials(part, out, clear=lent)
+    if lent is not None:
+        give_back_slots(lent)
 
 
 def norm_backward(

@@ -77,7 +77,6 @@ from flydsl_common.device import (
     collect_from,
     collect_pairs_from,
     collect_sum,
-    pdl_launch_dependents,
     peek,
     publish,
     publish_pair,
@@ -540,19 +539,6 @@ def _norm_bwd_tiled_kernel(
 
 
 @flyc.func
-def _clear_next(clear_ptr, clear_n):
-    """Zero this program's share of the first ``clear_n`` int64 words at ``clear_ptr``: the slot buffer the
-    previous launch on this stream used, which the next one takes (:func:`_pool_take`; ``clear_n`` 0: none).
-    Before the row loop, outside the pipelined loop; ~1 KB a program at 16K-256K columns."""
-    per = (clear_n + fx.num_programs(0) - 1) // fx.num_programs(0)
-    start = fx.program_id(0) * per
-    end = fx.minimum(start + per, clear_n)
-    offs = fx.arange(0, 1024)
-    for i in range(start, end, 1024):
-        fx.store(clear_ptr + i + offs, fx.zeros([1024], dtype=fx.int64), mask=i + offs < end)
-
-
-@flyc.func
 def _staged_pass1(
     h_ptr, dy_ptr, mean_ptr, rstd_ptr, slot_ptr, row, M, c2, ok2, we, wo, part, stride_h, stride_dy,
     IS_RMS: fx.constexpr, PARTS_POW2: fx.constexpr, PAIR: fx.constexpr,
@@ -612,12 +598,11 @@ def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
 
 
 # fmt: off
-@flyc.kernel(do_not_specialize=["M", "clear_n"])
+@flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_staged_kernel(
     h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # bf16 rows; fp32 statistics (None when absent)
     dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,                   # dx, [groups, N] weight-gradient partials, row slots
     M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
-    clear_ptr, clear_n,                                   # the other pooled slot buffer, zeroed for the next launch
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
     STAGES: fx.constexpr, PAIR: fx.constexpr = True,
@@ -632,7 +617,6 @@ def _norm_bwd_staged_kernel(
     # LayerNorm's PAIR form (_staged_pass1) is a register or two heavier: with a residual gradient it spills
     # (16 bytes, sm_90; H200 at 16K / 32K: 69 / 68% of copy against 92 / 91% without PAIR, PERF.md v22), so
     # the host passes PAIR only without one.
-    _clear_next(clear_ptr, clear_n)
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
     wo = load_weight(w_ptr, 2 * c2 + 1, ok2, weight_offset, HAS_WEIGHT, "")
@@ -682,7 +666,6 @@ def _norm_bwd_staged_kernel(
             dbe += de
             dbo += do
         hw, dyw, rstd, mean = hw_nx, dyw_nx, rstd_nx, mean_nx
-    pdl_launch_dependents()  # the column sums (launched with PDL) may launch while the wave stores its partials
     part_cols = row_offset(group, N) + 2 * c2
     if COMPUTE_DW:
         fx.store(dwp_ptr + part_cols, dwe, mask=ok2)
@@ -733,10 +716,10 @@ def _widened_each_row(words, rstd):
 
 
 # fmt: off
-@flyc.kernel(do_not_specialize=["M", "clear_n"])
+@flyc.kernel(do_not_specialize=["M"])
 def _norm_fwd_staged_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slot_ptr,
-    M, N, parts, stride_x, stride_y, eps, weight_offset, clear_ptr, clear_n,
+    M, N, parts, stride_x, stride_y, eps, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
 ):
@@ -746,7 +729,6 @@ def _norm_fwd_staged_kernel(
     # read before it. RMSNorm holds its weight in fp32; LayerNorm holds its bf16 weight and bias as words,
     # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns: PERF.md v16) and merges
     # the slices' (sum, M2) with Chan's formula. Part 0 of a row stores its statistics.
-    _clear_next(clear_ptr, clear_n)
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     n_mine = fx.minimum(N - part * SLICE, SLICE) * 1.0
     k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
@@ -837,7 +819,7 @@ def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
 
 
 def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1,
-                  programs: int | None = None, max_parts: int = SPLIT_MAX_PARTS, pooled: bool = False) -> int:
+                  programs: int | None = None, max_parts: int = SPLIT_MAX_PARTS, slots_of=None) -> int:
     """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
     launched, or 0 (nothing launched) when a row has more than ``max_parts`` slices or one wave cannot
     hold them all: the caller then takes its chunked path. A program takes ``tile_rows`` rows at a time.
@@ -845,9 +827,8 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
     ``build(slots, parts, parts_pow2, groups)`` returns the kernel's (args, meta); it is called once
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
     fp32 tensor: only dtypes and alignment decide the compiled specialization), then with the count.
-    ``programs`` (tests of a wait's give-up path): launch only the wave's first programs. ``pooled``: the
-    kernel takes (clear_ptr, clear_n) after build's arguments and clears them (:func:`_clear_next`); its
-    slots come from the stream's pool (:func:`_pool_take`), with no memset a launch.
+    ``programs`` (tests of a wait's give-up path): launch only the wave's first programs. ``slots_of(words)``:
+    where the zeroed slots come from (default: a fresh torch.zeros).
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
@@ -855,72 +836,16 @@ def _launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows:
         return 0
     pp = flyc.next_power_of_2(parts)
     words = m * stat_cols * pp
-    with _POOL_LOCK:  # the pool's state changes with the launch, in the stream's order
-        slots, clear, clear_n, commit = _pool_take(words, device) if pooled else _fresh_slots(words, device)
-        slots = slots.view(m, stat_cols * pp)
-        args, meta = build(slots, parts, pp, None)
-        extra = (clear, clear_n) if pooled else ()
-        wave = flyc.programs_per_sm(kernel, *args, *extra, **meta) * flydsl.arch.current(device).sm_count
-        if wave < parts:
-            return 0
-        groups = min(flyc.cdiv(m, tile_rows), wave // parts)
-        args, meta = build(slots, parts, pp, groups)
-        flyc.launch(kernel, (programs or groups * parts,), *args, *extra, **meta)
-        commit()
+    zeros = torch.zeros(words, dtype=torch.int64, device=device) if slots_of is None else slots_of(words)
+    slots = zeros.view(m, stat_cols * pp)
+    args, meta = build(slots, parts, pp, None)
+    wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
+    if wave < parts:
+        return 0
+    groups = min(flyc.cdiv(m, tile_rows), wave // parts)
+    args, meta = build(slots, parts, pp, groups)
+    flyc.launch(kernel, (programs or groups * parts,), *args, **meta)
     return groups
-
-
-# ------------------------------------------------------- pooled slot buffers
-#
-# A split launch's slots must read 0 (unpublished) when it starts: a fresh torch.zeros buffer is a memset
-# launch before every split kernel (~0.8 us and its gap on the H200, ~1.8 us of a 150-240 us call: PERF.md
-# v24). The staged kernels instead take their slots from two buffers a (device, stream): a launch uses the
-# buffer that is all zeros and zeroes the other, which the launch before it on the stream used (finished, in
-# stream order; only its dirtied words). Nothing it does to its own buffer matters, so a wait that gave up
-# leaves nothing stale behind. Under CUDA graph capture (replays would repeat one buffer choice) and on
-# streams past the pool's bound the slots are fresh zeros, as for the other split kernels.
-
-_POOL_LOCK = threading.Lock()
-_POOLS: dict = {}  # (device, stream) -> _SlotPool, oldest first
-_POOL_STREAMS = 16  # streams with a pool per process
-
-
-class _SlotPool:
-    __slots__ = ("bufs", "dirty", "clean")
-
-    def __init__(self, capacity: int, device):
-        self.bufs = torch.zeros(2, capacity, dtype=torch.int64, device=device)
-        self.dirty = [0, 0]  # words each buffer's last launch may have left nonzero
-        self.clean = 0  # the buffer that is all zeros
-
-
-def _fresh_slots(words: int, device):
-    """(zeroed slots, clear buffer, clear count, commit) of an unpooled launch: nothing to clear."""
-    slots = torch.zeros(words, dtype=torch.int64, device=device)
-    return slots, slots, 0, lambda: None
-
-
-def _pool_take(words: int, device):
-    """(all-zero slots of ``words`` words, the buffer to clear, its dirtied words, commit) from the current
-    stream's pool; ``commit()`` once the kernel is launched (it then holds the pool's next state)."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _fresh_slots(words, device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    pool = _POOLS.get(key)
-    if pool is None and len(_POOLS) >= _POOL_STREAMS:
-        return _fresh_slots(words, device)
-    if pool is None or pool.bufs.shape[1] < words:
-        # a new pool (both buffers zero); an outgrown one goes back to torch's allocator, in stream order
-        pool = _POOLS[key] = _SlotPool(max(words, 2 * (0 if pool is None else pool.bufs.shape[1])), device)
-    use = pool.clean
-    other = 1 - use
-
-    def commit():
-        pool.dirty[use], pool.dirty[other], pool.clean = words, 0, other
-
-    return pool.bufs[use, :words], pool.bufs[other], pool.dirty[other], commit
 
 
 @flyc.jit(skip_empty=False)
@@ -954,6 +879,48 @@ def launch_fwd_split(
     return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
 
 
+# ------------------------------------------------------- the staged backward's pooled slots
+#
+# A split launch's slots must read 0 (unpublished) when it starts: a fresh torch.zeros buffer is a memset
+# launch before the kernel (~0.8 us and its gap on the H200: PERF.md v24). The staged backward, whose launch
+# is always followed by the column sums of its weight gradients, instead takes one buffer a (device, stream)
+# that the column-sum kernel zeroes again after it (norm.launch_sum_partials' ``clear``), in stream order.
+# (Zeroing it inside the staged kernel itself slowed LayerNorm's by a third: 220 -> 293 us at 16K, v24.)
+# A buffer taken and not yet handed back (its sums not launched: another thread on the stream, or an
+# exception between) is not lent again: such a launch takes fresh zeros. Under CUDA graph capture (a replay
+# would find the buffer as the capture left it) and past the pool's bound: fresh zeros.
+
+_POOL_LOCK = threading.Lock()
+_POOLS: dict = {}  # (device, stream) -> [int64 buffer, lent]
+_POOL_STREAMS = 16
+
+
+def take_slots(words: int, device):
+    """An all-zero int64 buffer of ``words`` words from the current stream's pool, or None (not lent: see
+    above). The caller launches a kernel that zeroes the words it dirtied, then :func:`give_back_slots`."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    with _POOL_LOCK:
+        entry = _POOLS.get(key)
+        if entry is None and len(_POOLS) >= _POOL_STREAMS or entry is not None and entry[1]:
+            return None
+        if entry is None or entry[0].numel() < words:
+            size = max(words, 0 if entry is None else 2 * entry[0].numel())
+            entry = _POOLS[key] = [torch.zeros(size, dtype=torch.int64, device=device), False]
+        entry[1] = True
+        return entry[0][:words]
+
+
+def give_back_slots(slots) -> None:
+    """Hand a :func:`take_slots` buffer back once the kernel that zeroes it is launched."""
+    with _POOL_LOCK:
+        for entry in _POOLS.values():
+            if entry[0].data_ptr() == slots.data_ptr():
+                entry[1] = False
+
+
 def _fwd_staged(x2, y2, packed=None) -> bool:
     """Whether a plain norm forward's rows take the staged kernel: bf16, FWD_STAGED_MIN_N+ columns, word
     aligned, where a program may take the stages' shared memory (FWD_STAGED None: never). ``packed``: the
@@ -983,7 +950,7 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
                     STAGES=stages, num_warps=warps)  # fmt: skip
         return args, meta
 
-    return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device, pooled=True) > 0
+    return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
@@ -1025,12 +992,25 @@ def _staged(h2, dy2, dres2, dx2) -> bool:
 
 
 @flyc.jit(skip_empty=False)
-def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None):
+def launch_bwd_split(
+    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None, pooled=False
+):  # fmt: skip
     """Backward of either norm on [M, N] row views through the split path: writes dx2 and returns the
     [groups, N] fp32 weight-gradient partials (dw, db; None where not needed) for the caller's column sum,
-    or None when nothing was launched (see :func:`_launch_split`). ``M > 0``.
+    or None when nothing was launched (see :func:`_launch_split`). ``M > 0``. ``pooled`` (the caller's
+    column sum zeroes the slots): the staged kernel's slots from :func:`take_slots`, and a third value
+    returned, that buffer (None: fresh slots), which the caller's column-sum launch zeroes before it calls
+    :func:`give_back_slots`.
     """
     partials: dict = {}
+    lent: list = []
+
+    def slots_of(words):
+        buf = take_slots(words, h2.device) if pooled and staged and (need_dw or need_db) else None
+        if buf is None:
+            return torch.zeros(words, dtype=torch.int64, device=h2.device)
+        lent.append(buf)
+        return buf
 
     def build(slots, parts, pp, groups):
         m, n = h2.shape
@@ -1067,6 +1047,9 @@ def launch_bwd_split(h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weigh
     # against 92%); it and RMSNorm's staged kernel take one slot a slice, the rest two
     pair = dres2 is None
     one_slot = staged and (is_rms or pair)
-    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows, pooled=staged):
+    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows, slots_of=slots_of):
+        for buf in lent:  # nothing launched: the buffer is still all zeros
+            give_back_slots(buf)
         return None
-    return partials.get("dw"), partials.get("db")
+    out = partials.get("dw"), partials.get("db")
+    return (*out, lent[0] if lent else None) if pooled else out
