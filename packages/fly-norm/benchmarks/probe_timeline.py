@@ -9,7 +9,8 @@ left of the call after the activities is the gaps between them (launch latency, 
 ``--variants`` times the same calls with one of v24's host changes undone in this process (``nopdl``: the
 column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``: the
 statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
-memset a call). Design probe, not the benchmark.
+memset a call); ``onestep[-W]``: the column sums in one [next_pow2(groups), band] step a program, at W warps
+(PERF.md v24, Next 2). Design probe, not the benchmark.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def _undo(variant: str, mp) -> None:
             name = "layer_norm_fwd" if mod is layernorm else "rms_norm_fwd"
             torch.library.register_autograd(f"fly_norm::{name}", mod._backward, setup_context=again)
             mp.append((None, name, (mod, setup)))
+    elif variant.startswith("onestep"):  # onestep[-W]: each program sums its band's partials in one step
+        warps = int(variant.split("-")[1]) if "-" in variant else 4
+
+        def one_step(partials, out, partials2=None, out2=None, clear=None, stream=None):
+            import flydsl.compiler as flyc
+
+            p, n = partials.shape
+            block_p = min(256, flyc.next_power_of_2(p))  # one load step for up to 256 groups
+            band = max(16, 4096 // block_p)  # ~4096 partials a program
+            two = partials2 is not None
+            flyc.launch(
+                norm._sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out,
+                partials2 if two else partials, out2 if two else out, partials if clear is None else clear, p, n,
+                0 if clear is None else clear.numel(), BLOCK_P=block_p, BLOCK_N=band, num_warps=warps,
+                **norm._pdl(partials.device),
+            )  # fmt: skip
+
+        patch(norm, "launch_sum_partials", one_step)
     elif variant == "nopool":
         patch(split, "take_slots", lambda words, device: None)
     elif variant != "shipped":
