@@ -149,6 +149,23 @@ def test_low_level_launch_writes_every_element(device):
             assert_rel_close(out, ref, name=name)
 
 
+def test_low_level_backward_with_dweight_and_dbias_in_different_dtypes(device):
+    """dweight in fp32 and dbias in bf16 (the seed builders' outputs may differ): their column sums then
+    take a launch each (one launch serves both only in one dtype)."""
+    x = randn(6, 300, device=device) * 2
+    w, b = affine(300, torch.float32, device)
+    dy = randn(6, 300, device=device, seed=4)
+    mean, rstd = x.double().mean(-1).float(), torch.rsqrt(x.double().var(-1, unbiased=False) + 1e-5).float()
+    dx = empty_poisoned(6, 300, dtype=torch.float32, device=device)
+    dw = empty_poisoned(300, dtype=torch.float32, device=device)
+    db = empty_poisoned(300, dtype=torch.bfloat16, device=device)
+    layernorm_bwd(x, w, dy, mean, rstd, dx, dw, db)
+    gx, gw, gb = reference_grads(lambda a, c, d: layer_norm_ref(a, c, d), (x, w, b), (dy,))
+    assert_rel_close(dx, gx, name="dx")
+    assert_rel_close(dw, gw, name="dweight")
+    assert_rel_close(db, gb, tol=tolerance(torch.bfloat16), name="dbias")
+
+
 # ---------------------------------------------------------------- backward
 
 # (N, residual, weight_offset, weight, bias, chunked): odd widths, fused residual, (1 + w),

@@ -1073,12 +1073,12 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
         launch_bwd(
             h2, weight, dy2, dres2, mean, rstd, dx2, dwp, dbp, scratch, weight_offset, is_rms, programs, cfg, pipelined
         )  # fmt: skip
-    if dwp is not None and dbp is not None and dweight.dtype == dbias.dtype:
+    sums = [(part, out) for part, out in ((dwp, dweight), (dbp, dbias)) if part is not None]
+    if len(sums) == 2 and dweight.dtype == dbias.dtype:
         launch_sum_partials(dwp, dweight, dbp, dbias, clear=lent)
-    elif dwp is not None or dbp is not None:
-        for part, out in ((dwp, dweight), (dbp, dbias)):
-            if part is not None:
-                launch_sum_partials(part, out, clear=lent)
+    else:  # the first launch zeroes the pooled slots
+        for i, (part, out) in enumerate(sums):
+            launch_sum_partials(part, out, clear=lent if i == 0 else None)
     if lent is not None:
         give_back_slots(lent)
 
