@@ -1,16 +1,17 @@
 """Probe: where a backward call's device time goes, kernel by kernel.
 
-    python probe_timeline.py --ops layer_norm rms_norm --widths 16384 32768 --out DIR
+    python probe_timeline.py --ops layer_norm rms_norm --widths 16384 32768 --out DIR [--forward]
 
-For each op and width (bf16, M * N = 2^27), the backward through autograd as the benchmark times it: the
+For each op and width (bf16, M * N = 2^27), the backward through autograd (``--forward``: the forward
+without gradients) as the benchmark times it: the
 time a call (the benchmark's timer: back to back, the host's launch overhead hidden) and, from
 torch.profiler, every device activity a call launches (kernels and memsets) with its mean duration. What is
 left of the call after the activities is the gaps between them (launch latency, a grid's ramp and tail).
 ``--variants`` times the same calls with one of v24's host changes undone in this process (``nopdl``: the
 column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``: the
 statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
-memset a call); ``onestep[-W]``: the column sums in one [next_pow2(groups), band] step a program, at W warps
-(PERF.md v24, Next 2). Design probe, not the benchmark.
+memset a call); ``v24sums``: v24's column sums (three dependent [32, 64] steps a program at 16K, before
+v25's one step). Design probe, not the benchmark.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ _OPS = {
     "rms_norm": (1, lambda x, p: fly_norm.rms_norm(x, p[0])),
     "softmax": (0, lambda x, p: fly_norm.softmax(x)),
 }
+
+
+def _forward(f, x, params):
+    return lambda: f(x, params)
 
 
 def _backward(y, leaves, dy):
@@ -68,24 +73,24 @@ def _undo(variant: str, mp) -> None:
             name = "layer_norm_fwd" if mod is layernorm else "rms_norm_fwd"
             torch.library.register_autograd(f"fly_norm::{name}", mod._backward, setup_context=again)
             mp.append((None, name, (mod, setup)))
-    elif variant.startswith("onestep"):  # onestep[-W]: each program sums its band's partials in one step
-        warps = int(variant.split("-")[1]) if "-" in variant else 4
+    elif variant == "v24sums":  # v24's column sums: bands of 16-128 columns, [2048 / band, band] steps
 
-        def one_step(partials, out, partials2=None, out2=None, clear=None, stream=None):
+        def v24_sums(partials, out, partials2=None, out2=None, clear=None, stream=None):
+            import flydsl.arch
             import flydsl.compiler as flyc
 
             p, n = partials.shape
-            block_p = min(256, flyc.next_power_of_2(p))  # one load step for up to 256 groups
-            band = max(16, 4096 // block_p)  # ~4096 partials a program
+            sms = flydsl.arch.current(partials.device).sm_count
+            band = max(16, min(128, flyc.next_power_of_2(flyc.cdiv(n, 2 * sms))))
             two = partials2 is not None
             flyc.launch(
                 norm._sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out,
                 partials2 if two else partials, out2 if two else out, partials if clear is None else clear, p, n,
-                0 if clear is None else clear.numel(), BLOCK_P=block_p, BLOCK_N=band, num_warps=warps,
+                0 if clear is None else clear.numel(), BLOCK_P=2048 // band, BLOCK_N=band, num_warps=4,
                 **norm._pdl(partials.device),
             )  # fmt: skip
 
-        patch(norm, "launch_sum_partials", one_step)
+        patch(norm, "launch_sum_partials", v24_sums)
     elif variant == "nopool":
         patch(split, "take_slots", lambda words, device: None)
     elif variant != "shipped":
@@ -127,6 +132,7 @@ def main() -> None:
     ap.add_argument("--widths", nargs="+", type=int, default=[16384, 32768])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--variants", nargs="+", default=["shipped"])
+    ap.add_argument("--forward", action="store_true", help="time the forward (no gradient) instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -140,15 +146,20 @@ def main() -> None:
         dy = torch.randn_like(x)
         undo: list = []
         _undo(variant, undo)
-        fn = _backward(f(x, params), [x, *params], dy)
+        if args.forward:
+            fn = _forward(f, x.detach(), [p.detach() for p in params])
+            nbytes = 2 * 2 * m * n + 2 * n_params * n
+        else:
+            fn = _backward(f(x, params), [x, *params], dy)
+            nbytes = 2 * 3 * m * n + 2 * 2 * n_params * n + 8 * m
         it = bench(fn).median_us
         acts = _activities(fn, args.iters)
         _redo(undo)
         busy = sum(a["per_iter"] * a["mean_us"] for a in acts)
-        nbytes = 2 * 3 * m * n + 2 * 2 * n_params * n + 8 * m
         pct = 100 * nbytes / (it * 1e-6) / (copy * 1e9)
-        rows.append({"variant": variant, "op": op, "N": n, "M": m, "call_us": it, "activities_us": busy,
-                     "gaps_us": it - busy, "pct_of_copy": pct, "activities": acts})  # fmt: skip
+        rows.append({"variant": variant, "op": op, "pass": "forward" if args.forward else "backward", "N": n,
+                     "M": m, "call_us": it, "activities_us": busy, "gaps_us": it - busy, "pct_of_copy": pct,
+                     "activities": acts})  # fmt: skip
         print(f"{variant} {op} N={n}: call {it:.1f} us ({pct:.1f}% of copy), activities {busy:.1f}")
         for a in acts:
             print(f"    {a['per_iter']:.0f} x {a['mean_us']:7.2f} us  {a['name']}")

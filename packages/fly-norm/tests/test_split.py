@@ -542,6 +542,27 @@ def test_pooled_slots_are_lent_once_and_zeroed_by_the_column_sums(device, monkey
     assert_rel_close(out2, q.double().sum(0))
 
 
+@pytest.mark.parametrize("p", [1, 7, 66, 256, 257, 600])
+@pytest.mark.parametrize("n", [1, 33, 1000])
+def test_column_sums_of_any_shape(device, p, n):
+    """launch_sum_partials over one step (P <= 256: a [next_pow2(P), band] tile) and several (P > 256), with a
+    band wider or narrower than N: each column's fp32 sum right, in bf16 and fp32 outputs, and the same bits
+    on a second launch (a fixed order)."""
+    from fly_norm._kernels import norm
+
+    partials = randn(p, n, device=device, seed=p + n)
+    q = randn(p, n, device=device, seed=p * n + 1)
+    out = empty_poisoned(n, dtype=torch.float32, device=device)
+    out2 = empty_poisoned(n, dtype=torch.bfloat16, device=device)
+    norm.launch_sum_partials(partials, out)
+    assert_rel_close(out, partials.double().sum(0))
+    again = empty_poisoned(n, dtype=torch.float32, device=device)
+    norm.launch_sum_partials(partials, again)
+    assert torch.equal(out, again)
+    norm.launch_sum_partials(partials, empty_poisoned(n, dtype=torch.bfloat16, device=device), q, out2)
+    assert_rel_close(out2, q.double().sum(0))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
 def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms):

@@ -716,20 +716,22 @@ def launch_sum_partials(partials, out, partials2=None, out2=None, clear=None, st
     a LayerNorm backward, PERF.md v24). ``clear``: an int64 buffer the launch also zeroes (the split
     backward's pooled slots).
 
-    Column bands of 16-128 columns, about two per SM, each summing
-    [2048 / band, band] tiles (16 fp32 a thread at 4 warps). The band depends
-    on N and the SM count only, so a given shape always sums in one order.
+    Each program sums a band of columns over every row in [block_p, band] tiles: block_p = next_pow2(P) up
+    to 256 (one step for up to 256 partials, no dependent loads), the band narrowed to keep ~4096 partials a
+    step (32 fp32 a thread at 4 warps) and at least 16 columns. At 16K / 32K columns (66 / 33 partials) one
+    step measured 4.0 / 4.5 us against 5.0 / 6.5 for v24's three dependent [32, 64] steps (PERF.md v25).
+    The tile depends on P only, so a given shape always sums in one order.
     """
     p, n = partials.shape
     if n == 0:
         return
-    sms = flydsl.arch.current(partials.device).sm_count
-    band = max(16, min(128, flyc.next_power_of_2(flyc.cdiv(n, 2 * sms))))
+    block_p = min(256, flyc.next_power_of_2(p))
+    band = max(16, 4096 // block_p)
     two = partials2 is not None
     flyc.launch(
         _sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out, partials2 if two else partials,
         out2 if two else out, partials if clear is None else clear, p, n, 0 if clear is None else clear.numel(),
-        BLOCK_P=2048 // band, BLOCK_N=band, num_warps=4, **_pdl(partials.device),
+        BLOCK_P=block_p, BLOCK_N=band, num_warps=4, **_pdl(partials.device),
     )  # fmt: skip
 
 
