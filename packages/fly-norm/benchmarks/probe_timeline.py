@@ -7,11 +7,11 @@ without gradients) as the benchmark times it: the
 time a call (the benchmark's timer: back to back, the host's launch overhead hidden) and, from
 torch.profiler, every device activity a call launches (kernels and memsets) with its mean duration. What is
 left of the call after the activities is the gaps between them (launch latency, a grid's ramp and tail).
-``--variants`` times the same calls with one of v24's host changes undone in this process (``nopdl``: the
-column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``: the
-statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
-memset a call); ``v24sums``: v24's column sums (three dependent [32, 64] steps a program at 16K, before
-v25's one step). Design probe, not the benchmark.
+``--variants`` times the same calls with one of v24-v25's host changes undone in this process (``nopdl``:
+the column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``:
+the statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
+memset a call; ``nofwdpool``: the same for the staged forward, v25; ``v24sums``: v24's column sums, three
+dependent [32, 64] steps a program at 16K, before v25's one step). Design probe, not the benchmark.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def _undo(variant: str, mp) -> None:
         patch(norm, "launch_sum_partials", v24_sums)
     elif variant == "nopool":
         patch(split, "take_slots", lambda words, device: None)
+    elif variant == "nofwdpool":
+        patch(split, "take_fwd_slots", lambda words, device: None)
     elif variant != "shipped":
         raise SystemExit(f"unknown variant {variant}")
 

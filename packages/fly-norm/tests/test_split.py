@@ -542,6 +542,87 @@ def test_pooled_slots_are_lent_once_and_zeroed_by_the_column_sums(device, monkey
     assert_rel_close(out2, q.double().sum(0))
 
 
+def test_forward_slot_pairs_are_taken_in_turn(device, monkeypatch):
+    """The staged forward's pooled slots (split.take_fwd_slots), host logic: an all-zero buffer and nothing to
+    zero at first; not lent twice; after a launch the other buffer, with the first one's dirtied words to
+    zero; a launch that did not happen changes nothing; a larger request grows the buffer in turn."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "_FWD_POOLS", {})
+    a, clear = split.take_fwd_slots(100, device)
+    assert a.numel() == 100 and (a == 0).all() and clear.numel() == 0
+    assert split.take_fwd_slots(10, device) is None  # lent
+    split.give_back_fwd_slots(a, launched=True)  # a launch dirtied a's 100 words
+    b, clear = split.take_fwd_slots(60, device)
+    assert b.data_ptr() != a.data_ptr() and (b == 0).all()
+    assert clear.data_ptr() == a.data_ptr() and clear.numel() == 100
+    split.give_back_fwd_slots(b, launched=False)  # not launched: b still next, a's words still to zero
+    b2, clear = split.take_fwd_slots(50, device)
+    assert b2.data_ptr() == b.data_ptr() and clear.numel() == 100
+    split.give_back_fwd_slots(b2, launched=True)
+    a2, clear = split.take_fwd_slots(1000, device)  # a outgrown: a new buffer, b's 50 words to zero
+    assert a2.numel() == 1000 and (a2 == 0).all() and clear.data_ptr() == b.data_ptr() and clear.numel() == 50
+    split.give_back_fwd_slots(a2, launched=True)
+    (pair,) = split._FWD_POOLS.values()
+    assert not pair.lent and pair.turn == 1 and pair.dirty == [1000, 0]
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_staged_forward_pooled_slots_over_many_calls(device, monkeypatch, is_rms):
+    """The staged forward through its pooled slots, call after call with row counts that grow (a buffer
+    outgrown) and shrink: y, mean and rstd right every time; after each call the buffer the next call takes
+    is all zeros, and the launch zeroed what the one before it had dirtied. Three slices a row on a GPU (the
+    last short), one in the interpreter."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
+    monkeypatch.setattr(split, "_FWD_POOLS", {})
+    n = 200 if flyc.interpreting() else 700
+    for i, m in enumerate([9, 9, 40, 3, 17]):
+        x = (randn(m, n, device=device, scale=2.0, seed=i) + 0.5).bfloat16()
+        w = randn(n, dtype=torch.bfloat16, device=device, seed=1)
+        b = None if is_rms else randn(n, dtype=torch.bfloat16, device=device, seed=2)
+        y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
+        mean = None if is_rms else empty_poisoned(m, dtype=torch.float32, device=device)
+        rstd = empty_poisoned(m, dtype=torch.float32, device=device)
+        assert split.launch_fwd_split(x, None, w, b, None, y, None, mean, rstd, None, 1e-5, 0.0, is_rms, 0, 127.0)
+        (pair,) = split._FWD_POOLS.values()
+        nxt = pair.bufs[pair.turn]  # None until a second call
+        assert not pair.lent and pair.dirty[pair.turn] == 0 and (nxt is None or (nxt == 0).all()), f"call {i}"
+        parts = flyc.cdiv(n, 256)
+        used = pair.bufs[1 - pair.turn][: pair.dirty[1 - pair.turn]].view(m, -1)
+        assert used.shape[1] == flyc.next_power_of_2(parts) and (used[:, :parts] != 0).all(), f"call {i}"
+        ref = rms_norm_ref(x, w, 1e-5) if is_rms else layer_norm_ref(x, w, b, 1e-5)
+        assert_rel_close(y, ref, name=f"y {i}")
+        xd = x.double()
+        if is_rms:
+            assert_rel_close(rstd, torch.rsqrt(xd.square().mean(-1) + 1e-5), name=f"rstd {i}")
+        else:
+            assert_rel_close(mean, xd.mean(-1), name=f"mean {i}")
+            assert_rel_close(rstd, torch.rsqrt(xd.var(-1, unbiased=False) + 1e-5), name=f"rstd {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_public_staged_forward_over_many_calls(monkeypatch, is_rms):
+    """The public forward at 64K-128K columns (the staged kernel, its slots pooled), call after call with row
+    counts and widths that grow and shrink: y right every time, and the buffer the next call takes all zeros."""
+    from fly_norm._kernels import split
+
+    monkeypatch.setattr(split, "_FWD_POOLS", {})
+    for i, (m, n) in enumerate([(8, 65536), (8, 65536), (40, 131072), (3, 65538), (21, 131072)]):
+        x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=i) + 0.5
+        w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1)
+        b = None if is_rms else randn(n, dtype=torch.bfloat16, device="cuda", seed=2)
+        y = rms_norm(x, w) if is_rms else layer_norm(x, w, b)
+        torch.cuda.synchronize()
+        (pair,) = split._FWD_POOLS.values()
+        nxt = pair.bufs[pair.turn]  # None until a second call
+        assert not pair.lent and (nxt is None or (nxt == 0).all()), f"call {i}"
+        assert_rel_close(y, rms_norm_ref(x, w) if is_rms else layer_norm_ref(x, w, b), name=f"y {i}")
+
+
 @pytest.mark.parametrize("p", [1, 7, 66, 256, 257, 600])
 @pytest.mark.parametrize("n", [1, 33, 1000])
 def test_column_sums_of_any_shape(device, p, n):

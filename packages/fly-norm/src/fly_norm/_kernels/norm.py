@@ -70,6 +70,7 @@ from flydsl_common.rows import RowConfig, as_rows
 from . import eager
 from .affine import load_bwd_rows, load_weight
 from .passes import (
+    clear_share,
     inverse_scale,
     lane_amax,
     lane_stats,
@@ -525,13 +526,7 @@ def _sum_partials_kernel(
     narrow so that there are enough programs to keep every SM loading.
     """
     pdl_wait()  # launched with PDL (launch_sum_partials): the partials are the kernel before's
-    programs = fx.num_programs(0) * fx.num_programs(1)
-    per = (clear_n + programs - 1) // programs
-    first = (fx.program_id(1) * fx.num_programs(0) + fx.program_id(0)) * per
-    last = fx.minimum(first + per, clear_n)
-    for i in range(first, last, 256):
-        w = i + fx.arange(0, 256)
-        fx.store(clear_ptr + w, fx.zeros([256], dtype=fx.int64), mask=w < last)
+    clear_share(clear_ptr, clear_n)
     if fx.program_id(1) == 1:
         p_ptr = q_ptr
         out_ptr = out2_ptr

@@ -87,7 +87,7 @@ from flydsl_common.device import (
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import LOG2E, NEG_INF, stages_fit, word_aligned
+from .passes import LOG2E, NEG_INF, clear_share, stages_fit, word_aligned
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "SOFTMAX_SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
@@ -716,10 +716,10 @@ def _widened_each_row(words, rstd):
 
 
 # fmt: off
-@flyc.kernel(do_not_specialize=["M"])
+@flyc.kernel(do_not_specialize=["M", "clear_n"])
 def _norm_fwd_staged_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slot_ptr,
-    M, N, parts, stride_x, stride_y, eps, weight_offset,
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slot_ptr, clear_ptr,
+    M, N, parts, stride_x, stride_y, eps, weight_offset, clear_n,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, STORE_STATS: fx.constexpr,
     SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr, STAGES: fx.constexpr,
 ):
@@ -785,6 +785,7 @@ def _norm_fwd_staged_kernel(
             fx.store(rstd_ptr + row, rstd, mask=part == 0)
         fx.store(as_words(y_ptr) + row_offset(row, stride_y // 2) + c2, y, mask=ok2)
         xw = xw_nx
+    clear_share(clear_ptr, clear_n)  # the other pooled slots, after the loop (take_fwd_slots)
 
 
 # ---------------------------------------------------------------- host
@@ -879,36 +880,58 @@ def launch_fwd_split(
     return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
 
 
-# ------------------------------------------------------- the staged backward's pooled slots
+# ------------------------------------------------------- pooled slots
 #
 # A split launch's slots must read 0 (unpublished) when it starts: a fresh torch.zeros buffer is a memset
-# launch before the kernel (~0.8 us and its gap on the H200: PERF.md v24). The staged backward, whose launch
-# is always followed by the column sums of its weight gradients, instead takes one buffer a (device, stream)
-# that the column-sum kernel zeroes again after it (norm.launch_sum_partials' ``clear``), in stream order.
-# (Zeroing it inside the staged kernel itself slowed LayerNorm's by a third: 220 -> 293 us at 16K, v24.)
-# A buffer taken and not yet handed back (its sums not launched: another thread on the stream, or an
-# exception between) is not lent again: such a launch takes fresh zeros. Under CUDA graph capture (a replay
-# would find the buffer as the capture left it) and past the pool's bound: fresh zeros.
+# launch before the kernel (~0.8 us, and a launch gap of 1-2 us, on the H200: PERF.md v24-v25). The staged
+# kernels take pooled buffers instead, one pool a (device, stream), zeroed again in stream order by a kernel:
+#
+# - the staged backward, whose launch is always followed by the column sums of its weight gradients: one
+#   buffer, which the column-sum kernel zeroes after it (norm.launch_sum_partials' ``clear``). (Zeroing it
+#   inside the staged backward itself, before its loop, slowed LayerNorm's by a third: 220 -> 293 us at
+#   16K, v24.)
+# - the staged forward, followed by nothing of ours: two buffers taken in turn; each launch zeroes, after
+#   its row loop, the words the launch before it dirtied in the other one (``clear_share``), so the next
+#   launch finds that one all zeros.
+#
+# A buffer taken and not yet handed back (another thread on the stream, or an exception between) is not
+# lent again: such a launch takes fresh zeros. Under CUDA graph capture (a replay would find the buffers as
+# the capture left them) and past the pools' bound: fresh zeros.
 
 _POOL_LOCK = threading.Lock()
-_POOLS: dict = {}  # (device, stream) -> [int64 buffer, lent]
+_POOLS: dict = {}  # backward: (device, stream) -> [int64 buffer, lent]
+_FWD_POOLS: dict = {}  # forward: (device, stream) -> _SlotPair
 _POOL_STREAMS = 16
 
 
-def take_slots(words: int, device):
-    """An all-zero int64 buffer of ``words`` words from the current stream's pool, or None (not lent: see
-    above). The caller launches a kernel that zeroes the words it dirtied, then :func:`give_back_slots`."""
-    device = torch.device(device)
+def _pool_key(device):
+    """The current stream's pool key on ``device``, or None under CUDA graph capture."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+
+
+def _grown(buf, words: int, device):
+    """``buf`` when it holds ``words`` words, else a new all-zero buffer (at least twice as large)."""
+    if buf is not None and buf.numel() >= words:
+        return buf
+    return torch.zeros(max(words, 0 if buf is None else 2 * buf.numel()), dtype=torch.int64, device=device)
+
+
+def take_slots(words: int, device):
+    """An all-zero int64 buffer of ``words`` words from the current stream's backward pool, or None (not
+    lent: see above). The caller launches a kernel that zeroes the words it dirtied, then
+    :func:`give_back_slots`."""
+    device = torch.device(device)
+    key = _pool_key(device)
+    if key is None:
+        return None
     with _POOL_LOCK:
         entry = _POOLS.get(key)
         if entry is None and len(_POOLS) >= _POOL_STREAMS or entry is not None and entry[1]:
             return None
         if entry is None or entry[0].numel() < words:
-            size = max(words, 0 if entry is None else 2 * entry[0].numel())
-            entry = _POOLS[key] = [torch.zeros(size, dtype=torch.int64, device=device), False]
+            entry = _POOLS[key] = [_grown(None if entry is None else entry[0], words, device), False]
         entry[1] = True
         return entry[0][:words]
 
@@ -919,6 +942,50 @@ def give_back_slots(slots) -> None:
         for entry in _POOLS.values():
             if entry[0].data_ptr() == slots.data_ptr():
                 entry[1] = False
+
+
+class _SlotPair:
+    """The staged forward's two buffers on one stream: ``bufs[turn]`` is all zeros (in stream order), the
+    first ``dirty[1 - turn]`` words of the other were dirtied by the last launch."""
+
+    def __init__(self):
+        self.bufs = [None, None]
+        self.dirty = [0, 0]
+        self.turn = 0
+        self.lent = False
+
+
+def take_fwd_slots(words: int, device):
+    """(slots, clear) from the current stream's forward pool: ``slots`` an all-zero int64 buffer of ``words``
+    words, ``clear`` the other buffer's dirtied words, which the launch must zero; or None (not lent: see
+    above). Then :func:`give_back_fwd_slots`."""
+    device = torch.device(device)
+    key = _pool_key(device)
+    if key is None:
+        return None
+    with _POOL_LOCK:
+        pair = _FWD_POOLS.get(key)
+        if pair is None and len(_FWD_POOLS) >= _POOL_STREAMS or pair is not None and pair.lent:
+            return None
+        if pair is None:
+            pair = _FWD_POOLS[key] = _SlotPair()
+        i = pair.turn
+        pair.bufs[i] = _grown(pair.bufs[i], words, device)
+        other = pair.bufs[1 - i]
+        pair.lent = True
+        return pair.bufs[i][:words], pair.bufs[i][:0] if other is None else other[: pair.dirty[1 - i]]
+
+
+def give_back_fwd_slots(slots, launched: bool) -> None:
+    """Hand a :func:`take_fwd_slots` buffer back; ``launched``: the kernel was launched (it dirtied the
+    buffer's ``slots.numel()`` words and zeroed the other's), so the next launch takes the other buffer."""
+    with _POOL_LOCK:
+        for pair in _FWD_POOLS.values():
+            i = pair.turn
+            if pair.lent and pair.bufs[i].data_ptr() == slots.data_ptr():
+                pair.lent = False
+                if launched:
+                    pair.dirty[i], pair.dirty[1 - i], pair.turn = slots.numel(), 0, 1 - i
 
 
 def _fwd_staged(x2, y2, packed=None) -> bool:
@@ -942,15 +1009,34 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
     # RMSNorm adds its offset always (as measured, v14c); LayerNorm only a nonzero one (an add an element less)
     offset = float(weight_offset) if is_rms or weight_offset else None
 
+    lent = []  # the pooled slots taken, and the words the launch zeroes
+
+    def slots_of(words):
+        got = take_fwd_slots(words, x2.device)
+        if got is None:  # fresh zeros, nothing to zero
+            zeros = torch.zeros(words, dtype=torch.int64, device=x2.device)
+            lent.extend([None, zeros[:0]])
+            return zeros
+        lent.extend(got)
+        return got[0]
+
     def build(slots, parts, pp, groups):
         m, n = x2.shape
-        args = (x2, w, b, y2, mean, rstd, slots, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset)
+        clear = lent[1]
+        args = (x2, w, b, y2, mean, rstd, slots, clear, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset,
+                clear.numel())  # fmt: skip
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
                     STAGES=stages, num_warps=warps)  # fmt: skip
         return args, meta
 
-    return _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device) > 0
+    launched = False
+    try:
+        launched = _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device, slots_of=slots_of) > 0
+    finally:
+        if lent and lent[0] is not None:
+            give_back_fwd_slots(lent[0], launched)
+    return launched
 
 
 def launch_softmax_fwd_split(x2, y2) -> bool:
