@@ -10,7 +10,8 @@ left of the call after the activities is the gaps between them (launch latency, 
 ``--variants`` times the same calls with one of v24-v25's host changes undone in this process (``nopdl``:
 the column sums launched plainly; ``twosums``: dweight's and dbias's sums in two launches; ``materialize``:
 the statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
-memset a call; ``nofwdpool``: the same for the staged forward, v25; ``v24sums``: v24's column sums, three
+memset a call; ``nofwdpool``: the same for the staged forward, v25; ``nofwdpdl``: the staged forward
+launched plainly; ``v24sums``: v24's column sums, three
 dependent [32, 64] steps a program at 16K, before v25's one step). Design probe, not the benchmark.
 """
 
@@ -52,7 +53,9 @@ def _undo(variant: str, mp) -> None:
         setattr(obj, name, value)
 
     if variant == "nopdl":
-        patch(norm, "_pdl", lambda device: {})
+        patch(norm, "pdl_options", lambda device: {})
+    elif variant == "nofwdpdl":
+        patch(split, "pdl_options", lambda device: {})
     elif variant == "twosums":
         one = norm.launch_sum_partials
 
@@ -87,7 +90,7 @@ def _undo(variant: str, mp) -> None:
                 norm._sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out,
                 partials2 if two else partials, out2 if two else out, partials if clear is None else clear, p, n,
                 0 if clear is None else clear.numel(), BLOCK_P=2048 // band, BLOCK_N=band, num_warps=4,
-                **norm._pdl(partials.device),
+                **norm.pdl_options(partials.device),
             )  # fmt: skip
 
         patch(norm, "launch_sum_partials", v24_sums)

@@ -77,6 +77,7 @@ from .passes import (
     load_h,
     normalize,
     packed_plan,
+    pdl_options,
     quantize,
     quantize_pairs,
     row_meta,
@@ -726,18 +727,8 @@ def launch_sum_partials(partials, out, partials2=None, out2=None, clear=None, st
     flyc.launch(
         _sum_partials_kernel, (flyc.cdiv(n, band), 2 if two else 1), partials, out, partials2 if two else partials,
         out2 if two else out, partials if clear is None else clear, p, n, 0 if clear is None else clear.numel(),
-        BLOCK_P=block_p, BLOCK_N=band, num_warps=4, **_pdl(partials.device),
+        BLOCK_P=block_p, BLOCK_N=band, num_warps=4, **pdl_options(partials.device),
     )  # fmt: skip
-
-
-def _pdl(device) -> dict:
-    """Launch options of a kernel that may start before the one before it on the stream has finished (it
-    calls pdl_wait first): NVIDIA sm_90+, outside CUDA graph capture (a graph's edges: plain launches). Its
-    launch then overlaps that kernel's tail (~1 us a launch on the H200, PERF.md v24)."""
-    arch = flydsl.arch.current(device)
-    if arch.backend != "cuda" or (arch.capability or (0,))[0] < 9 or torch.cuda.is_current_stream_capturing():
-        return {}
-    return {"launch_pdl": True}
 
 
 # ---------------------------------------------------------------- validation

@@ -85,6 +85,16 @@ def packed_plan(cfg: RowConfig, eligible: bool, x2, y2, vectors=()) -> tuple[Row
     return (cfg, True) if packs else (CHUNKED, False)
 
 
+def pdl_options(device) -> dict:
+    """Launch options of a kernel that may start before the one before it on the stream has finished (it
+    calls pdl_wait first): NVIDIA sm_90+, outside CUDA graph capture (a graph's edges: plain launches). Its
+    launch then overlaps that kernel's tail (~1 us a launch on the H200, PERF.md v24-v25)."""
+    arch = flydsl.arch.current(device)
+    if arch.backend != "cuda" or (arch.capability or (0,))[0] < 9 or torch.cuda.is_current_stream_capturing():
+        return {}
+    return {"launch_pdl": True}
+
+
 def stages_fit(device, stages: int, stage_bytes: int) -> bool:
     """Whether a program on ``device`` may take the shared memory of a row loop software-pipelined ``stages``
     deep (``fx.range(..., num_stages=)``) that stages ``stage_bytes`` an iteration: ``stages - 1`` buffers in

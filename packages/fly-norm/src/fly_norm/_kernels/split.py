@@ -77,6 +77,8 @@ from flydsl_common.device import (
     collect_from,
     collect_pairs_from,
     collect_sum,
+    pdl_launch_dependents,
+    pdl_wait,
     peek,
     publish,
     publish_pair,
@@ -87,7 +89,7 @@ from flydsl_common.device import (
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from .affine import load_bwd_rows, load_weight
-from .passes import LOG2E, NEG_INF, clear_share, stages_fit, word_aligned
+from .passes import LOG2E, NEG_INF, clear_share, pdl_options, stages_fit, word_aligned
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "SOFTMAX_SPLIT_MIN_N_BWD", "split_applies", "launch_fwd_split",
@@ -729,6 +731,11 @@ def _norm_fwd_staged_kernel(
     # read before it. RMSNorm holds its weight in fp32; LayerNorm holds its bf16 weight and bias as words,
     # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns: PERF.md v16) and merges
     # the slices' (sum, M2) with Chan's formula. Part 0 of a row stores its statistics.
+    # Launched with PDL (pdl_options): the launch overlaps the kernel before's tail; the wait is before
+    # anything is read or written (the slots this launch takes were zeroed by that kernel, or one before
+    # it). Every program of the wave has passed it when the next PDL launch on the stream may start.
+    pdl_wait()
+    pdl_launch_dependents()
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     n_mine = fx.minimum(N - part * SLICE, SLICE) * 1.0
     k = fx.arange(0, PARTS_POW2)  # a row's slots, one a slice
@@ -1027,7 +1034,7 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
                 clear.numel())  # fmt: skip
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps)  # fmt: skip
+                    STAGES=stages, num_warps=warps, **pdl_options(x2.device))  # fmt: skip
         return args, meta
 
     launched = False
