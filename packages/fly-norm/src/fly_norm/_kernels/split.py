@@ -906,16 +906,42 @@ def launch_fwd_split(
 # the capture left them) and past the pools' bound: fresh zeros.
 
 _POOL_LOCK = threading.Lock()
-_POOLS: dict = {}  # backward: (device, stream) -> [int64 buffer, lent]
+_POOLS: dict = {}  # backward: (device, stream) -> _Slots
 _FWD_POOLS: dict = {}  # forward: (device, stream) -> _SlotPair
 _POOL_STREAMS = 16
 
 
-def _pool_key(device):
-    """The current stream's pool key on ``device``, or None under CUDA graph capture."""
+class _Slots:
+    """The staged backward's buffer on one stream (all zeros when not lent, in stream order)."""
+
+    def __init__(self):
+        self.buf = None
+        self.lent = False
+
+
+class _SlotPair:
+    """The staged forward's two buffers on one stream: ``bufs[turn]`` is all zeros (in stream order), the
+    first ``dirty[1 - turn]`` words of the other were dirtied by the last launch."""
+
+    def __init__(self):
+        self.bufs = [None, None]
+        self.dirty = [0, 0]
+        self.turn = 0
+        self.lent = False
+
+
+def _lendable(pools: dict, device, new):
+    """The current stream's entry in ``pools`` (a ``new()`` one where it has none), or None: under CUDA graph
+    capture, past the pools' bound, or lent. Called under ``_POOL_LOCK``."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    return (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    entry = pools.get(key)
+    if entry is None:
+        if len(pools) >= _POOL_STREAMS:
+            return None
+        entry = pools[key] = new()
+    return None if entry.lent else entry
 
 
 def _grown(buf, words: int, device):
@@ -930,36 +956,21 @@ def take_slots(words: int, device):
     lent: see above). The caller launches a kernel that zeroes the words it dirtied, then
     :func:`give_back_slots`."""
     device = torch.device(device)
-    key = _pool_key(device)
-    if key is None:
-        return None
     with _POOL_LOCK:
-        entry = _POOLS.get(key)
-        if entry is None and len(_POOLS) >= _POOL_STREAMS or entry is not None and entry[1]:
+        entry = _lendable(_POOLS, device, _Slots)
+        if entry is None:
             return None
-        if entry is None or entry[0].numel() < words:
-            entry = _POOLS[key] = [_grown(None if entry is None else entry[0], words, device), False]
-        entry[1] = True
-        return entry[0][:words]
+        entry.buf = _grown(entry.buf, words, device)
+        entry.lent = True
+        return entry.buf[:words]
 
 
 def give_back_slots(slots) -> None:
     """Hand a :func:`take_slots` buffer back once the kernel that zeroes it is launched."""
     with _POOL_LOCK:
         for entry in _POOLS.values():
-            if entry[0].data_ptr() == slots.data_ptr():
-                entry[1] = False
-
-
-class _SlotPair:
-    """The staged forward's two buffers on one stream: ``bufs[turn]`` is all zeros (in stream order), the
-    first ``dirty[1 - turn]`` words of the other were dirtied by the last launch."""
-
-    def __init__(self):
-        self.bufs = [None, None]
-        self.dirty = [0, 0]
-        self.turn = 0
-        self.lent = False
+            if entry.lent and entry.buf.data_ptr() == slots.data_ptr():
+                entry.lent = False
 
 
 def take_fwd_slots(words: int, device):
@@ -967,15 +978,10 @@ def take_fwd_slots(words: int, device):
     words, ``clear`` the other buffer's dirtied words, which the launch must zero; or None (not lent: see
     above). Then :func:`give_back_fwd_slots`."""
     device = torch.device(device)
-    key = _pool_key(device)
-    if key is None:
-        return None
     with _POOL_LOCK:
-        pair = _FWD_POOLS.get(key)
-        if pair is None and len(_FWD_POOLS) >= _POOL_STREAMS or pair is not None and pair.lent:
-            return None
+        pair = _lendable(_FWD_POOLS, device, _SlotPair)
         if pair is None:
-            pair = _FWD_POOLS[key] = _SlotPair()
+            return None
         i = pair.turn
         pair.bufs[i] = _grown(pair.bufs[i], words, device)
         other = pair.bufs[1 - i]
