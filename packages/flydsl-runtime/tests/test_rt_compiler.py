@@ -236,6 +236,49 @@ def test_bind_needs_compiled_kernels_and_keyword_constexprs(device):
         flyc.bind(_scale_kernel, x, x, 64, 1, 2.0)
 
 
+def test_pdl_is_a_launch_attribute(device):
+    """``launch_pdl`` does not key a specialization: launches with and without it share one compiled kernel
+    (a CUDA graph capture after PDL launches compiles nothing), each right; the direct C launch takes it as
+    its PDL flag, and the interpreter ignores it."""
+    from flydsl.compiler import _fire
+
+    x = torch.randn(4096, device=device)
+    before = set(flyc._lean(_scale_kernel).table)
+    for pdl in (True, True, False, True):
+        out = empty_poisoned(4096, dtype=torch.float32, device=device)
+        flyc.launch(_scale_kernel, (64,), x, out, 4096, 1, 2.0, BLOCK=64, launch_pdl=pdl)
+        torch.testing.assert_close(out, 2.0 * x)
+    if device.type == "cuda":
+        added = set(flyc._lean(_scale_kernel).table) - before
+        assert len(added) <= 1 and not any(item[0] == "launch_pdl" for k in added for item in k[1:]
+                                           if isinstance(item, tuple))  # fmt: skip
+        assert flyc.programs_per_sm(_scale_kernel, x, x, 4096, 1, 2.0, BLOCK=64, launch_pdl=True) >= 1
+    seen = []
+    entry = (None, "fn", "packed", ("tail",), (lambda *a: seen.append(a[6]), 0, False), None)
+    for pdl in (False, True):
+        _fire(entry, 1, 1, 1, 0, (), pdl)
+    assert seen == [False, True]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_after_pdl_launches():
+    """Eager PDL launches, then a plain launch of the same specialization under CUDA graph capture (what the
+    packages do): the capture neither compiles nor loads a module (capture forbids it), and replays right."""
+    x = torch.randn(4096, device="cuda")
+    out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
+    for _ in range(2):  # the first launch goes through Triton's path, the second through the direct one
+        flyc.launch(_scale_kernel, (64,), x, out, 4096, 1, 3.0, BLOCK=64, launch_pdl=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flyc.launch(_scale_kernel, (64,), x, out, 4096, 1, 3.0, BLOCK=64)
+    x.copy_(torch.randn(4096, device="cuda"))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 3.0 * x)
+
+
 def test_programs_per_sm_is_one_in_the_interpreter(device):
     if device.type == "cuda":
         pytest.skip("the compiled path is tested below")

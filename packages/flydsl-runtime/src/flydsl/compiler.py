@@ -349,7 +349,7 @@ def _lean(kernel) -> _Lean:
     return lean
 
 
-def launch(kernel, grid: tuple, *args, **meta) -> None:
+def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with Triton's per-call host work skipped once compiled.
 
     Runtime arguments go positionally, in the kernel's order; constexprs and
@@ -357,6 +357,14 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     device and stream, as Triton's own launch does. The first launch of each
     specialization, launches while a profiler hook is installed, and the
     interpreter all take Triton's path.
+
+    ``launch_pdl``: a programmatic dependent launch (the kernel may start before the one before it on the
+    stream has finished, and must wait for it first: ``gdc_wait``). It is a launch attribute here, not part
+    of the specialization (Triton 3.6 compiles the same code either way), so that one compiled kernel
+    serves launches with and without it: a CUDA graph capture after PDL launches (whose launches the
+    caller makes plain) compiles and loads nothing, which capture forbids. Taken on the direct C launch
+    (Triton 3.6's CUDA launcher); the first launch of a specialization, launches under a profiler hook and
+    other launchers are plain.
     """
     if interpreting():
         if getattr(kernel, "_flydsl_gluon", False):
@@ -373,7 +381,7 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         return
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    _fire(entry, grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), args)
+    _fire(entry, grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), args, launch_pdl)
 
 
 def _compile(kernel, args: tuple, meta: dict):
@@ -418,14 +426,16 @@ def _driver_signature(compiled) -> str | None:
     return "".join(letters)
 
 
-def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple) -> None:
-    """Launch an entry's kernel: its C launch function directly when the launcher allows it."""
+def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple, pdl: bool = False) -> None:
+    """Launch an entry's kernel: its C launch function directly when the launcher allows it (``pdl``: with
+    the programmatic-dependent-launch attribute, see :func:`launch`)."""
     run, function, packed, tail, direct, _ = entry
     if direct is None:
         run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
         return
-    launch_c, coop, pdl = direct
-    launch_c(g0, g1, g2, stream, function, coop, pdl, None, None, packed, None, None, None, *args, *tail)
+    launch_c, coop, compiled_pdl = direct
+    launch_c(g0, g1, g2, stream, function, coop, pdl or compiled_pdl, None, None, packed, None, None, None, *args,
+             *tail)  # fmt: skip
 
 
 _DIRECT_LAUNCH_TRITON = "3.6."  # the Triton whose CUDA launcher's C arguments _fire passes
@@ -522,10 +532,10 @@ def _sm_limits(device: int) -> tuple[int, int, int]:
     )
 
 
-def programs_per_sm(kernel, *args, **meta) -> int:
+def programs_per_sm(kernel, *args, launch_pdl: bool = False, **meta) -> int:
     """How many programs of this specialization one SM holds at once: the size of a resident wave per SM.
 
-    Same arguments as :func:`launch`. Compiles the kernel if needed (no
+    Same arguments as :func:`launch` (``launch_pdl`` does not change it). Compiles the kernel if needed (no
     launch) and reads its real register and shared-memory use, so a
     persistent grid of ``programs_per_sm(...) * sm_count`` programs is one
     wave whatever the launch config. Registers are allocated per warp in

@@ -87,8 +87,9 @@ def packed_plan(cfg: RowConfig, eligible: bool, x2, y2, vectors=()) -> tuple[Row
 
 def pdl_options(device) -> dict:
     """Launch options of a kernel that may start before the one before it on the stream has finished (it
-    calls pdl_wait first): NVIDIA sm_90+, outside CUDA graph capture (a graph's edges: plain launches). Its
-    launch then overlaps that kernel's tail (~1 us a launch on the H200, PERF.md v24-v25)."""
+    calls pdl_wait first): NVIDIA sm_90+, outside CUDA graph capture (a graph's edges: plain launches of the
+    same compiled kernel, ``launch_pdl`` being a launch attribute in flyc.launch). Its launch then overlaps
+    that kernel's tail (~1 us a launch on the H200, PERF.md v24-v25)."""
     arch = flydsl.arch.current(device)
     if arch.backend != "cuda" or (arch.capability or (0,))[0] < 9 or torch.cuda.is_current_stream_capturing():
         return {}
