@@ -1,6 +1,8 @@
 """Compile FlyDSL kernels for sm_90 on a machine without a GPU and report registers and spills.
 
     python tools/sm90_compile.py norm_fwd norm_bwd      (cases below; default: all)
+    python tools/sm90_compile.py --ops DIR staged       (also each case's SASS opcodes, one a line, in DIR)
+    python tools/sass_compare.py DIR_A DIR_B            (two trees' opcodes: counts and how alike)
 
 Triton compiles for an explicit target without a device; ptxas (shipped in the
 triton wheel) reports each kernel's registers and stack; no launch happens.
@@ -34,8 +36,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def resources(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg=None) -> str:
-    """'REG:n STACK:n SHARED:n' of ``kernel`` compiled for sm_90 with ``signature`` (name -> Triton type)."""
+def resources(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg=None, ops: Path | None = None) -> str:
+    """'REG:n STACK:n SHARED:n' of ``kernel`` compiled for sm_90 with ``signature`` (name -> Triton type);
+    with ``ops``, the SASS opcodes (predicates and operands dropped) written there, one a line."""
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
@@ -54,8 +57,16 @@ def resources(kernel, signature: dict, constexprs: dict, num_warps: int, maxnreg
         cubin = os.path.join(d, "k.cubin")
         Path(cubin).write_bytes(compiled.asm["cubin"])
         out = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", cubin], capture_output=True, text=True).stdout if ops else ""
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
-    return m.group(0) if m else out.strip()
+    report = m.group(0) if m else out.strip()
+    if ops:
+        lines = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", x).split(";")[0].strip() for x in sass.splitlines()
+                 if re.match(r"^\s*/\*[0-9a-f]{4}\*/", x)]  # fmt: skip
+        codes = [re.sub(r"^@!?U?P[0-9T] ", "", x).split(" ")[0] for x in lines if x]
+        ops.write_text("\n".join(codes) + "\n")
+        report += f" INSTRUCTIONS:{len(codes)}"
+    return report
 
 
 def _norm_fwd_operands(quant=0, residual=False, stats=False, bias=False):
@@ -149,6 +160,21 @@ def _bwd_staged(is_rms=True, dres=False, cfg=None):
     return split._norm_bwd_staged_kernel, sig, consts, warps
 
 
+def _fwd_staged(is_rms=True, parts=16):
+    """The staged norm forward (split.FWD_STAGED: slice, warps, stages), bf16 rows, weight (and bias), stats,
+    the pooled slots' clear (v25)."""
+    slice_cols, warps, stages = split.FWD_STAGED
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
+           "rstd_ptr": "*fp32", "slot_ptr": "*i64", "clear_ptr": "*i64", "M": "i32", "N": "i32", "parts": "i32",
+           "stride_x": "i32", "stride_y": "i32", "eps": "fp32", "weight_offset": "fp32", "clear_n": "i32"}
+    consts = dict(IS_RMS=is_rms, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_STATS=True, SLICE=slice_cols,
+                  PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT, STAGES=stages)
+    if is_rms:
+        del sig["b_ptr"], sig["mean_ptr"]
+        consts.update(b_ptr=None, mean_ptr=None)
+    return split._norm_fwd_staged_kernel, sig, consts, warps
+
+
 def _softmax_fwd(block_m, block_n, warps, single):
     """The softmax forward kernel (fly_norm.softmax) at one row config."""
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "stride_y": "i32"}
@@ -182,6 +208,9 @@ CASES = {
                    ("rms bwd staged", _bwd_staged()), ("ln bwd staged", _bwd_staged(is_rms=False)),
                    ("rms bwd staged dres", _bwd_staged(dres=True)),
                    ("ln bwd staged dres", _bwd_staged(is_rms=False, dres=True))],
+    # The staged kernels (bf16 rows from 64K columns forward, 8K+ backward)
+    "staged": [("ln fwd staged", _fwd_staged(is_rms=False)), ("rms fwd staged", _fwd_staged()),
+               ("ln bwd staged", _bwd_staged(is_rms=False)), ("rms bwd staged", _bwd_staged())],
     "resident": [("softmax 64K (four slices)", _resident(8, parts=4)), ("softmax 128K (eight)", _resident(8, parts=8)),
                  ("softmax 1M (sixty-four)", _resident(8, parts=64))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
@@ -210,11 +239,17 @@ CASES = {
 
 
 def main(argv: list[str]) -> int:
+    ops_dir = None
+    if argv[:1] == ["--ops"]:
+        ops_dir = Path(argv[1])
+        ops_dir.mkdir(parents=True, exist_ok=True)
+        argv = argv[2:]
     for group in argv or list(CASES):
         for label, (kernel, sig, consts, warps) in CASES[group]:
             opts = warps if isinstance(warps, tuple) else (warps,)  # num_warps[, maxnreg]
+            ops = ops_dir / f"{group}-{label.replace(' ', '_')}.ops" if ops_dir else None
             try:
-                print(f"{group:9s} {label:28s} {resources(kernel, sig, consts, *opts)}", flush=True)
+                print(f"{group:9s} {label:28s} {resources(kernel, sig, consts, *opts, ops=ops)}", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on with the next case
                 print(f"{group:9s} {label:28s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0
