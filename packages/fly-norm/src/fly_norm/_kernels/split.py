@@ -1022,33 +1022,34 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
     # RMSNorm adds its offset always (as measured, v14c); LayerNorm only a nonzero one (an add an element less)
     offset = float(weight_offset) if is_rms or weight_offset else None
 
-    lent = []  # the pooled slots taken, and the words the launch zeroes
+    taken: dict = {}  # "pooled": the slots lent by the pool; "clear": the words this launch zeroes
+    pdl = pdl_options(x2.device)  # once a call: build runs twice
 
     def slots_of(words):
         got = take_fwd_slots(words, x2.device)
         if got is None:  # fresh zeros, nothing to zero
-            zeros = torch.zeros(words, dtype=torch.int64, device=x2.device)
-            lent.extend([None, zeros[:0]])
-            return zeros
-        lent.extend(got)
+            slots = torch.zeros(words, dtype=torch.int64, device=x2.device)
+            taken["clear"] = slots[:0]
+            return slots
+        taken["pooled"], taken["clear"] = got
         return got[0]
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
-        clear = lent[1]
+        clear = taken["clear"]
         args = (x2, w, b, y2, mean, rstd, slots, clear, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset,
                 clear.numel())  # fmt: skip
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
                     STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps, **pdl_options(x2.device))  # fmt: skip
+                    STAGES=stages, num_warps=warps, **pdl)  # fmt: skip
         return args, meta
 
     launched = False
     try:
         launched = _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device, slots_of=slots_of) > 0
     finally:
-        if lent and lent[0] is not None:
-            give_back_fwd_slots(lent[0], launched)
+        if "pooled" in taken:
+            give_back_fwd_slots(taken["pooled"], launched)
     return launched
 
 
