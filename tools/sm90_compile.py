@@ -148,22 +148,12 @@ def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3], LEAD=lead), cfg[1:3]
 
 
-def _bwd_staged(is_rms=True, dres=False, cfg=None, reduce=False):
-    """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows; ``reduce``: summing its
-    own partials (REDUCE, v26: 32K columns, 33 groups)."""
+def _bwd_staged(is_rms=True, dres=False, cfg=None):
+    """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows."""
     _, sig, consts, _ = _bwd_split(is_rms)
     slice_cols, warps, stages = cfg or split.BWD_STAGED
     consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4)
     del consts["ROWS"]
-    sig = dict(sig, clear_n="i32", share="i32")
-    if reduce:
-        sig.update(dw_ptr="*bf16", db_ptr="*bf16", cnt_ptr="*i64", clear_ptr="*i64")
-        consts.update(REDUCE=int(os.environ.get("REDUCE", 2)), GP=64, BAND=int(os.environ.get("BAND", 128)))
-        if is_rms:
-            del sig["db_ptr"]
-            consts["db_ptr"] = None
-    else:
-        consts.update(dw_ptr=None, db_ptr=None, cnt_ptr=None, clear_ptr=None)
     if dres:
         del consts["dres_ptr"]
         sig = dict(sig, dres_ptr="*bf16")
@@ -220,9 +210,7 @@ CASES = {
                    ("ln bwd staged dres", _bwd_staged(is_rms=False, dres=True))],
     # The staged kernels (bf16 rows from 64K columns forward, 8K+ backward)
     "staged": [("ln fwd staged", _fwd_staged(is_rms=False)), ("rms fwd staged", _fwd_staged()),
-               ("ln bwd staged", _bwd_staged(is_rms=False)), ("rms bwd staged", _bwd_staged()),
-               ("ln bwd staged reduce", _bwd_staged(is_rms=False, reduce=True)),
-               ("rms bwd staged reduce", _bwd_staged(reduce=True))],
+               ("ln bwd staged", _bwd_staged(is_rms=False)), ("rms bwd staged", _bwd_staged())],
     "resident": [("softmax 64K (four slices)", _resident(8, parts=4)), ("softmax 128K (eight)", _resident(8, parts=8)),
                  ("softmax 1M (sixty-four)", _resident(8, parts=64))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),

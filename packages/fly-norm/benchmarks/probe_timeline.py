@@ -12,8 +12,7 @@ the column sums launched plainly; ``twosums``: dweight's and dbias's sums in two
 the statistics' gradients materialized by autograd; ``nopool``: the staged backward's slots fresh zeros, a
 memset a call; ``nofwdpool``: the same for the staged forward, v25; ``nofwdpdl``: the staged forward
 launched plainly; ``v24sums``: v24's column sums, three
-dependent [32, 64] steps a program at 16K, before v25's one step; ``sepsum``: the staged backward's partials
-summed by the column-sum kernel after it, v25, not by the kernel itself, v26). Design probe, not the benchmark.
+dependent [32, 64] steps a program at 16K, before v25's one step). Design probe, not the benchmark.
 """
 
 from __future__ import annotations
@@ -97,10 +96,6 @@ def _undo(variant: str, mp) -> None:
         patch(norm, "launch_sum_partials", v24_sums)
     elif variant == "nopool":
         patch(split, "take_slots", lambda words, device: None)
-    elif variant == "sepsum":  # v25's column-sum kernel after the staged backward, not its own sums (v26)
-        patch(split, "BWD_SUM_IN_KERNEL", False)
-    elif variant == "inlinesum":  # the kernel's own sums inline, not out of line (v26 probe)
-        patch(split, "BWD_SUM_IN_KERNEL", 1)
     elif variant == "nofwdpool":
         patch(split, "take_fwd_slots", lambda words, device: None)
     elif variant != "shipped":

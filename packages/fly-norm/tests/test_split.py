@@ -696,17 +696,13 @@ def test_column_sums_of_any_shape(device, p, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms", [True, False])
-@pytest.mark.parametrize("own_sums", [2, False])
-def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms, own_sums):
+def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms):
     """The public backward through the staged kernel (16K + 2 and 32K columns), call after call with row
     counts that grow (the pool outgrown) and shrink: dx, dweight (and dbias) right every time, and after each
-    call the stream's pooled slots free to lend, and those the next call takes all zeros: with the kernel's
-    own sums a pair taken in turn (each launch zeroing the other), else one buffer the column sums zero."""
+    call the stream's pooled slots all zeros again and free to lend."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_SUM_IN_KERNEL", own_sums)
     monkeypatch.setattr(split, "_POOLS", {})
-    monkeypatch.setattr(split, "_FWD_POOLS", {})
     for i, (m, n) in enumerate([(64, 16386), (64, 16386), (300, 32768), (5, 16386), (130, 32768)]):
         x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=i) + 0.5
         w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
@@ -716,107 +712,14 @@ def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms, own_s
         out = rms_norm(xs, w) if is_rms else layer_norm(xs, w, b)
         out.backward(dy)
         torch.cuda.synchronize()
-        if own_sums:
-            assert not split._POOLS
-            (pair,) = split._FWD_POOLS.values()
-            ready = pair.bufs[pair.turn]
-            assert not pair.lent and pair.dirty[pair.turn] == 0 and (ready is None or (ready == 0).all()), i
-        else:
-            (entry,) = split._POOLS.values()
-            assert not entry.lent and (entry.buf == 0).all(), f"call {i}"
+        (entry,) = split._POOLS.values()
+        assert not entry.lent and (entry.buf == 0).all(), f"call {i}"
         leaves = (x, w) if is_rms else (x, w, b)
         fn = (lambda a, c: rms_norm_ref(a, c)) if is_rms else (lambda a, c, d: layer_norm_ref(a, c, d))
         ref = reference_grads(fn, leaves, (dy,))
         got = (xs.grad, w.grad) if is_rms else (xs.grad, w.grad, b.grad)
         for g, r, name in zip(got, ref, ("dx", "dweight", "dbias"), strict=False):
             assert_rel_close(g, r, tol=2 * tolerance(torch.bfloat16), name=f"{name} {i}")
-
-
-def _staged_bwd_case(m, n, is_rms, device, seed=0):
-    """bf16 rows, a bf16 weight, dy, the fp32 statistics and the fp64 dx / dweight / dbias of a norm backward."""
-    h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0, seed=seed) + 0.5
-    w = randn(n, dtype=torch.bfloat16, device=device, seed=seed + 1)
-    dy = randn(m, n, dtype=torch.bfloat16, device=device, seed=seed + 2)
-    hd = h.double()
-    mu = torch.zeros(m, dtype=torch.float64, device=device) if is_rms else hd.mean(-1)
-    var = hd.pow(2).mean(-1) if is_rms else hd.var(-1, unbiased=False)
-    rstd = torch.rsqrt(var + 1e-5).float()
-    xhat = (hd - mu[:, None]) * rstd.double()[:, None]
-    g = dy.double() * w.double()
-    ref = g - xhat * (g * xhat).mean(-1, keepdim=True) - (0.0 if is_rms else g.mean(-1, keepdim=True))
-    refs = (ref * rstd.double()[:, None], (dy.double() * xhat).sum(0), dy.double().sum(0))
-    return (h, w, dy, None if is_rms else mu.float(), rstd), refs
-
-
-@pytest.mark.parametrize("is_rms", [True, False])
-@pytest.mark.parametrize("m", [1, 2])
-def test_staged_backward_sums_its_own_partials(device, monkeypatch, is_rms, m):
-    """The staged backward summing its weight-gradient partials itself (REDUCE, in line and out of line), one
-    slice a row: with one row a program and one program, dweight and dbias (bf16) right and nothing left to
-    sum; in the interpreter (programs one at a time) with two programs and a tiny spin limit, the first
-    program's meeting gives up, so its share of the columns is NaN and the second's is right."""
-    from fly_norm._kernels import split
-
-    monkeypatch.setattr(split, "BWD_STAGED", (128, 4, 3))
-    monkeypatch.setattr(split, "_FWD_POOLS", {})
-    gives_up = m == 2 and flyc.interpreting()
-    if gives_up:
-        monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
-    n = 100
-    (h, w, dy, mu, rstd), (ref, ref_dw, ref_db) = _staged_bwd_case(m, n, is_rms, device)
-    for mode in (1, 2):
-        monkeypatch.setattr(split, "BWD_SUM_IN_KERNEL", mode)
-        dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-        dw = empty_poisoned(n, dtype=torch.bfloat16, device=device)
-        db = None if is_rms else empty_poisoned(n, dtype=torch.bfloat16, device=device)
-        got = split.launch_bwd_split(h, w, dy, None, mu, rstd, dx, True, not is_rms, 0.0, is_rms, pooled=True,
-                                     dweight=dw, dbias=db)  # fmt: skip
-        assert got == (None, None, None)
-        assert_rel_close(dx, ref, name=f"dx {mode}")
-        sums = [(dw, ref_dw)] + ([] if is_rms else [(db, ref_db)])
-        for out, r in sums:
-            if gives_up:  # groups 2: shares of 64 columns
-                assert torch.isnan(out[:64]).all(), mode
-                assert_rel_close(out[64:], r[64:], name=f"second share {mode}")
-            else:
-                assert_rel_close(out, r, name=f"sum {mode}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_rms", [True, False])
-@pytest.mark.parametrize(("m", "n"), [(1, 16386), (3, 8194), (7, 32768), (66, 16384), (200, 16386), (1000, 40000)])
-def test_staged_backward_own_sums_on_the_gpu(monkeypatch, is_rms, m, n):
-    """The staged backward's own column sums on a full wave (in line and out of line): from one row (one
-    program a slice) to more rows than programs, widths whose last slice is short, dweight and dbias right;
-    the same bits again on a second launch (deterministic), and the same as the column-sum kernel's within
-    fp32 rounding."""
-    from fly_norm._kernels import split
-
-    (h, w, dy, mu, rstd), (ref, ref_dw, ref_db) = _staged_bwd_case(m, n, is_rms, "cuda", seed=m)
-    for mode in (1, 2):
-        monkeypatch.setattr(split, "BWD_SUM_IN_KERNEL", mode)
-        outs = []
-        for _ in range(2):
-            dx = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
-            dw = empty_poisoned(n, dtype=torch.float32, device="cuda")
-            db = None if is_rms else empty_poisoned(n, dtype=torch.float32, device="cuda")
-            got = split.launch_bwd_split(h, w, dy, None, mu, rstd, dx, True, not is_rms, 0.0, is_rms, pooled=True,
-                                         dweight=dw, dbias=db)  # fmt: skip
-            assert got == (None, None, None)
-            outs.append((dx, dw, db))
-        (dx, dw, db), (dx2, dw2, db2) = outs
-        assert_rel_close(dx, ref, name=f"dx {mode}")
-        assert_rel_close(dw, ref_dw, tol=1e-5, name=f"dweight {mode}")
-        assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
-        if not is_rms:
-            assert_rel_close(db, ref_db, tol=1e-5, name=f"dbias {mode}")
-            assert torch.equal(db, db2)
-    monkeypatch.setattr(split, "BWD_SUM_IN_KERNEL", False)
-    dx = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
-    dwp, _, lent = split.launch_bwd_split(h, w, dy, None, mu, rstd, dx, True, not is_rms, 0.0, is_rms, pooled=True)
-    if lent is not None:
-        split.give_back_slots(lent)  # (not zeroed again: this test's own pool entry is not used after it)
-    assert_rel_close(dw, dwp.sum(0), tol=1e-6, name="against the column-sum kernel")
 
 
 def _softmax_extremes(m, n, seed):

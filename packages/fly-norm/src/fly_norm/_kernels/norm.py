@@ -1045,7 +1045,7 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
     if not pipelined and split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave
         split = launch_bwd_split(
             h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms,
-            pooled=True, dweight=dweight, dbias=dbias,
+            pooled=True,
         )  # fmt: skip
     if split is not None:
         dwp, dbp, lent = split

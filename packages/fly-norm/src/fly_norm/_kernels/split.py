@@ -156,9 +156,6 @@ FWD_STAGED_MIN_N = 65536
 # 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
 # 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
-# The staged backward sums its weight-gradient partials itself after a meeting of the wave (PERF.md v26),
-# where the caller hands it the outputs; False: the column-sum kernel after it (launch_sum_partials)
-BWD_SUM_IN_KERNEL = 2  # 1: inline, 2: out of line (a call)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
 # "evict_last" (probe.py --part split compares ("", "") with ("evict_first", "evict_last")). H200 (PERF.md
 # v4): no gain, within 1-3% and worse on the softmax backward; the per-column operands' evict_last in the
@@ -602,62 +599,15 @@ def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
     return de, do, xe, xo, (de * we - c0 - xe * c1) * rstd, (do * wo - c0 - xo * c1) * rstd
 
 
-@flyc.func
-def _sum_own_partials(
-    dwp_ptr, dbp_ptr, dw_ptr, db_ptr, cnt_ptr, group, groups, part, N, share, COMPUTE_DW: fx.constexpr,
-    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, GP: fx.constexpr, BAND: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-):  # fmt: skip
-    """The staged backward's column sums in the kernel (``REDUCE``), after every program's partials are stored:
-    the wave meets at the int64 counter ``cnt_ptr`` (zeroed beforehand; each program adds 1 and polls until all
-    have), then program (group, part) sums columns [group * share, + share) of its slice over the ``groups``
-    partials, in one fixed order (deterministic), into dweight / dbias in their dtype. The wave is resident
-    (one wave, :func:`_launch_split`), so every program it waits for arrives; NaN where SPIN_LIMIT polls
-    passed first."""
-    fx.debug_barrier()  # every thread's partials stored before the release below
-    programs = fx.num_programs(0)
-    seen = fx.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    spins = 0
-    while (seen < programs) & (spins < SPIN_LIMIT):
-        seen = fx.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    poison = fx.where(seen >= programs, 0.0, float("nan"))
-    g = fx.arange(0, GP)
-    first = part * SLICE + group * share
-    last = fx.minimum(fx.minimum(first + share, part * SLICE + SLICE), N)
-    for c0 in range(first, last, BAND):
-        c = c0 + fx.arange(0, BAND)
-        cok = c < last
-        offs = row_offset(g, N)[:, None] + c[None, :]
-        ok = (g < groups)[:, None] & cok[None, :]
-        if COMPUTE_DW:
-            dw = fx.sum(fx.load(dwp_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0) + poison
-            fx.store(dw_ptr + c, dw.to(dw_ptr.dtype.element_ty), mask=cok)
-        if COMPUTE_DB:
-            db = fx.sum(fx.load(dbp_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0) + poison
-            fx.store(db_ptr + c, db.to(db_ptr.dtype.element_ty), mask=cok)
-
-
-@flyc.func(noinline=True)
-def _sum_own_partials_call(
-    dwp_ptr, dbp_ptr, dw_ptr, db_ptr, cnt_ptr, group, groups, part, N, share, COMPUTE_DW: fx.constexpr,
-    COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, GP: fx.constexpr, BAND: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-):  # fmt: skip
-    """:func:`_sum_own_partials` out of line (a call: the kernel's own code scheduled as without it)."""
-    _sum_own_partials(dwp_ptr, dbp_ptr, dw_ptr, db_ptr, cnt_ptr, group, groups, part, N, share, COMPUTE_DW,
-                      COMPUTE_DB, SLICE, GP, BAND, SPIN_LIMIT)  # fmt: skip
-
-
 # fmt: off
-@flyc.kernel(do_not_specialize=["M", "clear_n", "share"])
+@flyc.kernel(do_not_specialize=["M"])
 def _norm_bwd_staged_kernel(
     h_ptr, w_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr,   # bf16 rows; fp32 statistics (None when absent)
     dx_ptr, dwp_ptr, dbp_ptr, slot_ptr,                   # dx, [groups, N] weight-gradient partials, row slots
-    dw_ptr, db_ptr, cnt_ptr, clear_ptr,                   # REDUCE: dweight, dbias, the wave's counter, to zero
-    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset, clear_n, share,
+    M, N, parts, stride_h, stride_dy, stride_dres, stride_dx, weight_offset,
     IS_RMS: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_DRES: fx.constexpr, COMPUTE_DW: fx.constexpr,
     COMPUTE_DB: fx.constexpr, SLICE: fx.constexpr, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr,
-    STAGES: fx.constexpr, PAIR: fx.constexpr = True, REDUCE: fx.constexpr = False, GP: fx.constexpr = 1,
-    BAND: fx.constexpr = 16,
+    STAGES: fx.constexpr, PAIR: fx.constexpr = True,
 ):
     # fmt: on
     # The split backward for bf16 rows, staged: a program's slice of each of its rows (row = group, group +
@@ -725,14 +675,6 @@ def _norm_bwd_staged_kernel(
     if COMPUTE_DB:
         fx.store(dbp_ptr + part_cols, dbe, mask=ok2)
         fx.store(dbp_ptr + part_cols + 1, dbo, mask=ok2)
-    if REDUCE:
-        clear_share(clear_ptr, clear_n)  # the other pooled slots (take_fwd_slots), while the wave finishes
-        if REDUCE == 2:
-            _sum_own_partials_call(dwp_ptr, dbp_ptr, dw_ptr, db_ptr, cnt_ptr, group, groups, part, N, share,
-                                   COMPUTE_DW, COMPUTE_DB, SLICE, GP, BAND, SPIN_LIMIT)  # fmt: skip
-        else:
-            _sum_own_partials(dwp_ptr, dbp_ptr, dw_ptr, db_ptr, cnt_ptr, group, groups, part, N, share, COMPUTE_DW,
-                              COMPUTE_DB, SLICE, GP, BAND, SPIN_LIMIT)  # fmt: skip
 
 
 @flyc.func
@@ -1151,33 +1093,19 @@ def _staged(h2, dy2, dres2, dx2) -> bool:
 
 @flyc.jit(skip_empty=False)
 def launch_bwd_split(
-    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None, pooled=False,
-    dweight=None, dbias=None,
+    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None, pooled=False
 ):  # fmt: skip
     """Backward of either norm on [M, N] row views through the split path: writes dx2 and returns the
     [groups, N] fp32 weight-gradient partials (dw, db; None where not needed) for the caller's column sum,
     or None when nothing was launched (see :func:`_launch_split`). ``M > 0``. ``pooled`` (the caller's
     column sum zeroes the slots): the staged kernel's slots from :func:`take_slots`, and a third value
     returned, that buffer (None: fresh slots), which the caller's column-sum launch zeroes before it calls
-    :func:`give_back_slots`. With ``pooled`` and the outputs ``dweight`` / ``dbias`` (those needed), the
-    staged kernel sums its partials itself where BWD_SUM_IN_KERNEL (``REDUCE``): it writes them and returns
-    (None, None, None), nothing left to sum.
+    :func:`give_back_slots`.
     """
     partials: dict = {}
     lent: list = []
-    taken: dict = {}  # REDUCE: "pooled" the pair's buffer lent, "clear" the words this launch zeroes, "cnt"
 
     def slots_of(words):
-        if reduce:  # the slots, then the wave's counter; the pair protocol of the staged forward
-            got = take_fwd_slots(words + 1, h2.device)
-            if got is None:  # fresh zeros, nothing to zero
-                buf = torch.zeros(words + 1, dtype=torch.int64, device=h2.device)
-                taken["clear"] = buf[:0]
-            else:
-                buf = taken["pooled"] = got[0]
-                taken["clear"] = got[1]
-            taken["cnt"] = buf[words:]
-            return buf[:words]
         buf = take_slots(words, h2.device) if pooled and staged and (need_dw or need_db) else None
         if buf is None:
             return torch.zeros(words, dtype=torch.int64, device=h2.device)
@@ -1186,32 +1114,23 @@ def launch_bwd_split(
 
     def build(slots, parts, pp, groups):
         m, n = h2.shape
-        dev = h2.device
         if groups is None:
             dwp = dbp = slots.view(torch.float32)  # sizing the wave: any fp32 buffer keys the same specialization
         else:
+            dev = h2.device
             dwp = partials["dw"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_dw else None
             dbp = partials["db"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_db else None
-        extra = (None, None, None, None, 0, 0)
-        red = {}
-        if reduce:
-            # sizing: one program an SM (the staged configs' occupancy), so the tile is the launch's
-            g = groups or min(m, max(1, flydsl.arch.current(dev).sm_count // parts))
-            share = flyc.cdiv(flyc.cdiv(cfg[0], g), 16) * 16
-            gp = flyc.next_power_of_2(g)
-            clear = taken["clear"]
-            extra = (dweight, dbias, taken["cnt"], clear, clear.numel(), share)
-            red = dict(REDUCE=BWD_SUM_IN_KERNEL, GP=gp, BAND=max(16, min(flyc.next_power_of_2(share), 8192 // gp)))
         # fmt: off
-        ptrs = (h2, w, dy2, dres2, mean, rstd, dx2, dwp if need_dw else None, dbp if need_db else None, slots)
-        counts = (m, n, parts, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
-                  float(weight_offset))
-        args = (*ptrs, *extra[:4], *counts, *extra[4:]) if staged else (*ptrs, *counts)
+        args = (
+            h2, w, dy2, dres2, mean, rstd, dx2, dwp if need_dw else None, dbp if need_db else None, slots,
+            m, n, parts, h2.stride(0), dy2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
+            float(weight_offset),
+        )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
             COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
-            **({"PAIR": pair} if staged else {}), **red,
+            **({"PAIR": pair} if staged else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
             **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
         )
@@ -1219,10 +1138,6 @@ def launch_bwd_split(
         return args, meta
 
     staged = _staged(h2, dy2, dres2, dx2)
-    reduce = (
-        staged and pooled and BWD_SUM_IN_KERNEL and (need_dw or need_db)
-        and (dweight is not None or not need_dw) and (dbias is not None or not need_db)
-    )  # fmt: skip
     tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
     tiled = tiled_cfg is not None and not staged
     cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
@@ -1232,18 +1147,9 @@ def launch_bwd_split(
     # against 92%); it and RMSNorm's staged kernel take one slot a slice, the rest two
     pair = dres2 is None
     one_slot = staged and (is_rms or pair)
-    launched = False
-    try:
-        launched = _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows,
-                                 slots_of=slots_of) > 0  # fmt: skip
-    finally:
-        if "pooled" in taken:
-            give_back_fwd_slots(taken["pooled"], launched)
-    if not launched:
+    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows, slots_of=slots_of):
         for buf in lent:  # nothing launched: the buffer is still all zeros
             give_back_slots(buf)
         return None
-    if reduce:
-        return None, None, None
     out = partials.get("dw"), partials.get("db")
     return (*out, lent[0] if lent else None) if pooled else out
