@@ -180,7 +180,7 @@ def collect(slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     # then, a slice left out of a row). Every slot was published before this read (the reduction's
     # barrier orders it after the poll that saw them all), so every copy now holds its word.
     # (Reading again only the copies still unpublished, a load predicated copy by copy, measured slower:
-    # softmax backward 2-30% at 32K-256K, H200, fly-norm PERF.md v21d.)
+    # fly-norm's softmax backward 2-30% slower at 32K-256K columns on an H200.)
     w = fx.load(slot_ptrs, mask=mask, other=_PUBLISHED, volatile=True)
     return w.to(fx.int32).to(fx.float32, bitcast=True), ok
 

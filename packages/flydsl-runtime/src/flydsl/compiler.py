@@ -445,7 +445,8 @@ def _direct_launch(run):
     """(C launch function, cooperative flag, PDL flag) of a compiled kernel's launcher when calling the C
     function directly is what its Python ``__call__`` would do (Triton 3.6's CUDA launcher, no scratch
     buffers to allocate per launch); None otherwise (other versions and backends: call ``run``). The
-    launcher object's Python call costs ~2-4 us of host time a launch (H200: fly-norm PERF.md v5)."""
+    launcher object's Python call costs ~2-4 us of host time a launch (measured on an H200 host: a
+    norm launch through ``run`` against the C function, per-call host time over a loop of calls)."""
     if type(run).__name__ != "CudaLauncher" or not triton.__version__.startswith(_DIRECT_LAUNCH_TRITON):
         return None  # the C function's argument layout is that version's: others go through ``run``
     c = getattr(run, "launch", None)
