@@ -10,12 +10,22 @@ language has one face. It is Triton's language (``fx.load``, ``fx.dot``,
 - ``grouped_tile``: the grouped (L2-friendly) tile order used by matrix
   kernels: consecutive programs walk GROUP_M row-tiles down a column of tiles
   before moving right, so the B tiles they share stay in L2.
+
+``fx.dot`` is Triton's ``tl.dot`` itself when kernels compile. Under Triton's
+CPU interpreter it is a thin wrapper: the interpreter keeps bf16 values as
+their raw 16-bit patterns and its dot multiplies those integers (results off
+by ~1e9, NaN and inf lost), so bf16 operands are widened to fp32 first, which
+is exact (a bf16 value is an fp32 value with the low 16 mantissa bits zero)
+and keeps NaN and inf. Every family calls ``fx.dot``, never ``tl.dot``, so
+all of them get this.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as _tl
+
+from . import _backend
 
 _OWN = ["idx2crd", "crd2idx", "grouped_tile"]
 __all__ = [name for name in dir(_tl) if not name.startswith("_")] + _OWN
@@ -102,3 +112,25 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: _tl.constexpr):
     pid_m = first_m + in_group % size_m
     pid_n = in_group // size_m
     return pid_m, pid_n
+
+
+if _backend.interpreting():
+    # Decided once, when flydsl.expr is imported (the backend is fixed for the process by then): compiled
+    # kernels see no ``dot`` here, so ``fx.dot`` falls through __getattr__ to ``tl.dot`` with no wrapper.
+
+    def dot(input, other, acc=None, input_precision=None, allow_tf32=None, max_num_imprecise_acc=None,
+            out_dtype=_tl.float32):  # fmt: skip
+        """``tl.dot`` for the interpreter: two bf16 operands are widened to fp32 first.
+
+        Triton 3.6's interpreter multiplies bf16 blocks as their uint16 bit patterns. Widened, the
+        products are exact in fp32 and accumulate in fp32, as on the GPU's tensor cores. Everything else
+        (other dtypes, a mixed pair, ``out_dtype=bf16``) goes to ``tl.dot`` unchanged, so it accepts and
+        refuses exactly what the compiled dot does.
+        """
+        # tl.dot is looked up at each call: the interpreter swaps in its own version while a kernel runs
+        if input.dtype == _tl.bfloat16 and other.dtype == _tl.bfloat16:
+            input = input.to(_tl.float32)
+            other = other.to(_tl.float32)
+            if input_precision is None and allow_tf32 is None:
+                input_precision = "ieee"  # widened bf16 values are exact in fp32: no tf32 rounding to model
+        return _tl.dot(input, other, acc, input_precision, allow_tf32, max_num_imprecise_acc, out_dtype)
