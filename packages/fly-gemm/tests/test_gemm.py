@@ -1,7 +1,7 @@
 """gemm against the fp64 reference: dtypes, epilogues, scales, layouts, odd and boundary shapes, bad input.
 
-CPU runs go through Triton's interpreter (small shapes; fp16, fp8 and int8, since the interpreter's bf16
-dot multiplies raw bit patterns); ``gpu`` tests add bf16 and the sizes the issue names.
+CPU runs go through Triton's interpreter (small shapes; fp16, fp8 and int8 here, bf16 in
+``test_gemm_bf16.py``); ``gpu`` tests add bf16 at the sizes the issue names.
 """
 
 from __future__ import annotations
