@@ -15,12 +15,21 @@ ceiling is the device copy bandwidth measured in the same run.
     it shows honestly below what a one-read algorithm could reach;
   - ``per_tensor_static`` int8 (a given scale, one read of x) at 16384 x 8192.
 
+  The sweep (``--sweep``): random shapes no tuning saw (:func:`quant_sweep`):
+  M from 1..16 (decode), 17..512 and 513..16384 in equal parts, N from 200 to
+  16384, never a power of two and odd in half the draws, at most 2^27 elements;
+  the mode and dtype drawn from the four above.
+
 - ``vec_add``: fp32 at n = 2^20, 2^24, 2^28 against ``torch.add``; model bytes
   ``3 * 4 * n``. The 2^20 case fits in L2, so the harness rotates input copies.
+
+Timings: ``gpu`` and ``call`` (quantization has no backward, so no ``step``).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +40,7 @@ from ..reference import dequantize_ref, quantize_per_tensor_ref, quantize_per_to
 from ..vec_add import vec_add
 from .harness import Bench, Case, CompiledPeer, Provider, main_for, results_dir
 
-__all__ = ["benches", "default_out_dir", "main", "quant_bench", "vec_add_bench"]
+__all__ = ["benches", "default_out_dir", "main", "quant_bench", "quant_sweep", "vec_add_bench"]
 
 _QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -89,6 +98,40 @@ def _quant_cases(quick: bool) -> list[Case]:
     m, n = shapes[-1] if quick else (16384, 8192)
     static = {"mode": "per_tensor_static", "dtype": "int8", "M": m, "N": n}
     cases.append(Case(f"per_tensor_static int8 {m}x{n}", static))
+    return cases
+
+
+_SWEEP_GROUPS = (
+    ("per_token", "int8"),
+    ("per_token", "fp8"),
+    ("per_tensor_dynamic", "int8"),
+    ("per_tensor_static", "int8"),
+)
+_SWEEP_M = ((1, 16), (17, 512), (513, 16384))  # decode, small batches, large batches: drawn in turn
+_SWEEP_N = (200, 16384)
+_SWEEP_MAX_ELEMENTS = 1 << 27  # the tuned set's size: 256 MiB of bf16 input at most
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    """An integer in [lo, hi], its logarithm uniform."""
+    return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+
+
+def quant_sweep(rng: random.Random, count: int) -> list[Case]:
+    """``count`` unseen quantization shapes: M from the three ranges of ``_SWEEP_M`` in turn (so M = 1..16
+    is a third of them), log-uniform within a range; N log-uniform in ``_SWEEP_N``, moved off powers of two
+    and odd in half the draws; M shrunk to keep M * N <= 2^27; mode and dtype drawn from the four groups."""
+    cases = []
+    for i in range(count):
+        lo, hi = _SWEEP_M[i % len(_SWEEP_M)]
+        n = _log_uniform(rng, *_SWEEP_N)
+        if rng.random() < 0.5:
+            n = n | 1 if n < _SWEEP_N[1] else n - 1  # odd: the row's tail is masked
+        elif n & (n - 1) == 0:
+            n -= 2 * rng.randrange(1, 8)  # even, but never a power of two
+        m = min(_log_uniform(rng, lo, hi), max(1, _SWEEP_MAX_ELEMENTS // n))
+        mode, dt = rng.choice(_SWEEP_GROUPS)
+        cases.append(Case(f"{mode} {dt} {m}x{n}", {"mode": mode, "dtype": dt, "M": m, "N": n}))
     return cases
 
 
@@ -158,6 +201,8 @@ def quant_bench() -> Bench:
         tolerance=tolerance,
         x_param="N",
         group_by=("mode", "dtype"),
+        sweep=quant_sweep,
+        timings=("gpu", "call"),
         description=(
             "bf16 [M, N] -> int8 / fp8 e4m3 with fp32 scales, M*N = 2^27. Model bytes: x read once (2 B/elem), "
             "q written once (1 B/elem), scales written once. per_tensor_dynamic counts a *single* read of x, but "
@@ -203,6 +248,7 @@ def vec_add_bench() -> Bench:
         tolerance=1e-6,  # fp32 addition is exact to rounding: any real bug is far above this
         poison=poison,
         x_param="n",
+        timings=("gpu", "call"),
         description="fp32 out = a + b into a preallocated out. Model bytes: 3 * 4 * n (read a and b, write out).",
     )
 

@@ -2,23 +2,59 @@
 
 A benchmark is data: a :class:`Bench` names its cases, a ``setup`` that
 builds one case's inputs, the providers to compare (ours and the peers a user
-would pick instead) and a bytes/flops model. :func:`run` then, per case,
+would pick instead), a bytes/flops model and, optionally, a generator of
+unseen random shapes (``sweep``). :func:`run` then, per case,
 
 1. builds the inputs and asks every provider for the zero-argument callable
    to time (a provider that cannot serve the case is *skipped*, with a reason);
 2. runs every checked provider once and compares its output with the
    reference (``||out - ref|| / ||ref||``); a wrong provider is *failed* and
    never timed, so a fast wrong kernel cannot win a table;
-3. times each remaining provider with the runtime's timer (median of
-   event-timed windows behind a GPU backlog), rotating input copies when one
-   set fits in L2;
-4. derives GB/s and TFLOP/s from the model, the fraction of the ceilings
-   measured in the same run (:func:`measure_ceilings`) and, for each of our
-   providers, the speedup over the best peer.
+3. takes each timing the bench names (``Bench.timings``) of each remaining
+   provider with the runtime's timer (:func:`flydsl.autotune.timer.bench`,
+   median over windows), the calls rotating over input copies when one set
+   fits in L2 (so no call finds its data in L2):
+
+   - ``gpu_us``: the GPU time: launches queued behind a GPU sleep (``backlog``),
+     so the host's cost is hidden and back-to-back kernels are timed;
+   - ``call_us``: one public call at a time, host included: the device drained
+     before each call (``sync_each``), so a call's host work and its device
+     work run in series, as ``triton.testing.do_bench`` sees a host-bound call;
+   - ``step_us``: ``Provider.step``'s training step (forward + backward on a
+     fresh graph), timed like ``call_us``; only for providers with a step;
+   - ``host_us``: the per-call host cost: calls back to back with no backlog
+     and no synchronization (one at the end of the window), for host-cost
+     benches whose shapes are so small that the host dominates;
+4. derives GB/s and TFLOP/s from ``gpu_us`` and the model, the fraction of the
+   ceilings measured in the same run (:func:`measure_ceilings`) and, for each
+   of our providers and each timing, the ratio best peer / ours.
+
+Timer settings (windows x target window length, warmup; each timing reports the
+median window):
+
+========  ==============================  ==============================
+profile   gpu                             call, step, host
+========  ==============================  ==============================
+full      5 x 20 ms, 25 ms warmup         5 x 10 ms, 10 ms warmup
+sweep     3 x 5 ms, 5 ms warmup           3 x 5 ms, 5 ms warmup
+quick     3 x 5 ms, 5 ms warmup           3 x 5 ms, 5 ms warmup
+========  ==============================  ==============================
+
+The tuned set runs ``full`` (``quick`` under ``--quick``); a sweep runs
+``sweep``: its many shapes trade a little noise a shape for a bounded run, and
+its verdict is a distribution, not one shape's number. A synchronized call
+costs tens of microseconds at least, so 10 ms windows still hold hundreds of
+calls on small shapes; on large ones a window is a few calls and the median
+over five windows absorbs a stray one. Per (case, provider) the full profile
+costs about 0.2 s (gpu) + 0.1 s per other timing on the GPU; the sweep
+profile about 0.05 s a timing. ``Bench.timer_kwargs`` and
+``run(timer_kwargs=...)`` override the window settings of every timing; the
+mode keys (``backlog``, ``sync_each``) are each timing's own, except that
+``Bench.timer_kwargs`` may still set them for the gpu timing.
 
 :class:`Results` prints a table and writes JSON, markdown and a PNG plot;
 :func:`main_for` is the command line every family's ``benchmarks/run.py``
-calls. Example::
+calls (``--sweep``: the unseen-shape sweep too). Example::
 
     spec = Bench(
         name="vec_add",
@@ -32,6 +68,8 @@ calls. Example::
         reference=lambda t: vec_add_ref(t[0], t[1]),
         tolerance=1e-6,
         x_param="n",
+        sweep=lambda rng, count: [Case(f"n={n}", {"n": n}) for n in (rng.randrange(1, 1 << 24) for _ in range(count))],
+        timings=("gpu", "call"),
     )
     results = run(spec, out_dir="benchmarks/results")
 """
@@ -41,12 +79,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import math
 import platform
+import random
 import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -56,6 +96,7 @@ import torch
 import flydsl.arch  # flydsl picks compiled vs interpreted Triton before anything imports triton
 from flydsl.autotune.timer import Timing, rotating_copies
 from flydsl.autotune.timer import bench as timer_bench
+from flydsl.errors import ArgumentError
 from flydsl.testing import default_device, rel_error
 
 from .results import (
@@ -65,14 +106,18 @@ from .results import (
     MATMUL_BF16_TFLOPS,
     OK,
     SKIPPED,
+    TIMINGS,
     BenchResult,
     Results,
     Row,
+    ratio_stats,
+    summarize,
 )
 
 __all__ = [
     "COPY_GBPS",
     "MATMUL_BF16_TFLOPS",
+    "TIMINGS",
     "Bench",
     "BenchResult",
     "Case",
@@ -86,23 +131,43 @@ __all__ = [
     "gpu_slug",
     "main_for",
     "measure_ceilings",
+    "ratio_stats",
     "results_dir",
     "run",
+    "run_sweep",
+    "summarize",
+    "sweep_cases",
+    "sweep_counts",
     "timer_bench",
     "write_all",
 ]
 
-# Timer settings. Quick runs only check the plumbing, so they time briefly.
+# Timer settings per profile and timing (the table in the module docstring says why).
 _TIMER_FULL = {"windows": 5, "target_window_ms": 20.0, "warmup_ms": 25.0}
 _TIMER_QUICK = {"windows": 3, "target_window_ms": 5.0, "warmup_ms": 5.0}
-
+_TIMER_CALL = {"windows": 5, "target_window_ms": 10.0, "warmup_ms": 10.0}
+PROFILES = {
+    "full": {"gpu": _TIMER_FULL, "call": _TIMER_CALL, "step": _TIMER_CALL, "host": _TIMER_CALL},
+    "sweep": {t: _TIMER_QUICK for t in TIMINGS},
+    "quick": {t: _TIMER_QUICK for t in TIMINGS},
+}
+# Each timing's mode of the timer: gpu behind a backlog; call and step one synchronized call at a time;
+# host back to back with neither (one synchronization a window).
+_MODES = {
+    "gpu": {"backlog": True, "sync_each": False},
+    "call": {"backlog": False, "sync_each": True},
+    "step": {"backlog": False, "sync_each": True},
+    "host": {"backlog": False, "sync_each": False},
+}
+_MODE_KEYS = ("backlog", "sync_each")
+DEFAULT_SWEEP_COUNT = 60  # per family, split over the benches that have a sweep (sweep_counts)
 
 
 # --------------------------------------------------------------------- spec
 
 
 class Skip(Exception):
-    """Raised by ``Provider.make`` (or its callable's first call) when it cannot serve a case.
+    """Raised by ``Provider.make`` / ``Provider.step`` (or their callable's first call) when it cannot serve a case.
 
     The message is the reason shown in the results.
     """
@@ -126,10 +191,23 @@ class Provider:
 
     ``make(inputs)`` returns the zero-argument callable to time, or None (or
     raises :class:`Skip` with a reason) when this provider cannot serve the
-    case. ``is_ours`` marks FlyDSL providers (they get a speedup over the
-    best peer). ``check`` runs the output against the reference once before
+    case. ``is_ours`` marks FlyDSL providers (they get a ratio to the best
+    peer per timing). ``check`` runs the output against the reference once before
     timing. ``output`` overrides the spec's ``output`` extractor for this
     provider (a peer may return its result in another layout).
+
+    ``step(inputs)`` returns a zero-argument callable running one training
+    step, or None when this provider has no step for the case (``step_us``
+    then stays None). Each call builds a fresh graph: new leaf tensors with
+    ``requires_grad`` (detached from ``inputs``), the forward, ``backward``
+    with a given upstream gradient, weight ``.grad`` filled. Example::
+
+        def step(t):
+            x, w, dy = t
+            def call():
+                xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+                rms_norm(xl, wl).backward(dy)
+            return call
     """
 
     name: str
@@ -137,6 +215,7 @@ class Provider:
     is_ours: bool = False
     check: bool = True
     output: Callable[[Any], torch.Tensor] | None = None
+    step: Callable[[Any], Callable[[], Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -156,21 +235,29 @@ class Bench:
     - ``poison(inputs)``: called before each check run to fill preallocated
       outputs with values no kernel writes, so unwritten elements fail.
     - ``rotate``: when ``inputs`` is a tuple of tensors (and other values)
-      smaller than L2, the timed calls rotate over copies from
-      ``rotating_copies`` (``make`` is called once per copy). Inputs of any
-      other type are not rotated: size them past L2 in ``setup``.
+      smaller than L2, the timed calls of every timing rotate over copies from
+      ``rotating_copies`` (``make`` and ``step`` are called once per copy).
+      Inputs of any other type are not rotated: size them past L2 in ``setup``.
     - ``x_param``: the case parameter on the plot's x axis (log2 when numeric);
       ``group_by``: parameters that split the cases into separate panels
       (e.g. ``("mode", "dtype")``).
     - ``quick_cases``: the cases of ``--quick`` (default: those with
       ``params["quick"]``, else the first case).
-    - ``timer_kwargs``: this bench's timer settings over the run's; ``{"backlog":
-      False}`` measures end-to-end call latency (host + device) instead of GPU time.
-    - ``interleave``: when > 0, a case's providers are timed in that many rounds
-      of one window each, provider after provider within a round, and each
-      provider's time is the median over its rounds: a host whose speed drifts
-      (host-bound latency benches) then slows every provider alike, where
-      timing one provider's windows after another's puts the drift between them.
+    - ``sweep(rng, count) -> list[Case]``: the unseen-shape generator: given a
+      seeded ``random.Random`` and a count, that many cases drawn from the
+      family's realistic range (odd sizes, small M, widths not powers of two),
+      never used for tuning. Draw every number from ``rng`` so a seed repeats
+      the sweep.
+    - ``timings``: which of "gpu", "call", "step", "host" to measure (module
+      docstring); "step" only for providers with a ``step``. A host-cost bench
+      uses ``("host",)``.
+    - ``timer_kwargs``: this bench's timer settings over the run's (windows,
+      target_window_ms, warmup_ms, max_calls_per_window), for every timing.
+    - ``interleave``: when > 0, a case's timings are taken in that many rounds
+      of one window each, provider after provider (each of its timings in turn)
+      within a round, and each time is the median over its rounds: a host whose
+      speed drifts then slows every provider alike, where timing one provider's
+      windows after another's puts the drift between them.
     """
 
     name: str
@@ -189,8 +276,26 @@ class Bench:
     quick_cases: list[Case] | None = None
     flops_ceiling: str = MATMUL_BF16_TFLOPS
     description: str = ""
-    timer_kwargs: dict = field(default_factory=dict)  # e.g. {"backlog": False} to time host + device latency
-    interleave: int = 0  # > 0: rounds of one window per provider, alternating (see above)
+    timer_kwargs: dict = field(default_factory=dict)
+    interleave: int = 0  # > 0: rounds of one window per provider and timing, alternating (see above)
+    sweep: Callable[[random.Random, int], list[Case]] | None = None
+    timings: tuple[str, ...] = ("gpu", "call", "step")
+
+    def __post_init__(self) -> None:
+        timings = tuple(self.timings) if not isinstance(self.timings, str) else (self.timings,)
+        bad = [t for t in timings if t not in TIMINGS]
+        if bad or not timings:
+            raise ArgumentError(
+                f"Bench {self.name!r}: timings must be a non-empty tuple of {', '.join(TIMINGS)}, got {self.timings!r}"
+            )
+        object.__setattr__(self, "timings", timings)
+        if self.sweep is not None and not callable(self.sweep):
+            raise ArgumentError(
+                f"Bench {self.name!r}: sweep must be a callable (random.Random, count) -> list[Case], "
+                f"got {type(self.sweep).__name__}"
+            )
+        if self.interleave < 0:
+            raise ArgumentError(f"Bench {self.name!r}: interleave must be >= 0, got {self.interleave}")
 
     def select_cases(self, quick: bool) -> list[Case]:
         if not quick:
@@ -371,12 +476,13 @@ def _make(provider: Provider, inputs: Any) -> tuple[Callable[[], Any] | None, st
 
 
 def _rotated_calls(
-    provider: Provider, fn: Callable[[], Any], sets: list | None
+    factory: Callable[[Any], Callable[[], Any] | None], fn: Callable[[], Any], sets: list | None
 ) -> tuple[Callable[..., Any], list[tuple] | None]:
-    """What to hand the timer: ``fn`` alone, or one callable per input copy rotated through ``arg_sets``."""
+    """What to hand the timer: ``fn`` alone, or one callable per input copy (``factory(copy)``) rotated through
+    ``arg_sets``."""
     if not sets or len(sets) < 2:
         return fn, None
-    fns = [fn] + [provider.make(s) for s in sets[1:]]
+    fns = [fn] + [factory(s) for s in sets[1:]]
     if any(f is None for f in fns):  # a provider that serves one copy serves all; be safe anyway
         return fn, None
     return (lambda f: f()), [(f,) for f in fns]
@@ -396,41 +502,106 @@ def _tolerance(bench: Bench, case: Case) -> float:
     return float(bench.tolerance(case)) if callable(bench.tolerance) else float(bench.tolerance)
 
 
-def _record(row: Row, t: Timing, bench: Bench, ceilings: dict) -> None:
-    """A provider's timing into its row, with its rates."""
-    row.time_us = float(t.median_us)
-    row.windows_us = [float(w) for w in t.windows_us]
-    row.calls_per_window = int(t.calls_per_window)
+def _settings(profile: dict, timing: str, run_kwargs: dict, bench: Bench) -> dict:
+    """The timer's keyword arguments for one timing: the profile's windows, the run's and the bench's
+    overrides, then the timing's own mode (the bench may still set the gpu timing's mode)."""
+    settings = {**profile[timing], **run_kwargs, **bench.timer_kwargs}
+    mode = dict(_MODES[timing])
+    if timing == "gpu":
+        mode.update({k: v for k, v in bench.timer_kwargs.items() if k in _MODE_KEYS})
+    return {**settings, **mode}
+
+
+@dataclass
+class _Job:
+    """One timing of one provider: what the timer gets."""
+
+    row: Row
+    timing: str
+    call: Callable[..., Any]
+    arg_sets: list[tuple] | None
+    settings: dict
+    windows: list[float] = field(default_factory=list)
+    calls: int = 0
+
+
+def _record(job: _Job, t: Timing) -> None:
+    """A timing into its row (rates come later, from gpu_us)."""
+    row, key = job.row, job.timing
+    setattr(row, f"{key}_us", float(t.median_us))
+    row.windows_us[key] = [float(w) for w in t.windows_us]
+    row.calls_per_window[key] = int(t.calls_per_window)
     if t.median_us > 0:
-        row.spread = (max(t.windows_us) - min(t.windows_us)) / t.median_us
-    _rates(row, bench, ceilings)
+        row.spread[key] = (max(t.windows_us) - min(t.windows_us)) / t.median_us
 
 
-def _interleaved(timed: list, bench: Bench, dev: torch.device, ceilings: dict) -> None:
-    """Time ``timed``'s providers in ``bench.interleave`` rounds of one window each, provider after provider
-    within a round; each row's time is the median over its rounds (its windows: one a round). A provider
-    that raises leaves the rounds, its row an error."""
-    windows: dict[int, list[float]] = {i: [] for i in range(len(timed))}
-    calls: dict[int, int] = {}
-    for _ in range(bench.interleave):
-        for i, (row, call, arg_sets, settings) in enumerate(timed):
-            if row.status != OK:
+def _note(row: Row, text: str) -> None:
+    row.reason = f"{row.reason}; {text}" if row.reason else text
+
+
+def _time_job(job: _Job, dev: torch.device, settings: dict) -> Timing | None:
+    """Run the timer; a Skip drops this timing with a note, any other exception makes the row an error.
+    (The values already recorded stay: a provider whose step raises keeps its gpu and call times.)"""
+    try:
+        return timer_bench(job.call, arg_sets=job.arg_sets, device=dev, **settings)
+    except Skip as e:
+        _note(job.row, f"{job.timing} skipped: {e}" if str(e) else f"{job.timing} skipped")
+    except Exception as e:  # noqa: BLE001 - recorded as an error row, the other providers and timings go on
+        job.row.status = ERROR
+        _note(job.row, f"{job.timing}: {_short(e)}")
+    return None
+
+
+def _jobs(
+    bench: Bench, p: Provider, row: Row, fn: Callable[[], Any], inputs: Any, sets: list, profile: dict, kw: dict
+) -> list[_Job]:
+    """The timings of one checked provider, in the bench's order ("step" only when the provider has one)."""
+    jobs = []
+    for key in bench.timings:
+        if key == "step":
+            if p.step is None:
                 continue
             try:
-                t = timer_bench(call, arg_sets=arg_sets, device=dev, **settings)
-            except Exception as e:  # noqa: BLE001 - recorded as an error row, the others go on
-                row.status, row.reason = ERROR, _short(e)
+                step = p.step(inputs)
+            except Skip as e:
+                _note(row, f"step skipped: {e}" if str(e) else "step skipped")
                 continue
-            windows[i].extend(t.windows_us)
-            calls[i] = t.calls_per_window
-    for i, (row, *_) in enumerate(timed):
-        if row.status == OK and windows[i]:
-            _record(row, Timing(statistics.median(windows[i]), tuple(windows[i]), calls[i]), bench, ceilings)
+            except Exception as e:  # noqa: BLE001 - a step that cannot be built is an error of this provider
+                row.status = ERROR
+                _note(row, f"step: {_short(e)}")
+                continue
+            if step is None:
+                continue
+            call, arg_sets = _rotated_calls(p.step, step, sets)
+        else:
+            call, arg_sets = _rotated_calls(p.make, fn, sets)
+        jobs.append(_Job(row, key, call, arg_sets, _settings(profile, key, kw, bench)))
+    return jobs
+
+
+def _check(bench: Bench, case: Case, p: Provider, row: Row, fn: Callable[[], Any], inputs: Any, ref_box: list) -> bool:
+    """Run ``fn`` once against the reference; False (the row failed) when its error passes the tolerance."""
+    if ref_box[0] is None:
+        ref_box[0] = bench.reference(inputs)
+    if bench.poison is not None:
+        bench.poison(inputs)
+    ret = fn()
+    extract = p.output or bench.output
+    out = extract(ret) if extract is not None else ret
+    row.tolerance = _tolerance(bench, case)
+    row.rel_error = rel_error(out, ref_box[0])
+    del ret, out
+    if not (row.rel_error <= row.tolerance):  # written so NaN fails
+        row.status = FAILED
+        row.reason = f"relative error {row.rel_error:.3e} > tolerance {row.tolerance:.1e}"
+        return False
+    return True
 
 
 def _run_case(
-    bench: Bench, case: Case, providers: list[Provider], dev: torch.device, timing: dict, ceilings: dict, l2: int
-) -> list[Row]:
+    bench: Bench, case: Case, providers: list[Provider], dev: torch.device, profile: dict, kw: dict,
+    ceilings: dict, l2: int,
+) -> list[Row]:  # fmt: skip
     try:
         inputs = bench.setup(case, dev)
     except Exception as e:  # noqa: BLE001 - e.g. out of memory at one size: the other cases still run
@@ -440,8 +611,8 @@ def _run_case(
     model_bytes = int(bench.bytes(case)) if bench.bytes is not None else None
     model_flops = int(bench.flops(case)) if bench.flops is not None else None
     rows: list[Row] = []
-    timed: list = []  # with bench.interleave: (row, call, arg_sets, timer settings) of each provider to time
-    ref = None
+    pending: list[_Job] = []  # with bench.interleave: every job, timed round by round below
+    ref_box: list = [None]
     sets = None
     for p in providers:
         checked = p.check and bench.reference is not None
@@ -451,62 +622,95 @@ def _run_case(
         if fn is None:
             continue
         try:
-            if checked:
-                if ref is None:
-                    ref = bench.reference(inputs)
-                if bench.poison is not None:
-                    bench.poison(inputs)
-                ret = fn()
-                extract = p.output or bench.output
-                out = extract(ret) if extract is not None else ret
-                row.tolerance = _tolerance(bench, case)
-                row.rel_error = rel_error(out, ref)
-                del ret, out
-                if not (row.rel_error <= row.tolerance):  # written so NaN fails
-                    row.status = FAILED
-                    row.reason = f"relative error {row.rel_error:.3e} > tolerance {row.tolerance:.1e}"
-                    continue
+            if checked and not _check(bench, case, p, row, fn, inputs, ref_box):
+                continue  # a wrong provider is never timed
             if sets is None:
                 sets = _input_sets(bench, inputs, dev, l2) or []
-            call, arg_sets = _rotated_calls(p, fn, sets)
-            settings = {**timing, **bench.timer_kwargs}
-            if bench.interleave > 0:  # timed below, round by round with the other providers
-                timed.append((row, call, arg_sets, {**settings, "windows": 1}))
-                continue
-            _record(row, timer_bench(call, arg_sets=arg_sets, device=dev, **settings), bench, ceilings)
+            jobs = _jobs(bench, p, row, fn, inputs, sets, profile, kw)
         except Skip as e:  # e.g. a compiled peer that only fails when first called
             row.status, row.reason = SKIPPED, str(e) or "cannot serve this case"
+            continue
         except Exception as e:  # noqa: BLE001 - same: recorded as an error row, the other providers still run
             row.status, row.reason = ERROR, _short(e)
-    _interleaved(timed, bench, dev, ceilings)
+            continue
+        if bench.interleave > 0:
+            pending += jobs
+            continue
+        for job in jobs:
+            t = _time_job(job, dev, job.settings)
+            if t is not None:
+                _record(job, t)
+    _interleaved(pending, bench.interleave, dev)
+    for row in rows:
+        _rates(row, bench, ceilings)
     _speedups(rows)
-    del inputs, sets, ref
+    del inputs, sets, ref_box
     _release(dev)
     return rows
 
 
+def _interleaved(jobs: list[_Job], rounds: int, dev: torch.device) -> None:
+    """Time ``jobs`` in ``rounds`` rounds of one window each, job after job within a round; each time is
+    the median over its rounds (its windows: one a round). A job that raises leaves the rounds."""
+    if not jobs:
+        return
+    live = list(jobs)
+    for _ in range(rounds):
+        for job in list(live):
+            t = _time_job(job, dev, {**job.settings, "windows": 1})
+            if t is None:
+                live.remove(job)
+                continue
+            job.windows.extend(t.windows_us)
+            job.calls = t.calls_per_window
+    for job in live:
+        if job.windows:
+            _record(job, Timing(statistics.median(job.windows), tuple(job.windows), job.calls))
+
+
 def _rates(row: Row, bench: Bench, ceilings: dict) -> None:
-    if not row.time_us or row.time_us <= 0:
+    if not row.gpu_us or row.gpu_us <= 0:
         return
     if row.bytes is not None:
-        row.gbps = row.bytes / row.time_us / 1e3  # bytes/us -> GB/s (1e9)
+        row.gbps = row.bytes / row.gpu_us / 1e3  # bytes/us -> GB/s (1e9)
         if ceilings.get(COPY_GBPS):
             row.bw_fraction = row.gbps / ceilings[COPY_GBPS]
     if row.flops is not None:
-        row.tflops = row.flops / row.time_us / 1e6  # flop/us -> TFLOP/s (1e12)
+        row.tflops = row.flops / row.gpu_us / 1e6  # flop/us -> TFLOP/s (1e12)
         if ceilings.get(bench.flops_ceiling):
             row.flops_fraction = row.tflops / ceilings[bench.flops_ceiling]
 
 
 def _speedups(rows: list[Row]) -> None:
-    peers = [r for r in rows if not r.is_ours and r.status == OK and r.time_us]
-    if not peers:
-        return
-    best = min(peers, key=lambda r: r.time_us)
+    """Per timing: each of our rows gets the fastest peer's time over its own, and that peer's name.
+    Only measured times count (a failed check is never timed)."""
+    for key in TIMINGS:
+        peers = [r for r in rows if not r.is_ours and r.us(key)]
+        if not peers:
+            continue
+        best = min(peers, key=lambda r: r.us(key))
+        for r in rows:
+            if r.is_ours and r.us(key):
+                r.speedups[key] = best.us(key) / r.us(key)
+                r.best_peers[key] = best.provider
+
+
+def _progress_line(bench: Bench, case: Case, rows: list[Row]) -> str:
+    """One line a finished case: each of our providers' times and ratios (call and step first), and
+    what failed."""
+    parts = []
     for r in rows:
-        if r.is_ours and r.status == OK and r.time_us:
-            r.speedup = best.time_us / r.time_us
-            r.best_peer = best.provider
+        if r.is_ours and r.status in (OK, ERROR):
+            times = [
+                f"{t} {r.us(t):.1f} us" + (f" {r.speedups[t]:.2f}x" if t in r.speedups else "")
+                for t in TIMINGS
+                if r.us(t) is not None
+            ]
+            parts.append(f"{r.provider} " + (", ".join(times) or "not timed"))
+    bad = [f"{r.provider} {r.status.upper()}" for r in rows if r.status in (FAILED, ERROR)]
+    if not parts:
+        parts.append(", ".join(f"{r.provider} {r.us(bench.timings[0]) or '-'}" for r in rows) or "no providers")
+    return f"{bench.name}: {case.name}: " + "; ".join(parts) + (f" [{', '.join(bad)}]" if bad else "")
 
 
 def run(
@@ -521,6 +725,7 @@ def run(
     stem: str | None = None,
     timer_kwargs: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    profile: str | None = None,
 ) -> Results:
     """Check, time and rate every (case, provider) of ``bench`` (one spec or several).
 
@@ -529,10 +734,11 @@ def run(
         out_dir: when given, :func:`write_all` writes ``<stem>.json|md|png`` there.
         ceilings: ``None`` measures them now (:func:`measure_ceilings`); pass
             a dict to reuse measured ones, ``{}`` to skip them (no fractions).
-        quick: the spec's quick cases and a shorter timer (a smoke run).
+        quick: the spec's quick cases and the quick timer profile (a smoke run).
         providers / cases: keep only these names (case-insensitive), or a predicate on the name.
-        timer_kwargs: overrides of the timer settings (windows, target_window_ms, warmup_ms, ...).
-        progress: called with one line per case (e.g. ``print``).
+        timer_kwargs: overrides of every timing's window settings (windows, target_window_ms, warmup_ms, ...).
+        progress: called with one line per case as it finishes, with its times and ratios (e.g. ``print``).
+        profile: the timer profile ("full", "sweep", "quick"; default "quick" when ``quick``, else "full").
 
     Returns:
         :class:`Results`; a failed check shows as status ``failed`` (not timed),
@@ -540,8 +746,9 @@ def run(
     """
     specs = [bench] if isinstance(bench, Bench) else list(bench)
     dev = _resolve_device(device)
-    timing = dict(_TIMER_QUICK if quick else _TIMER_FULL)
-    timing.update(timer_kwargs or {})
+    profile = profile or ("quick" if quick else "full")
+    if profile not in PROFILES:
+        raise ArgumentError(f"run: profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if ceilings is None:
         ceilings = measure_ceilings(dev, quick=quick)
     env = environment(dev)
@@ -553,12 +760,67 @@ def run(
         for case in spec.select_cases(quick):
             if not _matches(case.name, cases):
                 continue
+            done = _run_case(spec, case, chosen, dev, PROFILES[profile], dict(timer_kwargs or {}), results.ceilings, l2)
+            rows += done
             if progress is not None:
-                progress(f"{spec.name}: {case.name}")
-            rows += _run_case(spec, case, chosen, dev, timing, results.ceilings, l2)
+                progress(_progress_line(spec, case, done))
         results.benches.append(
-            BenchResult(spec.name, spec.x_param, spec.metric, list(spec.group_by), spec.description, rows)
+            BenchResult(
+                spec.name, spec.x_param, spec.metric, list(spec.group_by), spec.description, rows, list(spec.timings)
+            )
         )
+    if out_dir is not None:
+        write_all(results, out_dir, stem)
+    return results
+
+
+# -------------------------------------------------------------------- sweep
+
+
+def sweep_counts(benches: Sequence[Bench], count: int) -> dict[str, int]:
+    """How a family's sweep ``count`` is split: each bench with a ``sweep`` gets ``ceil(count / k)`` shapes
+    (k: the number of such benches), so every bench gets the same share and the total is >= ``count``."""
+    if count < 1:
+        raise ArgumentError(f"sweep_counts: count must be >= 1, got {count}")
+    with_sweep = [b for b in benches if b.sweep is not None]
+    if not with_sweep:
+        return {}
+    share = math.ceil(count / len(with_sweep))
+    return {b.name: share for b in with_sweep}
+
+
+def sweep_cases(bench: Bench, seed: int, count: int) -> list[Case]:
+    """``bench.sweep``'s cases for ``seed``: its generator gets ``random.Random(f"{seed}:{bench.name}")``, so
+    one seed repeats every bench's shapes, and each bench's draws do not depend on the others'."""
+    if bench.sweep is None:
+        raise ArgumentError(f"sweep_cases: bench {bench.name!r} has no sweep (Bench.sweep is None)")
+    drawn = bench.sweep(random.Random(f"{seed}:{bench.name}"), count)
+    drawn = list(drawn) if drawn is not None else []
+    if not all(isinstance(c, Case) for c in drawn):
+        kinds = sorted({type(c).__name__ for c in drawn if not isinstance(c, Case)})
+        raise ArgumentError(f"Bench {bench.name!r}: sweep must return a list of Case, got items of {', '.join(kinds)}")
+    if len(drawn) != count:
+        raise ArgumentError(f"Bench {bench.name!r}: sweep was asked for {count} cases, returned {len(drawn)}")
+    return drawn
+
+
+def run_sweep(benches: Bench | Sequence[Bench], *, seed: int, count: int = DEFAULT_SWEEP_COUNT, **kwargs) -> Results:
+    """:func:`run` over the sweeps of ``benches`` (those without one are left out): ``count`` random shapes
+    split by :func:`sweep_counts`, drawn by :func:`sweep_cases` from ``seed``, timed with the "sweep" profile.
+    ``kwargs`` go to :func:`run` (``quick`` is ignored: a sweep has no quick cases). The seed, count and
+    cases per bench are kept in ``Results.sweep`` (and the JSON)."""
+    specs = [benches] if isinstance(benches, Bench) else list(benches)
+    counts = sweep_counts(specs, count)
+    swept = []
+    for b in specs:
+        if b.name in counts:
+            drawn = sweep_cases(b, seed, counts[b.name])
+            swept.append(replace(b, cases=drawn, quick_cases=drawn))
+    kwargs.pop("quick", None)
+    out_dir, stem = kwargs.pop("out_dir", None), kwargs.pop("stem", None)
+    kwargs.setdefault("profile", "sweep")
+    results = run(swept, **kwargs)
+    results.sweep = {"seed": seed, "count": count, "cases_per_bench": counts}
     if out_dir is not None:
         write_all(results, out_dir, stem)
     return results
@@ -574,7 +836,8 @@ def gpu_slug(device_name: str, limit: int = 40) -> str:
 
 
 def write_all(results: Results, out_dir: str | Path, stem: str | None = None) -> dict[str, Path]:
-    """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` (stem default: the device slug); returns the paths.
+    """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` (stem default: the device slug; a sweep's results
+    get ``-sweep`` after the stem, beside the tuned set's); returns the paths.
 
     The PNG is skipped with a message when matplotlib is missing (it is the
     ``bench`` extra), so a results file is never lost to a plotting problem.
@@ -582,6 +845,8 @@ def write_all(results: Results, out_dir: str | Path, stem: str | None = None) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or gpu_slug(str(results.env.get("device_name", "device")))
+    if results.sweep:
+        stem += "-sweep"
     paths = {"json": results.to_json(out_dir / f"{stem}.json")}
     paths["md"] = out_dir / f"{stem}.md"
     results.to_markdown(paths["md"])
@@ -624,8 +889,13 @@ def main_for(
     Options: ``--quick`` (the quick cases, short timing), ``--out DIR``,
     ``--only NAME`` (bench names), ``--providers NAME``, ``--cases TEXT``
     (case names containing TEXT), ``--no-ceilings``, ``--stem``, ``--device``,
-    ``--list``. Name options take several values or commas. Exits 1 when any
-    provider failed its check or raised, 2 on a bad option.
+    ``--list``; the unseen-shape sweep: ``--sweep`` (the tuned set, then every
+    bench's sweep, written as ``<stem>-sweep.json|md|png``), ``--sweep-only``,
+    ``--seed N`` (default: a fresh random seed; printed first, and kept in the
+    sweep's JSON), ``--sweep-count K`` (default 60 for the family, split by
+    :func:`sweep_counts`; under ``--quick``, one shape a bench). Name options take
+    several values or commas. A line is printed as each case finishes. Exits 1
+    when any provider failed its check or raised, 2 on a bad option.
 
     On the CPU (interpreter) ``--quick`` is implied: full-size cases would run
     for hours there, and CPU times say nothing about the GPU anyway.
@@ -640,6 +910,17 @@ def main_for(
     parser.add_argument("--stem", default=None, help="output file stem (default: the device name, e.g. nvidia-h200)")
     parser.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU interpreter)")
     parser.add_argument("--list", action="store_true", help="list benches, cases and providers, then exit")
+    parser.add_argument("--sweep", action="store_true", help="also run every bench's sweep of unseen random shapes")
+    parser.add_argument("--sweep-only", action="store_true", help="run the sweep only (not the tuned set)")
+    parser.add_argument("--seed", type=int, default=None, help="the sweep's seed (default: a fresh one, printed)")
+    parser.add_argument(
+        "--sweep-count",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"sweep shapes for the family (default {DEFAULT_SWEEP_COUNT}; --quick: one a bench), "
+        "each bench with a sweep getting ceil(K / benches)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
 
     by_name = {b.name: b for b in benches}
@@ -650,16 +931,34 @@ def main_for(
             print(f"unknown bench {', '.join(unknown)}; known: {', '.join(by_name)}", file=sys.stderr)
             return 2
         benches = [by_name[n] for n in only]
+    if args.sweep_count is not None and args.sweep_count < 1:
+        print(f"--sweep-count must be >= 1, got {args.sweep_count}", file=sys.stderr)
+        return 2
     dev = _resolve_device(args.device)
     quick = args.quick
     if dev.type != "cuda" and not quick:
         print("no GPU: running the --quick cases through the interpreter (CPU times are not GPU numbers)")
         quick = True
+    do_sweep = args.sweep or args.sweep_only
+    counts: dict[str, int] = {}
+    seed = None
+    if do_sweep:
+        with_sweep = [b for b in benches if b.sweep is not None]
+        if not with_sweep:
+            print(f"no sweep: none of {', '.join(b.name for b in benches)} defines one", file=sys.stderr)
+            return 2
+        count = args.sweep_count or (len(with_sweep) if quick else DEFAULT_SWEEP_COUNT)
+        counts = sweep_counts(benches, count)
+        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+        split = ", ".join(f"{n} {c}" for n, c in counts.items())
+        print(f"sweep seed {seed} (repeat: --seed {seed}); {sum(counts.values())} shapes: {split}", flush=True)
     if args.list:
         for b in benches:
-            print(f"{b.name}: providers {', '.join(p.name for p in b.providers)}")
-            for c in b.select_cases(quick):
+            print(f"{b.name}: providers {', '.join(p.name for p in b.providers)}; timings {', '.join(b.timings)}")
+            for c in [] if args.sweep_only else b.select_cases(quick):
                 print(f"  {c.name}")
+            for c in sweep_cases(b, seed, counts[b.name]) if b.name in counts else []:
+                print(f"  sweep: {c.name}")
         return 0
 
     providers = _names(args.providers)
@@ -669,26 +968,36 @@ def main_for(
     if not args.no_ceilings:
         print("measuring ceilings (device copy, bf16 matmul) ...", flush=True)
         ceilings = measure_ceilings(dev, quick=quick)
-    results = run(
-        benches,
-        device=dev,
-        ceilings=ceilings,
-        quick=quick,
-        providers=providers,
-        cases=case_filter,
-        progress=lambda line: print(f"  {line}", flush=True),
-    )
-    if not results.rows():
+    common = {"device": dev, "ceilings": ceilings, "providers": providers, "cases": case_filter}
+    common["progress"] = lambda line: print(f"  {line}", flush=True)
+    out_dir = args.out or default_out_dir
+    written: list[Results] = []
+    if not args.sweep_only:
+        print("tuned set:", flush=True)
+        tuned = run(benches, quick=quick, **common)
+        if tuned.rows():
+            _report(tuned, out_dir, args.stem)
+            written.append(tuned)
+    if do_sweep:
+        print(f"sweep (seed {seed}):", flush=True)
+        swept = run_sweep(benches, seed=seed, count=count, **common)
+        if swept.rows():
+            _report(swept, out_dir, args.stem)
+            written.append(swept)
+    if not written:
         print("nothing matched the filters", file=sys.stderr)
         return 2
-    paths = write_all(results, args.out or default_out_dir, args.stem)
-    print()
-    results.print_table()
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    bad = results.failures()
+    bad = [r for res in written for r in res.failures()]
     if bad:
         print(f"\n{len(bad)} provider run(s) failed or raised:", file=sys.stderr)
         for r in bad:
             print(f"  {r.case} / {r.provider}: {r.reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def _report(results: Results, out_dir: str | Path, stem: str | None) -> None:
+    paths = write_all(results, out_dir, stem)
+    print()
+    results.print_table()
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
