@@ -1,4 +1,10 @@
-"""Benchmarks of fly-norm (see fly_norm.bench): python packages/fly-norm/benchmarks/run.py [--quick] [--only NAME]."""
+"""Benchmarks of fly-norm (see fly_norm.bench).
+
+    python packages/fly-norm/benchmarks/run.py                 the tuned set (results/<gpu>.json|md|png)
+    python packages/fly-norm/benchmarks/run.py --sweep         also 60 unseen random shapes (<gpu>-sweep.*)
+    python packages/fly-norm/benchmarks/run.py --sweep-only --seed N   repeat one sweep
+    python packages/fly-norm/benchmarks/run.py --quick --only rmsnorm_fwd host   a smoke run of two benches
+"""
 
 import sys
 
