@@ -1,4 +1,7 @@
-"""Benchmarks of fly-gemm (see fly_gemm.bench): python packages/fly-gemm/benchmarks/run.py [--quick] [--only NAME]."""
+"""Benchmarks of fly-gemm (see fly_gemm.bench).
+
+python packages/fly-gemm/benchmarks/run.py [--quick] [--only NAME] [--sweep] [--seed N] [--list]
+"""
 
 import sys
 
