@@ -35,7 +35,6 @@ is skipped with its rule as the reason.
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -354,21 +353,28 @@ def _int8_bench(sweep) -> Bench:
 # ------------------------------------------------------------------------------ linear (differentiable)
 
 
-def _torch_act(name: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The torch function a user writes after ``F.linear`` for ``name`` (resolved once, outside the timed call)."""
-    return {
-        None: None,
-        "relu": F.relu,
-        "silu": F.silu,
-        "gelu": F.gelu,
-        "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    }[name]
+_TORCH_ACTS = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu}
 
 
 def _torch_linear(x, w, b, act: str | None):
-    fn = _torch_act(act)
+    """What a user writes: ``F.linear``, then the activation (plain branches on a constant, so torch.compile
+    traces it into one graph)."""
     y = F.linear(x, w, b)
-    return y if fn is None else fn(y)
+    if act is None:
+        return y
+    if act == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    return _TORCH_ACTS[act](y)
+
+
+def _eager_linear(act: str | None) -> Callable[..., torch.Tensor]:
+    """:func:`_torch_linear` with the activation resolved once, outside the timed call."""
+    if act is None:
+        return F.linear
+    if act == "gelu_tanh":
+        return lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")
+    fn = _TORCH_ACTS[act]
+    return lambda x, w, b: fn(F.linear(x, w, b))
 
 
 def _leaves(t) -> list[torch.Tensor]:
@@ -442,10 +448,8 @@ def _linear_bench(sweep) -> Bench:
 
     def eager(t):
         x, w, b, _, act = t
-        fn = _torch_act(act)
-        if fn is None:
-            return lambda: F.linear(x, w, b)
-        return lambda: fn(F.linear(x, w, b))
+        fn = _eager_linear(act)
+        return lambda: fn(x, w, b)
 
     def ref(t):
         x, w, b, _, act = t
@@ -460,7 +464,7 @@ def _linear_bench(sweep) -> Bench:
             Provider(
                 "flydsl", ours, is_ours=True, step=lambda t: _train_step(lambda x, w, b: linear(x, w, b, t[4]), t)
             ),
-            Provider("torch", eager, step=lambda t: _train_step(lambda x, w, b: _torch_linear(x, w, b, t[4]), t)),
+            Provider("torch", eager, step=lambda t: _train_step(_eager_linear(t[4]), t)),
             Provider("torch.compile", _compiled_fwd, step=_compiled_step),
         ],
         flops=_flops,
