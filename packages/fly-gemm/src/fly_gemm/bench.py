@@ -109,9 +109,9 @@ def _flops(case: Case) -> int:
 class SweepRange:
     """The range unseen shapes are drawn from.
 
-    ``m_max``: the largest M (a third of the shapes take M in 1-16); ``nk_min`` / ``nk_max``: N and K,
-    log-uniform; ``max_flops``: a shape past it gets a smaller M (bounds one case's time: 4e12 flops is
-    about 6 ms a bf16 call at cuBLAS's rate, 70 ms for the fp64 reference).
+    ``m_max``: the largest M; ``nk_min`` / ``nk_max``: N and K, log-uniform; ``max_flops``: a shape past it
+    gets a smaller M (bounds one case's time: 4e12 flops is about 6 ms a bf16 call at cuBLAS's rate and
+    under 0.1 s for the fp64 reference on an H200).
     """
 
     m_max: int = 8192
@@ -123,7 +123,7 @@ class SweepRange:
 GPU_SWEEP = SweepRange()
 # The interpreter's range (CPU smoke runs and tests): the same M, N and K classes at sizes it runs in seconds.
 CPU_SWEEP = SweepRange(m_max=64, nk_min=16, nk_max=96, max_flops=float("inf"))
-_DECODE_M = 16  # M = 1..16: the decode sizes, drawn for every third shape
+_DECODE_M = 16  # M = 1..16: the decode sizes (every shape of a "decode" sweep, every third of a "mixed" one)
 # Alignment classes of N and K: multiples of 128 (what tuned models use), of 16 (TMA-addressable bf16
 # and fp8 rows), of 8 but not 16 (bf16 TMA rows, not fp8 / _scaled_mm) and odd (the pointer kernel only).
 _ALIGNS = (128, 16, 8, 1)
