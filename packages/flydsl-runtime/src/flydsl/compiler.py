@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _backend
+from . import _backend, _interp_numpy
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
@@ -91,6 +91,7 @@ def kernel(
             # patch among the kernel's globals. Kernels see the language only
             # through flydsl.expr, so make triton.language visible to it.
             f.__globals__.setdefault("__flydsl_triton_language__", tl)
+            _interp_numpy.apply()  # the interpreter on numpy >= 2.4 (see the module)
             return _interpreter_compatible(triton.jit(f, **opts) if opts else triton.jit(f))
         return triton.jit(f, **opts) if opts else triton.jit(f)
 
