@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fly_gemm import FlyLinear, GemmConfig, PackedWeight, gemm, gemm_ref, linear, prepack
-from flydsl.errors import ArgumentError, DTypeError
+from flydsl.errors import ArgumentError, DTypeError, UnsupportedError
 from flydsl.testing import assert_rel_close
 from flydsl_common.reference import quantize_per_token_ref
 
@@ -191,13 +191,37 @@ def test_prepack_bad_input_is_named(device):
 
 
 def test_fly_linear_prepack_serves_inference(device):
+    """After prepack() the layer runs with grad mode on and trainable parameters (no no_grad, no frozen
+    bias needed); gradients reach x and the bias; a backward needing the weight's gradient is refused."""
     layer = FlyLinear(64, 32, activation="relu", device=device, dtype=torch.float16)
     x = _rand(3, 7, 64, device=device)
     want = F.relu(F.linear(x.double(), layer.weight.double(), layer.bias.double()))
     layer.prepack(quant=torch.int8)
+    assert layer.weight.requires_grad and layer.bias.requires_grad and torch.is_grad_enabled()
+    y = layer(x)
+    assert_rel_close(y, want, tol=0.02)
+    with pytest.raises(UnsupportedError, match="weight: a prepacked FlyLinear has no weight gradient"):
+        y.sum().backward()
     with torch.no_grad():
         assert_rel_close(layer(x), want, tol=0.02)
-    with pytest.raises(ArgumentError, match="inference only"):
-        layer(x)
     layer.unpack()
     assert_rel_close(layer(x), want)
+
+
+@pytest.mark.parametrize("quant", [None, torch.int8])
+def test_fly_linear_prepacked_backward_to_input_and_bias(device, quant):
+    """A frozen prepacked weight (a QLoRA-style base): dx and dbias against fp64 autograd of the layer's
+    weight (quantized: of the dequantized weight the forward multiplies, within the quantization's error)."""
+    layer = FlyLinear(48, 40, activation="silu", device=device, dtype=torch.float16)
+    layer.weight.requires_grad_(False)
+    layer.prepack(quant=quant)
+    x = _rand(2, 5, 48, device=device).requires_grad_()
+    dy = _rand(2, 5, 40, device=device, seed=4)
+    y = layer(x)
+    y.backward(dy)
+    w = layer.weight if quant is None else layer.packed.weight.double() * layer.packed.scale.double()[:, None]
+    ref = _grads_ref(lambda a, b: _TORCH_ACT["silu"](F.linear(a, w.double(), b)), (x, layer.bias), dy)
+    tol = 2e-3 if quant is None else 2e-2  # quantized: the forward's x is quantized too (pre-activation)
+    assert_rel_close(x.grad, ref[0], tol=tol, name="x")
+    assert_rel_close(layer.bias.grad, ref[1], tol=tol, name="bias")
+    assert layer.weight.grad is None

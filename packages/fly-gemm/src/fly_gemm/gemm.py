@@ -11,6 +11,8 @@ allocation and dispatch.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 import flydsl.arch
@@ -39,6 +41,19 @@ def _act_name(activation) -> str:
     """The canonical name of an activation for tuning keys ("gelu_erf" and "gelu" are one)."""
     name = str(activation).lower()
     return "gelu" if name == "gelu_erf" else name
+
+
+def _scale_tensor(name: str, s, device):
+    """A scale given as one Python number (per-tensor) as a one-element fp32 tensor on ``device``; a tensor
+    or None as it is; anything else refused, naming the argument."""
+    if s is None or isinstance(s, torch.Tensor):
+        return s
+    if isinstance(s, numbers.Real) and not isinstance(s, bool):
+        # torch.full fills on the device (no host-to-device copy); a tensor scale saves even that launch
+        return torch.full((1,), float(s), dtype=torch.float32, device=device)
+    per = "row of a" if name == "scale_a" else "column of c"
+    raise ArgumentError(f"{name}: expected None, a number or an fp32 tensor (one value or one per {per}), "
+                        f"got {type(s).__name__} {s!r}")  # fmt: skip
 
 
 def _check_scale(name: str, s, length: int, what: str, device):
@@ -95,6 +110,11 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
         check_tensor("out", out, dtypes=(dtype,), ndim=2)
         if tuple(out.shape) != (m, n):
             raise ShapeError(f"out: expected [{m}, {n}], got {describe(out)}")
+    if device.type == "meta":  # shapes only, as torch's own ops on meta tensors: nothing to launch
+        return out
+    if config is not None and not isinstance(config, GemmConfig):
+        raise ArgumentError(f"config: expected None or a fly_gemm.GemmConfig, got {type(config).__name__} "
+                            f"{config!r}")  # fmt: skip
     arch = flydsl.arch.current(device)
     if config is None:
         epilogue = "_".join(["bias"] * (bias is not None) + [_act_name(activation)] * (act != 0)) or "none"
@@ -145,21 +165,36 @@ def gemm(
         activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf form), after the bias.
         out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, bf16 for fp8 and
             int8), or int32 for the raw int8 product (no scales, bias or activation).
-        scale_a: fp32, one value or ``[M]`` (per row of A); scale_b: fp32, one value or ``[N]`` (per column
-            of C). Applied to the accumulator in fp32; the usual fp8 / int8 dequantization scales.
+        scale_a: one value (a Python number, or an fp32 tensor of one element) or an fp32 ``[M]`` (per row of
+            A); scale_b: one value or fp32 ``[N]`` (per column of C). Applied to the accumulator in fp32; the
+            usual fp8 / int8 dequantization scales. A number costs a one-element fill on the device each call.
         out: optional ``[M, N]`` output to write (any strides).
         config: a :class:`~fly_gemm.autotune.GemmConfig` to launch with (default: chosen for the shape).
 
     Returns:
         ``[M, N]`` in ``out_dtype`` (``out`` when given). M = 0 or N = 0 give an empty result; K = 0
-        gives ``act(bias)`` (or zeros).
+        gives ``act(bias)`` (or zeros). Meta tensors give a meta result of the right shape and dtype.
+
+    Raises:
+        flydsl.errors.ArgumentError / DTypeError / ShapeError / DeviceError naming the argument, before
+        anything launches.
 
     Example::
 
         c = gemm(x, w, bias=b, activation="gelu_tanh")   # x [M, K], w [N, K] bf16 -> [M, N] bf16
     """
+    if not isinstance(a, torch.Tensor):
+        raise ArgumentError(f"a: expected a torch.Tensor, got {type(a).__name__}")
     if isinstance(b, PackedWeight):
         a, b, scale_a, scale_b, b_layout = _unpack(a, b, scale_a, scale_b, b_layout)
+    elif not isinstance(b, torch.Tensor):
+        raise ArgumentError(f"b: expected a torch.Tensor or a fly_gemm.PackedWeight, got {type(b).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise ArgumentError(f"bias: expected None or a torch.Tensor [N], got {type(bias).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ArgumentError(f"out: expected None or a torch.Tensor [M, N], got {type(out).__name__}")
+    scale_a = _scale_tensor("scale_a", scale_a, a.device)
+    scale_b = _scale_tensor("scale_b", scale_b, a.device)
     compiling = torch.compiler.is_compiling()
     if compiling or _grad_needed(a, b, bias, scale_a, scale_b):
         # traced code and autograd go through the custom op (fake implementation, registered backward)
@@ -180,11 +215,18 @@ def _unpack(a, packed: PackedWeight, scale_a, scale_b, b_layout):
     if scale_b is not None:
         raise ArgumentError("scale_b: a PackedWeight carries its own scale; pass none")
     w = packed.weight
-    if packed.quantized and isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16):
+    if packed.quantized and a.dtype in (torch.float16, torch.bfloat16):
         if scale_a is not None:
             raise ArgumentError("scale_a: a 16-bit a is quantized per row against a quantized PackedWeight; "
                                 "pass a quantized a to give its scale")  # fmt: skip
-        a, scale_a = quantize_per_token(a, w.dtype)
+        if _grad_needed(a):
+            raise ArgumentError("a: gemm computes no gradient through a quantized PackedWeight (the product "
+                                "runs on a quantized a); fly_gemm.linear does (gradient to x), or call under "
+                                "torch.no_grad()")  # fmt: skip
+        if a.is_meta:
+            a, scale_a = torch.empty_like(a, dtype=w.dtype), a.new_empty(a.shape[:-1], dtype=torch.float32)
+        else:
+            a, scale_a = quantize_per_token(a, w.dtype)
     return a, w, scale_a, packed.scale, "nk"
 
 
@@ -195,21 +237,26 @@ def _grad_needed(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-@torch.library.custom_op("fly_gemm::gemm", mutates_args=())
-def _gemm_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None,
-    out_dtype: torch.dtype | None,
-    scale_a: torch.Tensor | None,
-    scale_b: torch.Tensor | None,
-    b_layout: str,
-) -> torch.Tensor:
+# The op is defined through torch.library.Library rather than torch.library.custom_op: custom_op wraps its
+# kernel in torch._disable_dynamo, which imports torch._dynamo on the op's first eager call. That import took
+# 1.3-3.9 s of a FlyLinear's first forward (CPU, torch 2.13: 3.9 s against 0.07 s for the first call without
+# autograd; 1.3-2.3 s on the H200 host); a Library kernel is called without it (first call: 8 ms).
+_LIB = torch.library.Library("fly_gemm", "DEF")
+_LIB.define(
+    "gemm(Tensor a, Tensor b, Tensor? bias, str? activation, ScalarType? out_dtype, Tensor? scale_a, "
+    "Tensor? scale_b, str b_layout) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _gemm_op(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout):
     return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, None, b_layout, None)
 
 
-@_gemm_op.register_fake
+_LIB.impl("gemm", _gemm_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fly_gemm::gemm", lib=_LIB)
 def _(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout):
     n = b.shape[0] if b_layout == "nk" else b.shape[1]
     scaled = scale_a is not None or scale_b is not None
@@ -251,4 +298,4 @@ def _backward(ctx, grad):
     return da, db, dbias, None, None, None, None, None
 
 
-torch.library.register_autograd("fly_gemm::gemm", _backward, setup_context=_setup_context)
+torch.library.register_autograd("fly_gemm::gemm", _backward, setup_context=_setup_context, lib=_LIB)
