@@ -4,10 +4,12 @@ and the tuning adopter (:data:`TUNABLE`, :func:`config_for`).
 The default is a pure function of (M, N, K, input dtype, arch), unit-tested on
 the CPU; a call is served the searched winner, the artifact shipped in
 ``fly_gemm/artifacts/`` (``flydsl tune gemm`` on the H200) or the default.
-Tile shapes follow the published Hopper practice (128 x 128 tiles, BLOCK_K 64
-for 16-bit inputs and 128 for 8-bit ones, 3-4 pipeline stages, grouped tile
-order with GROUP_M = 8) until measured on the H200; small M takes tiles of
-16-64 rows so that no program computes mostly padding.
+The default's large-M tiles are the published Hopper practice (128 x 128
+tiles, BLOCK_K 64 for 16-bit inputs and 128 for 8-bit ones, 3-4 pipeline
+stages, grouped tile order with GROUP_M = 8), except where an H200 measurement
+chose otherwise (the 128 x 256 tile for many tiles: see :func:`default_config`);
+shapes off the shipped artifact get that default. Small M takes tiles of 16-64
+rows so that no program computes mostly padding.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class GemmConfig:
 
 def smem_bytes(cfg: GemmConfig, in_dtype: torch.dtype, out_itemsize: int = 4) -> int:
     """Shared memory a config takes: an A and a B tile per pipeline stage, and for the TMA kernel the C
-    tile its descriptor store goes through (sm_90, ``tools``-style offline compiles of the TMA kernel:
-    128 x 128 x 64 bf16 at 4 stages takes 4 x 32 KB + 32 KB)."""
+    tile its descriptor store goes through (checked against sm_90 compiles of the TMA kernel: 128 x 128 x
+    64 bf16 at 4 stages takes 4 x 32 KB + 32 KB)."""
     loads = (cfg.block_m + cfg.block_n) * cfg.block_k * in_dtype.itemsize * cfg.num_stages
     store_n = cfg.block_n // 2 if cfg.epilogue_subtile else cfg.block_n
     return loads + (cfg.block_m * store_n * out_itemsize if cfg.tma else 0)
@@ -125,7 +127,9 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     return smem <= arch.smem_per_block
 
 
-# Programs a decode-size GEMM aims for, an SM: enough bytes of the weights in flight on every SM.
+# Programs a decode-size GEMM aims for, an SM: enough bytes of the weights in flight on every SM. From the
+# bandwidth-latency product, not a sweep: 1.5 programs x 3 stages x 16 KB is ~70 KB an SM in flight, over the
+# ~32 KB an SM that the H200's 4.2 TB/s at ~1 us memory latency needs across 132 SMs (see default_config).
 _DECODE_PROGRAMS_PER_SM = 1.5
 
 
