@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -175,8 +176,19 @@ def cmd_bench(args) -> int:
 # --------------------------------------------------------------------- demo
 
 
-def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list[DemoResult]:
-    """Run every demo case of ``families``: check against the reference; time against torch on a GPU."""
+def run_demo(
+    families: Sequence[Family],
+    *,
+    time_it: bool | None = None,
+    on_start: Callable[[str, str], None] | None = None,
+    on_result: Callable[[DemoResult, float], None] | None = None,
+) -> list[DemoResult]:
+    """Run every demo case of ``families``: check against the reference; time against torch on a GPU.
+
+    ``on_start(family, case)`` is called before a case runs and ``on_result(result, seconds)``
+    as soon as it has finished (the interpreter takes seconds a case), so callers can report
+    progress instead of one table at the end.
+    """
 
     from .testing import default_device, rel_error
 
@@ -186,6 +198,9 @@ def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list
     results = []
     for fam in families:
         for case in fam.demo_cases():
+            if on_start is not None:
+                on_start(fam.name, case.name)
+            t0 = time.perf_counter()
             run = case.prepare(device)
             out = run.ours()
             if run.compare is not None:
@@ -198,25 +213,44 @@ def run_demo(families: Sequence[Family], *, time_it: bool | None = None) -> list
 
                 ours_us = bench(run.ours).median_us
                 torch_us = bench(run.torch_op).median_us
-            results.append(DemoResult(fam.name, case.name, err, run.tolerance, ours_us, torch_us, run.torch_name))
+            result = DemoResult(fam.name, case.name, err, run.tolerance, ours_us, torch_us, run.torch_name)
+            results.append(result)
+            if on_result is not None:
+                on_result(result, time.perf_counter() - t0)
     return results
 
 
 def cmd_demo(args) -> int:
     fams = _pick(discover(), args.family)
-    results = run_demo(fams, time_it=False if args.no_time else None)
-    if not results:
+    cases = 0
+    for fam in fams:
+        cases += len(fam.demo_cases())
+    if not cases:
         print("no demo cases in the installed families")
         return 0
+    mode = "Triton interpreter on the CPU: seconds a case" if _backend.interpreting() else "compiled"
+    print(f"{cases} demo cases from {', '.join(f.name for f in fams)} ({mode}); each row prints as its case finishes",
+          flush=True)
     header = (f"{'family':<8} {'problem':<44} {'rel err':>9} {'tol':>7}  {'ok':<4} "
-              f"{'flydsl us':>10} {'torch us':>10}  torch op")
+              f"{'flydsl us':>10} {'torch us':>10}  {'wall s':>6}  torch op")
     print(header)
-    print("-" * len(header))
-    for r in results:
+    print("-" * len(header), flush=True)
+
+    def start(family: str, case: str) -> None:
+        # The row's first columns now, the rest when the case finishes: the case being run is on screen.
+        print(f"{family:<8} {case:<44} ", end="", flush=True)
+
+    def finish(r: DemoResult, seconds: float) -> None:
         ours = f"{r.ours_us:10.2f}" if r.ours_us is not None else f"{'-':>10}"
         theirs = f"{r.torch_us:10.2f}" if r.torch_us is not None else f"{'-':>10}"
-        print(f"{r.family:<8} {r.name:<44} {r.rel_error:9.2e} {r.tolerance:7.0e}  {'yes' if r.ok else 'NO':<4} "
-              f"{ours} {theirs}  {r.torch_name}")
+        print(f"{r.rel_error:9.2e} {r.tolerance:7.0e}  {'yes' if r.ok else 'NO':<4} {ours} {theirs}  {seconds:6.1f}  "
+              f"{r.torch_name}", flush=True)
+
+    try:
+        results = run_demo(fams, time_it=False if args.no_time else None, on_start=start, on_result=finish)
+    except BaseException:
+        print(flush=True)  # end the half-printed row before the traceback
+        raise
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
