@@ -74,9 +74,9 @@ def _default(key, arch: str) -> RowConfig:
 # specializes them), 16 elements a thread take 118-127 registers for rms_norm
 # (four 4-warp programs an SM) and 144-150 for layer_norm (a second
 # accumulator, dbias, and the mean: three); 8 elements a thread take 88-94 for
-# layer_norm (five). Measured on the H200 (PERF.md): rms_norm at 16 elements
+# layer_norm (five). Measured on the H200 (bf16, 2^27 elements): rms_norm at 16 elements
 # reached 91-92% of copy up to 8K columns; layer_norm 62-66% at 16 elements
-# and 69-74% at 8 (v2), so layer_norm uses 8 elements a thread wherever 16
+# and 69-74% at 8, so layer_norm uses 8 elements a thread wherever 16
 # warps suffice (up to 4K columns), 16 above. The grid is the resident count
 # (norm.bwd_resident). 32 warps cap a thread at 64 registers and spill, so
 # rows wider than 16 warps x 32 threads x 16 elements go through the chunked
@@ -118,7 +118,7 @@ def candidates(key, arch: str) -> list[RowConfig]:
     2K-16K elements, and warps giving 8-64 elements per thread (the range
     where the quantization sweep found every winner). Chunked (rows above
     4K): 1K-16K chunks at 4-16 elements a thread, the width fixed at compile
-    time (the best configs measured from 8K to 32K columns, PERF.md v6: 2048
+    time (the best configs measured from 8K to 32K columns on the H200: 2048
     columns over 8 warps up to 4096 over 32).
     """
     n = key["n_bucket"]
@@ -187,7 +187,7 @@ def softmax_bwd_candidates(key, arch: str) -> list[RowConfig]:
     """The softmax backward's space: the backward's single pass (:func:`bwd_candidates`) and, from 2K
     columns, its chunked pass (one read for sum(dy * y), a second, from L2, for dx) at chunks of 1K-16K and
     8 or 16 warps, at most 8 chunks a row. On the H200 two reads of a row ran 1-2% faster than one at 2K-4K
-    and the chunk decides at 16K (PERF.md v23: 4 warps lost 5-30%)."""
+    and the chunk decides at 16K (4 warps lost 5-30%)."""
     n = key["n_bucket"]
     out = bwd_candidates(key, arch)  # none past the single pass's reach (16K)
     if n >= 2048:
@@ -225,7 +225,7 @@ def _tune_keys_for(name: str):
 _CAPTURE: list[tuple[str, list]] = []
 
 # Rows of the bucket's width, 2^27 elements as the benchmark runs (PERF.md, "Why 2^27"): at 2^25 a kernel's
-# ramp and tail are ~6% of its time and weigh differently per config (the v6 artifacts were searched at 2^25).
+# ramp and tail are ~6% of its time on the H200 and weigh differently per config.
 _TUNE_ELEMENTS = 1 << 27
 
 
@@ -251,7 +251,7 @@ def _run_op(op: str, m: int, n: int, dtype: torch.dtype, device) -> None:
         return
     # The weight and bias need gradients too, as in training: a backward without dweight/dbias is another
     # kernel specialization (no per-column accumulators: ~40 fewer registers a thread), and configs
-    # searched on it misfire on the real one (PERF.md v7: a 64-register cap timed 207 us without
+    # searched on it misfire on the real one (H200: a 64-register cap timed 207 us without
     # dweight, 688 us with it).
     for t in (x, w, b):
         t.requires_grad_(True)

@@ -115,6 +115,15 @@ def _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_sta
     )  # fmt: skip
 
 
+def _layer_norm_bwd(dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype,
+                    dweight_dtype):  # fmt: skip
+    """(dx, dweight or empty, dbias or empty): the backward op's body, also run by the eager autograd path."""
+    return shared.norm_backward(
+        dy, dresidual_out, h, weight, mean, rstd, weight_offset, is_rms=False, need_dw=need_dweight,
+        need_db=need_dbias, dx_dtype=dx_dtype, dweight_dtype=dweight_dtype, config_for=_bwd_config,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("fly_norm::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd_op(
     dy: torch.Tensor,
@@ -130,10 +139,9 @@ def _layer_norm_bwd_op(
     dweight_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty, dbias or empty)."""
-    return shared.norm_backward(
-        dy, dresidual_out, h, weight, mean, rstd, weight_offset, is_rms=False, need_dw=need_dweight,
-        need_db=need_dbias, dx_dtype=dx_dtype, dweight_dtype=dweight_dtype, config_for=_bwd_config,
-    )  # fmt: skip
+    return _layer_norm_bwd(
+        dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype, dweight_dtype
+    )
 
 
 @_layer_norm_bwd_op.register_fake
@@ -180,13 +188,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, mean, rstd)
     ctx.weight_offset = weight_offset
     ctx.x_dtype = x.dtype
-    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (two or one
-    # fill kernels a backward, PERF.md v24); dy and dh then come as None where their output went unused.
+    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (one or two
+    # fill kernels a backward otherwise); dy and dh then come as None where their output went unused.
     ctx.set_materialize_grads(False)
     ctx.residual_dtype = None if residual is None else residual.dtype
     # dweight and dbias come back in their parameter's dtype (fp32 when absent).
     ctx.param_dtype = torch.float32 if weight is None else weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.eager = False  # through the custom op (traced, meta): its backward op too
 
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
@@ -197,7 +206,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     need_w = need_w and weight is not None
     fused = ctx.residual_dtype is not None
     grad_dtype = torch.promote_types(ctx.x_dtype, ctx.residual_dtype) if fused else ctx.x_dtype
-    dx, dw, db = torch.ops.fly_norm.layer_norm_bwd(
+    bwd = _layer_norm_bwd if ctx.eager else torch.ops.fly_norm.layer_norm_bwd
+    dx, dw, db = bwd(
         dy, dh if fused else None, h, weight, mean, rstd, ctx.weight_offset, need_w, need_b, grad_dtype,
         ctx.param_dtype,
     )  # fmt: skip
@@ -210,6 +220,24 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
 torch.library.register_autograd("fly_norm::layer_norm_fwd", _backward, setup_context=_setup_context)
 
 
+class _EagerLayerNorm(torch.autograd.Function):
+    """The custom op's autograd outside tracing, without the dispatcher: the first call of a custom op's
+    implementation imports torch._dynamo (1.4 s on a CPU host, torch 2.13; see rmsnorm._EagerRMSNorm)."""
+
+    @staticmethod
+    def forward(x, weight, bias, residual, eps, weight_offset, store_stats):
+        return _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_stats, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, dy, dh, dmean, drstd):
+        return _backward(ctx, dy, dh, dmean, drstd)
+
+
 # ---------------------------------------------------------------- public functions
 
 
@@ -219,8 +247,9 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, *, weight_offset=0.0, a
     Args:
         x: fp32/fp16/bf16 ``[..., N]`` (any N >= 1; last dim contiguous, rows
            may be strided: no copy is made).
-        weight, bias: ``[N]`` in x's dtype or fp32, or None.
-        eps: added to the (biased) variance.
+        weight, bias: ``[N]`` in x's dtype or fp32, or None (torch's rule for
+           ``layer_norm`` on the CPU; on CUDA torch takes x's dtype only).
+        eps: added to the (biased) variance (a finite number >= 0).
         residual: optional ``[..., N]`` (any float dtype) added to x first.
         weight_offset: the ``(1 + w)`` convention.
         autotune: search launch configs (default: ``FLYDSL_AUTOTUNE``).
@@ -229,21 +258,25 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, *, weight_offset=0.0, a
         ``y`` (x's shape and dtype, contiguous) or ``(y, residual_out)`` with
         ``residual_out = x + residual`` (summed in fp32, stored in residual's
         dtype). Differentiable in x, weight, bias and residual; mean/rstd are
-        saved only when a gradient is needed.
+        saved only when a gradient is needed. Meta tensors give meta outputs of
+        those shapes and dtypes.
 
     Example::
 
         y = layer_norm(torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16), w, b)
     """
-    eps, weight_offset = float(eps), float(weight_offset)  # the custom op's schema takes floats
+    # Floats (the custom op's schema takes floats), finite, eps >= 0.
+    eps, weight_offset = shared.check_eps(eps), shared.check_weight_offset(weight_offset)
     if not autotune:  # small eager calls: a cached launch plan (None: not such a call)
         out = shared.eager_forward(x, weight, bias, residual, eps, weight_offset, False, _fwd_config)
         if out is not None:
             return out
     shared.check_norm_args(x, weight, bias, residual)
     grad = shared.needs_grad(x, weight, bias, residual)
-    if grad or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or shared.on_meta(x):  # traced, or meta tensors: the op (and its fake)
         y, h, _, _ = torch.ops.fly_norm.layer_norm_fwd(x, weight, bias, residual, eps, weight_offset, grad)
+    elif grad:
+        y, h, _, _ = _EagerLayerNorm.apply(x, weight, bias, residual, eps, weight_offset, grad)
     else:
         # Eager inference: straight to the launcher (the dispatcher costs microseconds per call).
         y, h, _, _ = _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, False, autotune, False)
@@ -258,11 +291,11 @@ def layer_norm_quant(x, weight, bias, eps=1e-5, *, dtype=torch.int8, smooth_scal
     ``(q, scale)`` or ``(q, scale, residual_out)`` with fp32 per-row scales.
     """
     shared.check_norm_args(x, weight, bias, residual, smooth_scale, quant_dtype=dtype)
-    eps = float(eps)
+    eps = shared.check_eps(eps)
     # Inference only (integer outputs): detached operands keep autograd from
     # looking for a backward of the quantizing op.
     x, weight, bias, residual, smooth_scale = shared.detach_all(x, weight, bias, residual, smooth_scale)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or shared.on_meta(x):  # traced, or meta tensors: the op (and its fake)
         q, scale, h = torch.ops.fly_norm.layer_norm_quant(x, weight, bias, residual, smooth_scale, eps, dtype)
     else:
         q, scale, h = _layer_norm_quant(x, weight, bias, residual, smooth_scale, eps, dtype)

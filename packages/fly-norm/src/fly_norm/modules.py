@@ -7,28 +7,58 @@ state_dict keys and ``extra_repr``), so swapping the class is the whole port:
 
 A ``normalized_shape`` of several dimensions is served by viewing those
 dimensions as one row (the kernels normalize the last dimension).
+
+Dtypes follow the torch module's (tests compare every fp32/fp16/bf16 pair of
+input and parameter dtypes with torch's module):
+
+- ``FlyRMSNorm``: any fp32/fp16/bf16 weight with any such input, computed in
+  fp32; the result has the dtype ``torch.nn.RMSNorm`` gives on the installed
+  torch (x's dtype from torch 2.9 on; torch before it multiplied the weight
+  after casting back to x's dtype, so the promoted dtype);
+- ``FlyLayerNorm``: parameters in x's dtype or fp32 (fp16/bf16 input with fp32
+  parameters, torch's rule on the CPU; torch on CUDA takes x's dtype only), the
+  result in x's dtype; other pairs raise ``DTypeError``, as torch does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from flydsl.errors import ArgumentError, ShapeError
 
 __all__ = ["FlyLayerNorm", "FlyRMSNorm", "FlySoftmax"]
 
 
 def _rows_view(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError(f"input: expected a torch.Tensor, got {type(x).__name__}")
     k = len(normalized_shape)
-    if tuple(x.shape[-k:]) != tuple(normalized_shape):
-        raise ValueError(f"input: expected trailing shape {tuple(normalized_shape)}, got shape {tuple(x.shape)}")
+    if x.dim() < k or tuple(x.shape[-k:]) != tuple(normalized_shape):
+        raise ShapeError(
+            f"input: expected trailing shape {tuple(normalized_shape)} (normalized_shape), got shape {tuple(x.shape)}"
+        )
     n = math.prod(normalized_shape)
     return (x if k == 1 else x.reshape(*x.shape[: x.dim() - k], n)), n
 
 
 def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.reshape(-1)
+
+
+@functools.cache
+def _torch_rms_norm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``torch.nn.functional.rms_norm(x, shape, weight)`` on the installed torch, asked of torch on
+    meta tensors (nothing computed; torch 2.9+ warns once that mixed dtypes skip its fused kernel)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.empty(1, 1, dtype=x_dtype, device="meta")
+        return F.rms_norm(x, (1,), torch.empty(1, dtype=w_dtype, device="meta")).dtype
 
 
 class FlyLayerNorm(nn.LayerNorm):
@@ -50,9 +80,12 @@ class FlyRMSNorm(nn.RMSNorm):
         from .rmsnorm import rms_norm
 
         rows, _ = _rows_view(x, self.normalized_shape)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = rms_norm(rows, _flat(self.weight), eps)
-        return y.view(x.shape)
+        w = _flat(self.weight)
+        # eps None: rms_norm takes the machine epsilon of x's dtype, as torch.
+        y = rms_norm(rows, w, self.eps).view(x.shape)
+        if w is not None and w.dtype != x.dtype:  # computed in fp32 and stored in x's dtype; torch's dtype then
+            y = y.to(_torch_rms_norm_dtype(x.dtype, w.dtype))
+        return y
 
 
 class FlySoftmax(nn.Softmax):

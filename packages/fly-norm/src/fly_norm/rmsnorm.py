@@ -90,6 +90,24 @@ def rmsnorm_bwd(
 # ---------------------------------------------------------------- custom ops
 
 
+def _rms_norm_fwd(x, weight, residual, eps, weight_offset, store_stats):
+    """(y, residual_out or empty, rstd or empty): the forward op's body, also run by the eager autograd path."""
+    y, h, _, rstd = shared.norm_forward(
+        x, weight, None, residual, eps, weight_offset, is_rms=True, store_stats=store_stats,
+        config_for=_fwd_config, reference=lambda: rms_norm_ref(x, weight, eps, residual, weight_offset),
+    )  # fmt: skip
+    return y, h, rstd
+
+
+def _rms_norm_bwd(dy, dresidual_out, h, weight, rstd, weight_offset, need_dweight, dx_dtype):
+    """(dx, dweight or empty): the backward op's body, also run by the eager autograd path."""
+    dx, dw, _ = shared.norm_backward(
+        dy, dresidual_out, h, weight, None, rstd, weight_offset, is_rms=True, need_dw=need_dweight, need_db=False,
+        dx_dtype=dx_dtype, dweight_dtype=None if weight is None else weight.dtype, config_for=_bwd_config,
+    )  # fmt: skip
+    return dx, dw
+
+
 @torch.library.custom_op("fly_norm::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(
     x: torch.Tensor,
@@ -100,11 +118,7 @@ def _rms_norm_fwd_op(
     store_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, residual_out or empty, rstd or empty)."""
-    y, h, _, rstd = shared.norm_forward(
-        x, weight, None, residual, eps, weight_offset, is_rms=True, store_stats=store_stats,
-        config_for=_fwd_config, reference=lambda: rms_norm_ref(x, weight, eps, residual, weight_offset),
-    )  # fmt: skip
-    return y, h, rstd
+    return _rms_norm_fwd(x, weight, residual, eps, weight_offset, store_stats)
 
 
 @_rms_norm_fwd_op.register_fake
@@ -125,11 +139,7 @@ def _rms_norm_bwd_op(
     dx_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty) in (dx_dtype, weight's dtype)."""
-    dx, dw, _ = shared.norm_backward(
-        dy, dresidual_out, h, weight, None, rstd, weight_offset, is_rms=True, need_dw=need_dweight, need_db=False,
-        dx_dtype=dx_dtype, dweight_dtype=None if weight is None else weight.dtype, config_for=_bwd_config,
-    )  # fmt: skip
-    return dx, dw
+    return _rms_norm_bwd(dy, dresidual_out, h, weight, rstd, weight_offset, need_dweight, dx_dtype)
 
 
 @_rms_norm_bwd_op.register_fake
@@ -173,10 +183,11 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, rstd)
     ctx.weight_offset = weight_offset
     ctx.x_dtype = x.dtype
-    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (two or one
-    # fill kernels a backward, PERF.md v24); dy and dh then come as None where their output went unused.
+    # The statistics' gradients are never used: unmaterialized, autograd fills no zeros for them (one or two
+    # fill kernels a backward otherwise); dy and dh then come as None where their output went unused.
     ctx.set_materialize_grads(False)
     ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.eager = False  # through the custom op (traced, meta): its backward op too
 
 
 def _backward(ctx, dy, dh, _drstd):
@@ -188,14 +199,32 @@ def _backward(ctx, dy, dh, _drstd):
     # With a residual, one gradient is both x's and the residual's: computed in
     # the wider of their dtypes, then cast (a no-op when the dtypes agree).
     grad_dtype = torch.promote_types(ctx.x_dtype, ctx.residual_dtype) if fused else ctx.x_dtype
-    dx, dw = torch.ops.fly_norm.rms_norm_bwd(
-        dy, dh if fused else None, h, weight, rstd, ctx.weight_offset, need_dw, grad_dtype
-    )  # fmt: skip
+    bwd = _rms_norm_bwd if ctx.eager else torch.ops.fly_norm.rms_norm_bwd
+    dx, dw = bwd(dy, dh if fused else None, h, weight, rstd, ctx.weight_offset, need_dw, grad_dtype)
     dres = dx.to(ctx.residual_dtype) if fused and ctx.needs_input_grad[2] else None
     return dx.to(ctx.x_dtype), dw if need_dw else None, dres, None, None, None
 
 
 torch.library.register_autograd("fly_norm::rms_norm_fwd", _backward, setup_context=_setup_context)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """The custom op's autograd outside tracing, without the dispatcher: torch wraps a custom op's
+    implementation so that its first call imports torch._dynamo (1.4 s on a CPU host, torch 2.13), which
+    made the first differentiable call, and so every module's first call, take seconds."""
+
+    @staticmethod
+    def forward(x, weight, residual, eps, weight_offset, store_stats):
+        return _rms_norm_fwd(x, weight, residual, eps, weight_offset, store_stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, dy, dh, drstd):
+        return _backward(ctx, dy, dh, drstd)
 
 
 # ---------------------------------------------------------------- public functions
@@ -207,31 +236,42 @@ def rms_norm(x, weight, eps=1e-6, residual=None, *, weight_offset=0.0, autotune=
     Args:
         x: fp32/fp16/bf16 ``[..., N]`` (any N >= 1; last dim contiguous, rows
            may be strided: no copy is made).
-        weight: ``[N]`` in x's dtype or fp32, or None (no affine).
-        eps: added to the mean square.
+        weight: ``[N]`` fp32/fp16/bf16 (any of them, whatever x's dtype: it is
+           read into fp32), or None (no affine).
+        eps: added to the mean square (a finite number >= 0); None takes the
+           machine epsilon of x's dtype, as ``torch.nn.functional.rms_norm``.
         residual: optional ``[..., N]`` (any float dtype) added to x first.
         weight_offset: the ``(1 + w)`` convention: weight + weight_offset multiplies.
         autotune: search launch configs (default: ``FLYDSL_AUTOTUNE``).
 
     Returns:
-        ``y`` (x's shape and dtype, contiguous) or, with ``residual``,
-        ``(y, residual_out)`` where ``residual_out = x + residual`` (summed in
-        fp32, stored in residual's dtype). Differentiable in x, weight and
-        residual; the row statistics are saved only when a gradient is needed.
+        ``y`` (x's shape and dtype, contiguous, computed in fp32 whatever the
+        weight's dtype, as ``torch.nn.functional.rms_norm`` on torch 2.9 and
+        later) or, with ``residual``, ``(y, residual_out)`` where
+        ``residual_out = x + residual`` (summed in fp32, stored in residual's
+        dtype). Differentiable in x, weight and residual (the weight's gradient
+        in its dtype); the row statistics are saved only when a gradient is
+        needed. Meta tensors give meta outputs of those shapes and dtypes.
 
     Example::
 
         y = rms_norm(torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16), w)
     """
-    eps, weight_offset = float(eps), float(weight_offset)  # the custom op's schema takes floats
+    if eps is None:  # torch's convention: the machine epsilon of x's dtype
+        shared.check_norm_args(x, weight, None, residual, any_weight_dtype=True)
+        eps = torch.finfo(x.dtype).eps
+    # Floats (the custom op's schema takes floats), finite, eps >= 0.
+    eps, weight_offset = shared.check_eps(eps), shared.check_weight_offset(weight_offset)
     if not autotune:  # small eager calls: a cached launch plan (None: not such a call)
         out = shared.eager_forward(x, weight, None, residual, eps, weight_offset, True, _fwd_config)
         if out is not None:
             return out
-    shared.check_norm_args(x, weight, None, residual)
+    shared.check_norm_args(x, weight, None, residual, any_weight_dtype=True)
     grad = shared.needs_grad(x, weight, residual)
-    if grad or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or shared.on_meta(x):  # traced, or meta tensors: the op (and its fake)
         y, h, _ = torch.ops.fly_norm.rms_norm_fwd(x, weight, residual, eps, weight_offset, grad)
+    elif grad:
+        y, h, _ = _EagerRMSNorm.apply(x, weight, residual, eps, weight_offset, grad)
     else:
         # Eager inference: straight to the launcher (the dispatcher costs microseconds per call).
         y, h, _, _ = shared.norm_forward(
@@ -261,11 +301,11 @@ def rms_norm_quant(x, weight, eps=1e-6, *, dtype=torch.int8, smooth_scale=None, 
         Operand dtypes must match x's (raises DTypeError before any launch).
     """
     shared.check_norm_args(x, weight, None, residual, smooth_scale, quant_dtype=dtype)
-    eps = float(eps)
+    eps = shared.check_eps(eps)
     # Inference only (integer outputs): detached operands keep autograd from
     # looking for a backward of the quantizing op.
     x, weight, residual, smooth_scale = shared.detach_all(x, weight, residual, smooth_scale)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or shared.on_meta(x):  # traced, or meta tensors: the op (and its fake)
         q, scale, h = torch.ops.fly_norm.rms_norm_quant(x, weight, residual, smooth_scale, eps, dtype)
     else:
         q, scale, h = _rms_norm_quant(x, weight, residual, smooth_scale, eps, dtype)

@@ -3,18 +3,23 @@
     y = softmax(x, dim=-1)                   # fp32 / fp16 / bf16, any leading shape
     dx = y * (dy - sum(dy * y, dim))         # the backward, reduction in fp32
 
-Two strategies, chosen by the launch config (:class:`flydsl_common.rows.RowConfig`):
+Three strategies, chosen by the row width and the launch config (:class:`flydsl_common.rows.RowConfig`):
 
 - single pass (``cfg.single_pass``): the whole row (``block_m`` rows per
   program) stays in registers between the reductions and the write, so each
   element is read once and written once; bf16 rows of 32K columns and more
   stay packed, two columns an int32 word (``PACKED``, :func:`_packed_softmax_rows`);
-- split (a GPU, rows wider than 16K columns forward, 8K backward, up to 64
-  slices of 4096): each row over several programs of one resident wave, read
-  once (:mod:`fly_norm._kernels.split`); bf16 rows from 64K columns forward on
-  NVIDIA keep each program's slice in shared memory
-  (:mod:`fly_norm._kernels.resident`);
-- chunked (otherwise, rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS``, and the
+- split (compiled GPU runs only): each row over several programs of one
+  resident wave, read once (:mod:`fly_norm._kernels.split`). The forward takes
+  rows wider than 32K columns (``SPLIT_MIN_N``) in slices of 4096 columns (8192
+  from 128K), at most 64 slices a row (so up to 512K); bf16 rows from 64K
+  columns on NVIDIA sm_80+ take the resident kernel first, whose programs keep
+  their 16K-column slice in shared memory (:mod:`fly_norm._kernels.resident`,
+  up to 1M columns, 64K slices past it). The backward takes rows wider than
+  16K (``SOFTMAX_SPLIT_MIN_N_BWD``) in slices of 4096 (8192 from 256K), at
+  most 256 slices a row;
+- chunked (otherwise: rows wider than ``flydsl_common.rows.MAX_SINGLE_PASS`` (16K) that
+  no split path takes, every such row under the interpreter, and the
   backward wherever its tuned config says: on the H200 at 2K, 4K and 16K, where two
   reads of a row ran faster than one): the forward makes one *online* pass over
   the row's chunks that carries the running (max, sum) pair, then a second pass
@@ -206,7 +211,7 @@ def _softmax_bwd_chunked_row(dy_ptr, y_ptr, dx_ptr, N, stride_dy, stride_y, stri
     cross-warp reduction a chunk, shorter fp32 chains), then dx chunk by chunk, front to back, the row read
     again (from L2: evict_last on the first read, evict_first on the second). One row in 1D, the loads
     unpredicated where N is fixed: 440 SASS instructions at 16K x 8192 x 16 warps against 512 with a row
-    mask on [1, BLOCK_N] blocks (sm_90; PERF.md v23)."""
+    mask on [1, BLOCK_N] blocks (sm_90)."""
     row = fx.program_id(0).to(fx.int64)
     cols = fx.arange(0, BLOCK_N)
     dy_row = dy_ptr + row * stride_dy
@@ -327,9 +332,10 @@ _run_fwd = flyc.jit(_launch_fwd)
 _run_bwd = flyc.jit(_launch_bwd)
 
 
-def _check_device(name: str, t: torch.Tensor) -> None:
-    """Kernels run on CUDA devices, and on the CPU only through the interpreter."""
-    if t.device.type == "cuda" or (t.device.type == "cpu" and flydsl.interpreting()):
+def _check_device(name: str, t: torch.Tensor, meta_ok: bool = False) -> None:
+    """Kernels run on CUDA devices, and on the CPU only through the interpreter; the public function also
+    takes meta tensors (``meta_ok``: the custom ops' fake implementations give shapes and dtypes)."""
+    if t.device.type == "cuda" or (t.device.type == "cpu" and flydsl.interpreting()) or (meta_ok and t.is_meta):
         return
     where = "a CUDA device" + (" or the CPU (interpreter)" if flydsl.interpreting() else "")
     raise DeviceError(f"{name}: expected a tensor on {where}, got {describe(t)}")
@@ -484,6 +490,7 @@ def _(dy, y, autotune=None):
 def _setup_context(ctx, inputs, output):
     ctx.autotune = inputs[1]
     ctx.save_for_backward(output)
+    ctx.eager = False  # through the custom op (traced, meta): its backward op too
 
 
 def _backward(ctx, grad):
@@ -492,10 +499,32 @@ def _backward(ctx, grad):
     # the kernel needs a contiguous last dim only.
     if grad.dim() and grad.shape[-1] > 1 and grad.stride(-1) != 1:
         grad = grad.contiguous()
-    return torch.ops.fly_norm.softmax_bwd(grad.to(y.dtype), y, ctx.autotune), None
+    grad = grad.to(y.dtype)
+    if ctx.eager:
+        _check_bwd(grad, y)
+        return _bwd_rows(grad, y, ctx.autotune), None
+    return torch.ops.fly_norm.softmax_bwd(grad, y, ctx.autotune), None
 
 
 torch.library.register_autograd("fly_norm::softmax_fwd", _backward, setup_context=_setup_context)
+
+
+class _EagerSoftmax(torch.autograd.Function):
+    """The custom op's autograd outside tracing, without the dispatcher: the first call of a custom op's
+    implementation imports torch._dynamo (1.4 s on a CPU host, torch 2.13; see rmsnorm._EagerRMSNorm)."""
+
+    @staticmethod
+    def forward(x, autotune):
+        return _fwd_rows(x, autotune)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
 
 
 # ---------------------------------------------------------- public function
@@ -522,9 +551,11 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
            bucket (``FLYDSL_AUTOTUNE`` when None); ``False`` never searches.
 
     Returns:
-        A tensor of ``x``'s shape and dtype. Any row width works (on a GPU,
-        rows of 32K-512K elements are split over several programs, other rows
-        wider than 16K take the two-pass chunked path); zero rows give an
+        A tensor of ``x``'s shape and dtype. Any row width works (on a GPU
+        the forward splits rows of 32K-512K elements over several programs,
+        bf16 rows of 64K-1M+ on NVIDIA through the resident kernel, and the
+        backward rows wider than 16K; other rows wider than 16K take the
+        two-pass chunked path); meta tensors give a meta result; zero rows give an
         empty result; a row of only ``-inf`` gives NaN, like ``torch.softmax``.
         Differentiable (``fly_norm::softmax_fwd`` / ``fly_norm::softmax_bwd``
         custom ops) and usable under ``torch.compile(fullgraph=True)``.
@@ -541,7 +572,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
         if y is not None:
             return y
     check_tensor("x", x, dtypes=SOFTMAX_DTYPES)
-    _check_device("x", x)
+    _check_device("x", x, meta_ok=True)
     if x.dim() == 0:
         _normalize_dim(dim, 0)
         return softmax(x.reshape(1), 0, autotune=autotune).reshape(())
@@ -550,8 +581,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
     xt = x.movedim(d, -1) if moved else x
     if xt.shape[-1] > 1 and xt.stride(-1) != 1:
         xt = xt.contiguous()  # the kernel reads rows with unit stride
-    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+    if torch.compiler.is_compiling() or x.is_meta:  # traced, or meta tensors: the op (and its fake)
         y = torch.ops.fly_norm.softmax_fwd(xt, autotune)
+    elif x.requires_grad and torch.is_grad_enabled():
+        y = _EagerSoftmax.apply(xt, autotune)
     else:
         # Eager inference skips the dispatcher (microseconds per call at small shapes).
         y = _fwd_rows(xt, autotune)

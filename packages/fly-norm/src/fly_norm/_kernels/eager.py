@@ -58,7 +58,7 @@ _TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter's torch-function ha
 _OFF: list = []  # non-empty while every call must take the general path (general_path_only)
 MISSING = object()  # what ``plans.get(key, MISSING)`` returns for a key with no plan yet: make one (make_plan)
 # Bound once (each attribute chain costs ~50-100 ns a call): torch's current device and raw stream (absent
-# from CPU-only builds, where no x is a CUDA tensor), the tracing and grad-mode probes, Triton's hooks.
+# from CPU-only builds, where no x is a CUDA tensor), the tracing and grad-mode checks, Triton's hooks.
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 compiling = torch.compiler.is_compiling

@@ -19,8 +19,10 @@ Forward, per row ``h = x (+ residual)``::
   The quantized LayerNorm needs the row's absolute max of y before writing, so
   it adds a third pass; the quantized RMSNorm gets it from pass 1
   (``max |y| = rstd * max |h * w|``, :func:`.passes.weighted`);
-- split (rows wider than 16K columns on a GPU): each row over several
-  programs of one resident wave, read once (:mod:`.split`).
+- split (rows wider than 32K columns on a GPU, ``SPLIT_MIN_N``): each row over
+  several programs of one resident wave, read once (:mod:`.split`); bf16 rows
+  from 64K columns with no residual, smooth scale or quantized output take the
+  staged kernel (``FWD_STAGED``).
 
 Backward, with xhat = (h - mean) * rstd and g = dy * (weight + weight_offset)::
 
@@ -40,6 +42,8 @@ rather than in registers.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -97,7 +101,8 @@ from .split import (
 )
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
-    "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "needs_grad", "detach_all",
+    "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "check_eps", "check_weight_offset", "on_meta",
+    "needs_grad", "detach_all",
     "norm_forward", "norm_quant_forward", "norm_backward", "backward_into", "backward_reference",
     "launch_fwd", "fake_forward", "fake_quant_forward", "fake_backward",
     "builder_dtypes", "builder_rows",
@@ -130,7 +135,7 @@ def _packed_quant_rows(
     hoist that read above it and hold the weight through it as well. The mask's form steers ptxas's
     schedule of the first reads: as below it issues the row's reads first (from memory) and the weight's
     (from L2) as they are used; with a bound taken from the max over the block's rows it did the reverse,
-    and a 32K row ran 114.5 us against 105 (H200, PERF.md v10)."""
+    and a 32K row ran 114.5 us against 105 (H200, bf16, 2^27 elements)."""
     c2 = fx.arange(0, BLOCK_N // 2)
     ok2 = (c2 < N // 2)[None, :]
     mask2 = row_ok[:, None] & ok2
@@ -337,7 +342,8 @@ def _pipelined_bwd_rows(
     columns each, widened once for the row sum and again after it (:func:`.device.bf16_pairs_again`): the
     registers hold one packed row, the weight and the per-column dweight sums. The held-in-registers single
     pass spills at 16K columns (one row in fp32 and the next one ahead); this one fits one 16-warp program an
-    SM (PERF.md v14). rstd is read a row ahead by hand (a scalar; not left to the pipeliner)."""
+    SM (sm_90; 90% of copy at 16K on the H200, see PIPELINED_BWD). rstd is read a row ahead by hand (a
+    scalar; not left to the pipeliner)."""
     pid = fx.program_id(0)
     programs = fx.num_programs(0)
     c2 = fx.arange(0, BLOCK_N // 2)
@@ -404,7 +410,7 @@ def _norm_bwd_kernel(
             h_ptr, dy_ptr, mean_ptr, rstd_ptr, pid * BLOCK_M + blk_rows, M, cols, cmask, stride_h, stride_dy, IS_RMS, ""
         )
         # disable_licm: nothing loop-invariant is hoisted out and held in registers through the loop
-        # (sm_90: layer_norm 88-93 -> 79-86 registers, one more resident program at 1K-2K; PERF.md v5)
+        # (sm_90: layer_norm 88-93 -> 79-86 registers, one more resident program at 1K-2K)
         for blk in fx.range(pid, fx.cdiv(M, BLOCK_M), programs, disable_licm=True):
             rows = blk * BLOCK_M + blk_rows
             row_ok = rows < M
@@ -636,14 +642,14 @@ def _bwd_call(
 
 
 # The single pass's xhat without a select past the row (LEAN) for LayerNorm rows this wide and wider. H200
-# (PERF.md v17, A/B in one process, tuned configs): layer_norm 4K 86.9 -> 88.6% of copy, 8K 83.0 -> 87.1%,
+# (bf16, 2^27 elements, A/B in one process, tuned configs): layer_norm 4K 86.9 -> 88.6% of copy, 8K 83.0 -> 87.1%,
 # but 1K 86.9 -> 82.4% (2K not measured); rms_norm 1K-8K 0 to -0.7.
 BWD_LEAN_MIN_N = 4096
 
 
 # RMSNorm's bf16 backward past the single pass's widths, up to PIPELINED_BWD.block_n columns, runs pipelined
 # (_pipelined_bwd_rows): one 16-warp program an SM, the row loop PIPELINED_BWD_STAGES deep (192 KB of shared
-# memory at 16K columns). H200 (PERF.md v14): 90% of copy at 16K against the tiled split kernel's 69%; 2
+# memory at 16K columns). H200 (bf16, 2^27 elements): 90% of copy at 16K against the tiled split kernel's 69%; 2
 # stages 78%. LayerNorm's (also the bias gradient's sums) spills in this form and stays split.
 PIPELINED_BWD = RowConfig(1, 16384, 16, True)
 PIPELINED_BWD_STAGES = 3
@@ -676,8 +682,8 @@ def bwd_resident(
     """Programs of this backward specialization an SM holds at once (None in the interpreter).
 
     The backward grid is exactly one resident wave: throughput follows the row bytes an SM keeps in
-    flight, so every program that fits should run. v1 measured 1, 2 and 4 programs an SM and picked
-    ``16 // num_warps``: for its configs (~120 registers) exactly the resident count; layer_norm's
+    flight, so every program that fits should run. 1, 2 and 4 programs an SM were timed on the H200, and
+    ``16 // num_warps`` won: for those configs (~120 registers) exactly the resident count; layer_norm's
     8-element configs (~90 registers) hold 5 programs of 4 warps, not 4.
     """
     if flyc.interpreting():
@@ -709,13 +715,13 @@ def launch_bwd(
 def launch_sum_partials(partials, out, partials2=None, out2=None, clear=None, stream=None):
     """out[N] (any float dtype) = partials[P, N].sum(0) in fp32, deterministic; with ``partials2`` (the same
     shape) and ``out2`` (out's dtype), out2 = partials2.sum(0) in the same launch (a launch and its gap fewer
-    a LayerNorm backward, PERF.md v24). ``clear``: an int64 buffer the launch also zeroes (the split
+    a LayerNorm backward). ``clear``: an int64 buffer the launch also zeroes (the split
     backward's pooled slots).
 
     Each program sums a band of columns over every row in [block_p, band] tiles: block_p = next_pow2(P) up
     to 256 (one step for up to 256 partials, no dependent loads), the band narrowed to keep ~4096 partials a
     step (32 fp32 a thread at 4 warps) and at least 16 columns. At 16K / 32K columns (66 / 33 partials) one
-    step measured 4.0 / 4.5 us against 5.0 / 6.5 for v24's three dependent [32, 64] steps (PERF.md v25).
+    step measured 4.0 / 4.5 us against 5.0 / 6.5 for three dependent [32, 64] steps (H200).
     The tile depends on P only, so a given shape always sums in one order.
     """
     p, n = partials.shape
@@ -744,14 +750,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _check_vector(name, t, n, device, dtypes):
     if t is None:
         return
-    check_tensor(name, t, dtypes=dtypes, ndim=1, device=device)
+    check_tensor(name, t, dtypes=tuple(dict.fromkeys(dtypes)), ndim=1, device=device)  # each dtype named once
     check_shape(name, t, (n,), "the normalized (last) dimension of x")
     if n > 1 and t.stride(0) != 1:
         raise LayoutError(f"{name}: expected a contiguous vector, got {describe(t)}")
 
 
-def _plain_call(x, weight, bias) -> bool:
-    """True for x with a dense last dim and contiguous weight/bias vectors of x's dtype (or fp32) on x's device.
+def _plain_call(x, weight, bias, any_weight_dtype: bool = False) -> bool:
+    """True for x with a dense last dim and contiguous weight/bias vectors of x's dtype or fp32 (any float
+    dtype of FLOAT_DTYPES with ``any_weight_dtype``) on x's device.
 
     A sufficient condition only: False sends the call through the full checks
     of :func:`check_norm_args`, which accept it or name what is wrong.
@@ -761,41 +768,87 @@ def _plain_call(x, weight, bias) -> bool:
     n, dtype, device = x.shape[-1], x.dtype, x.device
     for v in (weight, bias):
         if v is not None and (
-            type(v) is not torch.Tensor or v.dim() != 1 or v.shape[0] != n or v.stride(0) != 1
-            or (v.dtype is not dtype and v.dtype is not torch.float32) or v.device != device
+            type(v) not in _TENSOR_TYPES or v.dim() != 1 or v.shape[0] != n or v.stride(0) != 1
+            or (v.dtype is not dtype and v.dtype is not torch.float32
+                and not (any_weight_dtype and v.dtype in FLOAT_DTYPES))
+            or v.device != device
         ):  # fmt: skip
             return False
     return n > 0
 
 
-def check_norm_args(x, weight=None, bias=None, residual=None, smooth_scale=None, *, quant_dtype=None):
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # a module's weight is a Parameter
+
+
+def check_norm_args(
+    x, weight=None, bias=None, residual=None, smooth_scale=None, *, quant_dtype=None, any_weight_dtype=False
+):
     """Validate the operands of a norm before anything is launched; errors name the argument.
 
-    Plain forward: weight/bias in x's dtype or fp32, residual any float dtype
-    (residual_out takes it). Quantized forward (the seed's rule): weight, bias
-    and residual must have x's dtype; smooth_scale x's dtype or fp32.
+    Plain forward: weight/bias in x's dtype or fp32 (``any_weight_dtype``: any of
+    fp32/fp16/bf16, RMSNorm's rule), residual any float dtype (residual_out takes
+    it). Quantized forward (the seed's rule): weight, bias and residual must have
+    x's dtype; smooth_scale x's dtype or fp32.
     """
-    if residual is None and smooth_scale is None and quant_dtype is None and _plain_call(x, weight, bias):
+    if residual is None and smooth_scale is None and quant_dtype is None and _plain_call(
+        x, weight, bias, any_weight_dtype
+    ):
         return  # the common call, proven valid in a few attribute reads
     check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
     check_last_dim_contiguous("x", x)
     n = x.shape[-1]
     if n == 0:
         raise ArgumentError(f"x: the normalized (last) dimension must have at least one element, got {describe(x)}")
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("smooth_scale", smooth_scale)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     check_same_device(x=x, weight=weight, bias=bias, residual=residual, smooth_scale=smooth_scale)
     if quant_dtype is not None:
-        if quant_dtype not in QUANT_DTYPES:
-            raise DTypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {quant_dtype}")
+        if not isinstance(quant_dtype, torch.dtype) or quant_dtype not in QUANT_DTYPES:
+            raise DTypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {quant_dtype!r}")
         affine_dtypes = (x.dtype,)
     else:
-        affine_dtypes = (x.dtype, torch.float32)
+        affine_dtypes = FLOAT_DTYPES if any_weight_dtype else (x.dtype, torch.float32)
     _check_vector("weight", weight, n, x.device, affine_dtypes)
-    _check_vector("bias", bias, n, x.device, affine_dtypes)
+    _check_vector("bias", bias, n, x.device, (x.dtype,) if quant_dtype is not None else (x.dtype, torch.float32))
     _check_vector("smooth_scale", smooth_scale, n, x.device, (x.dtype, torch.float32))
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,) if quant_dtype is not None else FLOAT_DTYPES)
         check_shape("residual", residual, tuple(x.shape), "the shape of x")
         check_last_dim_contiguous("residual", residual)
+
+
+_INF = float("inf")
+
+
+def _real(name: str, v, nonnegative: bool) -> float:
+    """``v`` as a float: a finite real number (and >= 0 where ``nonnegative``), else ArgumentError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ArgumentError(f"{name}: expected a real number, got {v!r} ({type(v).__name__})")
+    f = float(v)
+    if not math.isfinite(f) or (nonnegative and f < 0):
+        raise ArgumentError(f"{name}: expected a finite number{' >= 0' if nonnegative else ''}, got {v!r}")
+    return f
+
+
+def check_eps(eps) -> float:
+    """eps as a float, checked: finite and >= 0 (a negative eps can make mean + eps negative: NaN rows)."""
+    if type(eps) is float and 0.0 <= eps < _INF:  # the common call (NaN fails the comparison)
+        return eps
+    return _real("eps", eps, True)
+
+
+def check_weight_offset(weight_offset) -> float:
+    """weight_offset as a float, checked: finite."""
+    if type(weight_offset) is float and -_INF < weight_offset < _INF:
+        return weight_offset
+    return _real("weight_offset", weight_offset, False)
+
+
+def on_meta(x) -> bool:
+    """x is a meta tensor: the call gives outputs of the right shape and dtype, as torch's ops do, through the
+    custom op's fake implementation (nothing to launch)."""
+    return x.device.type == "meta"
 
 
 def needs_grad(*tensors) -> bool:
@@ -898,7 +951,8 @@ def _eager_fwd_plan(x, weight, bias, residual, eps, weight_offset, is_rms, confi
     """What :func:`.eager.make_plan` binds for :func:`eager_forward`'s ``key``, or None when no plan can serve
     it: the key's parts are validated here, once (_row_plan reads dtypes, the width, pointers' low bits)."""
     (_, rkey, _), dtype, n, _, _, _, wkey, bkey = key
-    vectors_ok = all(k is None or (k is not False and k[1] == (n,) and k[0] in (dtype, torch.float32))
+    vector_dtypes = FLOAT_DTYPES if is_rms else (dtype, torch.float32)  # RMSNorm: any float weight
+    vectors_ok = all(k is None or (k is not False and k[1] == (n,) and k[0] in vector_dtypes)
                      for k in (wkey, bkey))  # fmt: skip
     if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
         return None

@@ -59,17 +59,17 @@ NEG_INF = fx.constexpr(float("-inf"))
 
 
 # The forwards' chunked rows (wider than one program keeps in registers) up to autotune.CHUNKED_MAX_N columns:
-# chunks of 4096 columns over 16 warps, 8 elements a lane a chunk. Measured on the H200 (PERF.md v5,
-# probe_pipeline.py --part chunked) the best of six configs for all three ops from 16K to 256K columns;
+# chunks of 4096 columns over 16 warps, 8 elements a lane a chunk. Measured on the H200 (bf16, 2^27
+# elements) the best of six configs for all three ops from 16K to 256K columns;
 # the ladder's 16K-column chunks hold 32 accumulators a lane: rms_norm 70% of copy at 32K against 85%.
 # Wider rows (softmax at 1M: 128 rows, one program an SM) need the ladder's wider chunks and 32 warps to
-# keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's in v4).
+# keep enough loads in flight (39% of copy with CHUNKED, 55% with the ladder's).
 CHUNKED = RowConfig(1, 4096, 16, False)
 
 # The single passes that keep bf16 rows of this many columns and more packed, two columns an int32 word
 # (PACKED: the quantized RMSNorm, the plain LayerNorm, softmax): at 32K two programs an SM instead of one.
 # On the H200 against the chunked passes: quantized RMSNorm 78 -> 90% of the copy, LayerNorm 89 -> 94%
-# (PERF.md v10, v11); at 16K and below the unpacked single pass (already 95-100%) was faster.
+# (bf16, 2^27 elements); at 16K and below the unpacked single pass (already 95-100%) was faster.
 PACKED_MIN_N = 32768
 
 
@@ -89,7 +89,7 @@ def pdl_options(device) -> dict:
     """Launch options of a kernel that may start before the one before it on the stream has finished (it
     calls pdl_wait first): NVIDIA sm_90+, outside CUDA graph capture (a graph's edges: plain launches of the
     same compiled kernel, ``launch_pdl`` being a launch attribute in flyc.launch). Its launch then overlaps
-    that kernel's tail (~1 us a launch on the H200, PERF.md v24-v25)."""
+    that kernel's tail (~1 us a launch on the H200)."""
     arch = flydsl.arch.current(device)
     if arch.backend != "cuda" or (arch.capability or (0,))[0] < 9 or torch.cuda.is_current_stream_capturing():
         return {}
@@ -273,7 +273,7 @@ def lane_stats(
     units of rounding, and any one element lies within sqrt(k_p) standard deviations of its lane's
     mean, so the loss stays within k_p = N / BLOCK_N units (|mean| >> std costs nothing), at 4
     operations an element. (A per-lane Welford update measured 71% of copy at 32K columns on the
-    H200, PERF.md v5.)
+    H200, bf16.)
     """
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # sum of squares (RMS) or of d^2 (LayerNorm)
     acc1 = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)  # LayerNorm: sum of d; RMS with UMAX: max |u|
@@ -308,7 +308,7 @@ def lane_stats(
     first = fx.max(load_h(x_rows, r_rows, fx.zeros([1, 1], dtype=fx.int32), row_ok[:, None], HAS_RESIDUAL, ""), axis=1)
     lane_mean = fx.where(valid, (shift - first[:, None]) + acc1 / kk, 0.0)  # mean_p - h[0]
     # The row mean, then M2 about it (two reductions back to back: a pairwise Chan merge in one tuple
-    # reduction had one exchange fewer but measured 13-14 points slower at 16K-32K on the H200, PERF v7b)
+    # reduction had one exchange fewer but measured 13-14 points of copy bandwidth slower at 16K-32K on the H200)
     mean = fx.sum(kk * lane_mean, axis=1) / N  # - h[0]
     dm = fx.where(valid, lane_mean - mean[:, None], 0.0)
     m2 = fx.sum(fx.where(valid, acc - acc1 * (acc1 / kk), 0.0) + kk * dm * dm, axis=1)
@@ -342,8 +342,8 @@ def write_y(
     residual rather than read back from residual_out, so the result is identical to the single-pass path's.
     The quantized pass is unrolled 8 chunks deep: rolled (as the compiler left it), a 32K row at 4096 x 16
     warps took 39 registers a thread, three programs an SM; unrolled, 32 registers and four (sm_90), the
-    occupancy of the plain forward's pass: 75 -> 78% of the copy on the H200 (PERF.md v9). Back to front,
-    as softmax's last pass runs, measured slower (v9b)."""
+    occupancy of the plain forward's pass: 75 -> 78% of the copy on the H200. Back to front,
+    as softmax's last pass runs, measured slower there."""
     for start in fx.range(0, N, BLOCK_N, loop_unroll_factor=8 if QUANT != 0 else 1):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_first",

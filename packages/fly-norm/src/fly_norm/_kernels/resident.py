@@ -20,7 +20,7 @@ of later rows in flight while a slice is held. The split paths instead hold a sl
 Triton's software pipeliner stage the next rows) and exchange the sums from registers; here the slice stays
 in shared memory, so a slice can be up to 64K columns. Small programs win: five 4-warp programs an SM, each
 with a 40 KB ring and 16K-column slices, run 88-91% of the copy from 64K to 1M columns, where one 16-warp
-program an SM with 64K-column slices (no exchange at 64K) ran 75-86% (PERF.md v19): one program's
+program an SM with 64K-column slices (no exchange at 64K) ran 75-86% (H200, bf16, 2^27 elements): one program's
 exponential passes overlap the others' copies and waits.
 
 Written in the explicit-layout language (``flydsl.gexpr``: Triton's Gluon), which lets a kernel allocate
@@ -55,7 +55,7 @@ from .split import _SPIN_LIMIT, SPLIT_MAX_PARTS, _launch_split
 
 # (chunk in int32 words, ring slots (at most: the device's shared memory), warps, slots left beyond a slice:
 # chunks of later rows in flight while a slice is held). RESIDENT: 40 KB rings, five programs an SM, 16K-column
-# slices (PERF.md v19: 88-91% of the copy from 64K to 1M, where one program an SM with 64K slices ran 75-86%).
+# slices (H200, bf16: 88-91% of the copy from 64K to 1M, where one program an SM with 64K slices ran 75-86%).
 # RESIDENT_WIDE: rows of more than SPLIT_MAX_PARTS of RESIDENT's slices (past 1M columns), 64K slices.
 RESIDENT = (1024, 10, 4, 2)
 RESIDENT_WIDE = (4096, 12, 16, 4)
@@ -153,7 +153,7 @@ def _row_stats(slot_ptr, row, P, k, PP: gx.constexpr, SPIN_LIMIT: gx.constexpr):
     """The row's (max, sum) from its P slices' slots: each slice's sum rescaled to the row's max (from the
     slices' shifts as rounded there, or exactly at BIG and past it); NaN where a wait gave up. The wait starts
     from words read as unpublished, not from a :func:`~flydsl_common.device.peek` just after this program's
-    publish: that first read measured 6-9 us a call slower at 128K-256K (PERF.md v18)."""
+    publish: that first read measured 6-9 us a call slower at 128K-256K (H200, bf16)."""
     slots = slot_ptr + row.to(gx.int64) * PP + k
     kmask = k < P
     mk, sk = collect_pairs_from((k * 0).to(gx.int64), slots, kmask, SPIN_LIMIT)

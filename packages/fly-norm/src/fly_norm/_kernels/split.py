@@ -30,12 +30,12 @@ The tiled norm backward (``BWD_TILED``) instead holds nothing across the
 wait: a program walks tiles of a few rows of its slice, exchanges the tile's
 sums, then re-reads the tile (from L2) to write dx; with a lead (the config's
 fifth element) it publishes its next tile before waiting on the current one
-(v6, not yet measured on the GPU). What limits the speed is
+(the lead of 1 that BWD_TILED ships was measured on the H200; see BWD_TILED). What limits the speed is
 the exchange's latency (a publish reaching L2 and a poll seeing it, ~1 us a
 row), hidden by the loads in flight during it: the other programs resident on
 the same SM (small slices, few registers, several programs an SM) and the
-next row's slice, prefetched (PERF.md v3; prefetching two rows ahead measured
-worse, v5: fewer programs fit an SM).
+next row's slice, prefetched (prefetching two rows ahead measured worse on the
+H200: its registers let fewer programs fit an SM).
 
 The staged kernels (bf16 rows: the backward, ``BWD_STAGED``, and the norms' plain forward from 64K
 columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and let the software pipeliner
@@ -44,7 +44,7 @@ stage the next rows in shared memory
 published before this row's are awaited. The wait starts
 from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
 :func:`~flydsl_common.device.collect_from`), inside one asm statement, since the pipeliner refuses
-loops with nested loops (PERF.md v14b-v14c).
+loops with nested loops (Triton 3.6: a loop holding a nested loop is left unpipelined).
 
 The waits need every program of a row to be running at once: the grid never
 exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
@@ -98,35 +98,36 @@ __all__ = [
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 # Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (passes.row_meta;
-# at 32K rms_norm 97%, softmax 92%, layer_norm 86% of copy in the v6 benchmark, against 85/81/75% in v5's
-# (rms_norm split); wider rows' second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
+# H200, bf16, 2^27 elements: at 32K rms_norm 97%, softmax 92%, layer_norm 86% of copy chunked, against
+# 85/81/75% split); wider rows' second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
 SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1
 # Rows of more slices than this take the chunked paths: the wave then holds only a few rows and every
 # program polls as many slots (softmax at 1M columns, 256 slices: 40% of copy against 55% chunked)
 SPLIT_MAX_PARTS = 64
 SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 warps x 32 x 16 elements)
 # Softmax's backward splits only past 16K: its chunked pass (8192 x 16 warps, the row's second read from L2)
-# measured 187.3 us at 16K against the split's 202.9 (H200, bf16, 2^27 elements: 103% / 95% of the probe's
-# copy, PERF.md v20); at 32K the split stays ahead (205.7 against 211.4 us)
+# measured 187.3 us at 16K against the split's 202.9 (H200, bf16, 2^27 elements: 103% / 95% of a copy of
+# the same bytes); at 32K the split stays ahead (205.7 against 211.4 us)
 SOFTMAX_SPLIT_MIN_N_BWD = 16384 + 1
-# (columns a program holds, warps, register cap or None): set by measurement (PERF.md, probe.py --part
-# split, probe_pipeline.py --part split); several programs share an SM so that one's wait overlaps the
-# others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
+# (columns a program holds, warps, register cap or None): the fastest of the slice widths, warps and caps
+# timed on the H200 (bf16, 2^27 elements, 16K-256K columns); several programs share an SM so that one's
+# wait overlaps the others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
 FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
 # From WIDE_MIN_N columns, RMSNorm and softmax slices of 8192 (168 registers, 2 programs an SM): fewer
-# slices a row to wait for; H200 (v5): rms 77/73% of copy at 128K/256K against 76/57%, softmax 64/67 vs 64/61
+# slices a row to wait for; H200, bf16: rms 77/73% of copy at 128K/256K against 76/57% with 4096-column
+# slices, softmax 64/67 against 64/61
 FWD_SLICE_WIDE = (8192, 4, None)
 WIDE_MIN_N = 131072
 LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
 BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
 # Rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile). RMSNorm only: layer_norm with
-# tiles of 4 rows waited out the spin limit on the H200 (PERF.md v4, probe-split-r4), cause not found; its
-# tiles stay one row until that is understood.
+# tiles of 4 rows waited out the spin limit on the H200 (every row poisoned, 16K-64K columns), cause not
+# found; its tiles stay one row until that is understood.
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
 # across it): (columns a program owns, warps, register cap, rows a tile[, lead 0-2: pass 1 a tile ahead of
-# the wait, see the kernel]), or None for the register-resident kernel above. Measured on the H200 (PERF.md
-# v7, probe_pipeline.py --part bwd_op: the whole backward through autograd, 16K/32K/64K columns), 2048
+# the wait, see the kernel]), or None for the register-resident kernel above. Measured on the H200 (bf16,
+# the whole backward through autograd, 16K/32K/64K columns), 2048
 # columns x 4 warps, 4-row tiles, lead 1, capped at 168 registers: RMSNorm 69/69/67% of copy against the
 # register-resident kernel's 54/54/52%, LayerNorm 58/60/60% against 58/55/53%. Lead 2 and the uncapped
 # lead 1 (184 registers) lost to it everywhere.
@@ -134,7 +135,7 @@ BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
 LN_BWD_TILED = (2048, 4, 168, 4, 1)
 SOFTMAX_BWD_SLICE = (4096, 4, None)
 # Rows of SOFTMAX_BWD_WIDE_MIN_N+ columns take slices of 8192 columns x 8 warps, up to SOFTMAX_BWD_MAX_PARTS
-# of them (collect_sum's poll is one reduction whatever the count). H200 (PERF.md v21e, v22; bf16, % of copy):
+# of them (collect_sum's poll is one reduction whatever the count). H200 (bf16, 2^27 elements, % of copy):
 # 256K 93 against 90 for 4096 x 4, 512K 85 and 1M 78 against the chunked pass's 59 and 55 (it reads the rows
 # twice; 256 slices of 4096 at 1M: 64); 16384 x 16 and 8192 x 4 no better
 SOFTMAX_BWD_SLICE_WIDE = (8192, 8, None)
@@ -142,24 +143,23 @@ SOFTMAX_BWD_WIDE_MIN_N = 262144
 SOFTMAX_BWD_MAX_PARTS = 256
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
 # smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
-# warps, stages). H200 (PERF.md v14c, probe_fwd_wide.py, in commit 7764574): RMSNorm 91 / 90 / 88% of copy
-# at 64K / 128K / 256K against the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower;
-# at 32K the single passes stay ahead (99% against 91%). LayerNorm (v16) 86 / 84 / 83% against 68 / 61 /
-# 55%. Softmax had a staged forward too (v16-v17, 81 / 78 / 76%), replaced in v18 by the resident kernel
-# (fly_norm._kernels.resident). 16384 x 8 warps (one uncapped program an SM; v21f): -1 to +0.5 points;
-# LayerNorm's weight and bias held widened there: -20 to -30.
+# warps, stages). H200 (bf16, 2^27 elements): RMSNorm 91 / 90 / 88% of copy at 64K / 128K / 256K against
+# the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes
+# stay ahead (99% against 91%). LayerNorm 86 / 84 / 83% against 68 / 61 / 55%. Softmax's staged forward
+# (81 / 78 / 76%) lost to the resident kernel (fly_norm._kernels.resident, 88-91%). 16384 x 8 warps (one
+# uncapped program an SM): -1 to +0.5 points; LayerNorm's weight and bias held widened there: -20 to -30.
 FWD_STAGED = (16384, 16, 3)
 FWD_STAGED_MIN_N = 65536
 # The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
-# loop's pipeline stages[, register cap]). H200 (PERF.md v14, probe_bwd_wide.py --part pipe_split, in
-# commit 7764574): RMSNorm 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 /
-# 58 / 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (v14, and v17:
-# 0 to -20 points); 8192 x 8 warps (one uncapped program an SM; v21f): LayerNorm the same, RMSNorm 32K -1.3.
+# loop's pipeline stages[, register cap]). H200 (bf16, 2^27 elements): RMSNorm 32K 85.5% of copy,
+# LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps 81-85 / 53-60%,
+# 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (0 to -20 points); 8192 x 8 warps (one uncapped program
+# an SM): LayerNorm the same, RMSNorm 32K -1.3.
 BWD_STAGED = (8192, 16, 3)
 # Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
-# "evict_last" (probe.py --part split compares ("", "") with ("evict_first", "evict_last")). H200 (PERF.md
-# v4): no gain, within 1-3% and worse on the softmax backward; the per-column operands' evict_last in the
-# chunked quant and layer_norm forward neither (v10). None shipped.
+# "evict_last". H200, ("", "") against ("evict_first", "evict_last"): no gain, within 1-3% and worse on the
+# softmax backward; the per-column operands' evict_last in the chunked quant and layer_norm forward gained
+# nothing either. None shipped.
 SPLIT_EVICT = ("", "")
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 
@@ -266,7 +266,7 @@ def _norm_fwd_split_kernel(
         r_nx = _load_row(r_ptr, group, stride_r, c, cmask & (group < M), 0.0, ROW_EVICT)
     # The per-column operands (weight, bias, smooth scale) are loaded again for every row, after the wait
     # (L1 hits): held in registers for the whole loop instead, they cost a resident program per SM, and
-    # measured slower (PERF.md).
+    # measured slower on the H200.
     for row in range(group, M, groups):
         h = x_nx.to(fx.float32)
         if HAS_RESIDUAL:
@@ -448,7 +448,7 @@ def _publish_tile(
     """The tiled backward's pass 1 over tile ``blk`` from its loaded h and dy (storage dtype; rows past M
     load as zeros and publish nothing): the rows' partial sums of g * xhat and g over this program's
     slice, published row by row (scalar atomics: layer_norm tiles published as one block atomic waited
-    out the spin limit on the GPU, PERF.md v4)."""
+    out the spin limit on the H200)."""
     mask = (blk * ROWS + r < M)[:, None] & cmask[None, :]
     wv = load_weight(w_ptr, c, cmask, weight_offset, HAS_WEIGHT, "evict_last")[None, :]
     xhat = fx.where(mask, (h.to(fx.float32) - mean[:, None]) * rstd[:, None], 0.0)
@@ -547,9 +547,9 @@ def _staged_pass1(
 ):  # fmt: skip
     """The staged backward's pass 1 of ``row`` (nothing past M): its slice of h and dy loaded as int32 words
     (two columns each), the slice's sum of g * xhat (and, LayerNorm, of g) published; returns the words, rstd
-    and mean. The sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer (PERF.md
-    v17). LayerNorm with ``PAIR`` (see the kernel): sum(g * (h - mean)) as sum(g * h) - mean * sum(g), an add
-    an element fewer, and both sums one signed pair in the slice's slot, one atomic a slice (v21c); without:
+    and mean. The sum of g * xhat is taken as rstd * sum(g * (h - mean)), a multiply an element fewer.
+    LayerNorm with ``PAIR`` (see the kernel): sum(g * (h - mean)) as sum(g * h) - mean * sum(g), an add
+    an element fewer, and both sums one signed pair in the slice's slot, one atomic a slice; without:
     two slots a slice."""
     ok = row < M
     hw = fx.load(as_words(h_ptr) + row_offset(row, stride_h // 2) + c2, mask=ok2 & ok, other=0)
@@ -590,7 +590,7 @@ def staged_dx(hw, dyw, mean, rstd, we, wo, c0, c1):
     reads 0, so the weight-gradient terms are 0 there without a select (and dx is not stored). (dx as
     fma(-xhat, c1 rstd, fma(dy w, rstd, -c0 rstd)), an instruction fewer, spills LayerNorm's kernel at 8192
     x 16 warps: 40-56 bytes, sm_90.) xhat is h * rstd - mean * rstd, one FMA an element (its error ~1e-7 *
-    |mean| * rstd, absolute; PERF.md v21c)."""
+    |mean| * rstd, absolute)."""
     he, ho = bf16_pairs_again(hw)
     de, do = bf16_pairs_again(dyw)
     mr = mean * rstd
@@ -617,7 +617,7 @@ def _norm_bwd_staged_kernel(
     # wait starts from the slots as read before pass 1 (peek / collect_from: an asm wait, no loop the
     # pipeliner would refuse). The row's words are widened for pass 1 and again for dx (no fp32 copy held).
     # LayerNorm's PAIR form (_staged_pass1) is a register or two heavier: with a residual gradient it spills
-    # (16 bytes, sm_90; H200 at 16K / 32K: 69 / 68% of copy against 92 / 91% without PAIR, PERF.md v22), so
+    # (16 bytes, sm_90; H200 at 16K / 32K: 69 / 68% of copy against 92 / 91% without PAIR), so
     # the host passes PAIR only without one.
     group, groups, part, c2, ok2, _, _ = _my_words(N, parts, SLICE, PARTS_POW2)
     we = load_weight(w_ptr, 2 * c2, ok2, weight_offset, HAS_WEIGHT, "")
@@ -688,8 +688,8 @@ def _fwd_staged_pass1(
     LayerNorm's M2 comes from one exchange between warps, of the sum and the sum of squares, as
     ``sum x^2 - sum x * mean``; where that cancels more than 6 bits (``M2 < sum x^2 / 64``: a mean beyond
     ~8 standard deviations) it is taken again about the mean, from the words still held. So M2 keeps 17+
-    of fp32's 24 bits in every case at the cost of one reduction a row where the data are ordinary (PERF.md
-    v16: two reductions a row measured 3 points slower)."""
+    of fp32's 24 bits in every case at the cost of one reduction a row where the data are ordinary (on
+    the H200, two reductions a row measured 3 points of copy bandwidth slower)."""
     ok = row < M
     xw = fx.load(as_words(x_ptr) + row_offset(row, stride_x // 2) + c2, mask=ok2 & ok, other=0)
     xe, xo = bf16_pairs(xw)
@@ -704,7 +704,7 @@ def _fwd_staged_pass1(
             do = fx.where(ok2, xo - mean, 0.0)
             m2 = fx.sum(de * de + do * do, axis=0)
         # one word a slice, M2's sign bit the tag (never negative here: the fallback takes the exact M2 where
-        # the sums' M2 would be; PERF.md v16: +0.7 points over two words)
+        # the sums' M2 would be; H200: +0.7 points of copy bandwidth over two words)
         publish_pair(slot_ptr + row_offset(row, PARTS_POW2) + part, s1, m2, ok)
     return xw
 
@@ -729,7 +729,7 @@ def _norm_fwd_staged_kernel(
     # The split forward for bf16 rows, staged as the backward (_norm_bwd_staged_kernel): the slice of each
     # row read as int32 words through the software pipeliner, pass 1 a row ahead, the wait from the slots as
     # read before it. RMSNorm holds its weight in fp32; LayerNorm holds its bf16 weight and bias as words,
-    # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns: PERF.md v16) and merges
+    # widened each row (as fp32 pairs they would spill at 16 warps x 16384 columns, sm_90) and merges
     # the slices' (sum, M2) with Chan's formula. Part 0 of a row stores its statistics.
     # Launched with PDL (pdl_options): the launch overlaps the kernel before's tail; the wait is before
     # anything is read or written (the slots this launch takes were zeroed by that kernel, or one before
@@ -767,7 +767,7 @@ def _norm_fwd_staged_kernel(
             m2, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: the slices' M2s and their means' spread
             rstd = fx.rsqrt((m2 + spread) / N + eps)
             xe, xo = bf16_pairs_again(xw)
-            # y = (x - mean) * (rstd * w) + b: the scale per column, then one FMA an element (PERF.md v17)
+            # y = (x - mean) * (rstd * w) + b: the scale per column, then one FMA an element
             se = rstd
             so = rstd
             if HAS_WEIGHT:
@@ -890,13 +890,13 @@ def launch_fwd_split(
 # ------------------------------------------------------- pooled slots
 #
 # A split launch's slots must read 0 (unpublished) when it starts: a fresh torch.zeros buffer is a memset
-# launch before the kernel (~0.8 us, and a launch gap of 1-2 us, on the H200: PERF.md v24-v25). The staged
+# launch before the kernel (~0.8 us, and a launch gap of 1-2 us, on the H200). The staged
 # kernels take pooled buffers instead, one pool a (device, stream), zeroed again in stream order by a kernel:
 #
 # - the staged backward, whose launch is always followed by the column sums of its weight gradients: one
 #   buffer, which the column-sum kernel zeroes after it (norm.launch_sum_partials' ``clear``). (Zeroing it
 #   inside the staged backward itself, before its loop, slowed LayerNorm's by a third: 220 -> 293 us at
-#   16K, v24.)
+#   16K on the H200.)
 # - the staged forward, followed by nothing of ours: two buffers taken in turn; each launch zeroes, after
 #   its row loop, the words the launch before it dirtied in the other one (``clear_share``), so the next
 #   launch finds that one all zeros.
@@ -1019,7 +1019,7 @@ def _fwd_staged(x2, y2, packed=None) -> bool:
 def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> bool:
     """The staged norm forward through :func:`_launch_split` (False: not launched)."""
     slice_cols, warps, stages = FWD_STAGED
-    # RMSNorm adds its offset always (as measured, v14c); LayerNorm only a nonzero one (an add an element less)
+    # RMSNorm adds its offset always (as measured on the H200); LayerNorm only a nonzero one (an add an element less)
     offset = float(weight_offset) if is_rms or weight_offset else None
 
     taken: dict = {}  # "pooled": the slots lent by the pool; "clear": the words this launch zeroes
