@@ -265,7 +265,7 @@ def test_every_timing_rotates_over_the_input_copies(fake_timer, monkeypatch):
     run(_add_bench([Provider("ours", make, is_ours=True, step=step)]), device="cpu", ceilings={}, cases=["n=1000"])
     copies = len(rotating_copies(tuple(torch.empty(N) for _ in range(3)), 4 * 12 * N))
     assert copies > 2
-    assert len(made) == 1 + 2 * (copies - 1)  # the checked call, then one callable per extra copy (gpu, call)
+    assert len(made) == copies  # the checked call, then one callable per extra copy (shared by gpu and call)
     assert len(stepped) == copies
     for *_, arg_sets in fake_timer.calls:
         assert arg_sets is not None and len(arg_sets) == copies
@@ -389,9 +389,16 @@ def test_progress_line_per_case_as_it_finishes(fake_timer):
     lines = []
     run(_add_bench(PROVIDERS), device="cpu", ceilings={}, progress=lines.append)
     assert len(lines) == 2 and lines[0].startswith("toy: n=1000: ours ")
-    assert "call 30.0 us 2.00x" in lines[0] and "step 90.0 us 0.50x" in lines[0] and "gpu 10.0 us 2.00x" in lines[0]
+    assert "call 30.0 us 2x vs peer" in lines[0] and "step 90.0 us 0.5x vs slow_peer" in lines[0]
+    assert "gpu 10.0 us 2x vs peer" in lines[0]
     assert lines[0].index("call") < lines[0].index("gpu")  # call and step first
     assert "wrong FAILED" in lines[0]
+    lines.clear()
+    run(_add_bench(PROVIDERS[:2], timings=("gpu", "call")), device="cpu", ceilings={}, progress=lines.append)
+    assert lines[0] == "toy: n=1000: ours call 30.0 us 2x, gpu 10.0 us 2x (vs peer)"
+    lines.clear()
+    run(_add_bench(PROVIDERS[1:3]), device="cpu", ceilings={}, progress=lines.append, cases=["n=10"])
+    assert lines == ["toy: n=10: peer gpu 20.0 us, slow_peer gpu 40.0 us"]  # no ours: each provider's first timing
 
 
 # ------------------------------------------------------------------ summary

@@ -555,8 +555,10 @@ def _time_job(job: _Job, dev: torch.device, settings: dict) -> Timing | None:
 def _jobs(
     bench: Bench, p: Provider, row: Row, fn: Callable[[], Any], inputs: Any, sets: list, profile: dict, kw: dict
 ) -> list[_Job]:
-    """The timings of one checked provider, in the bench's order ("step" only when the provider has one)."""
+    """The timings of one checked provider, in the bench's order ("step" only when the provider has one).
+    The timings of ``make``'s callable share one set of rotated callables."""
     jobs = []
+    rotated = None
     for key in bench.timings:
         if key == "step":
             if p.step is None:
@@ -574,7 +576,8 @@ def _jobs(
                 continue
             call, arg_sets = _rotated_calls(p.step, step, sets)
         else:
-            call, arg_sets = _rotated_calls(p.make, fn, sets)
+            rotated = rotated or _rotated_calls(p.make, fn, sets)
+            call, arg_sets = rotated
         jobs.append(_Job(row, key, call, arg_sets, _settings(profile, key, kw, bench)))
     return jobs
 
@@ -701,15 +704,21 @@ def _progress_line(bench: Bench, case: Case, rows: list[Row]) -> str:
     parts = []
     for r in rows:
         if r.is_ours and r.status in (OK, ERROR):
-            times = [
-                f"{t} {r.us(t):.1f} us" + (f" {r.speedups[t]:.2f}x" if t in r.speedups else "")
-                for t in TIMINGS
-                if r.us(t) is not None
-            ]
-            parts.append(f"{r.provider} " + (", ".join(times) or "not timed"))
+            one_peer = len(set(r.best_peers.values())) == 1
+            times = []
+            for t in TIMINGS:
+                if r.us(t) is None:
+                    continue
+                ratio = f" {r.speedups[t]:.3g}x" if t in r.speedups else ""
+                peer = f" vs {r.best_peers[t]}" if t in r.best_peers and not one_peer else ""
+                times.append(f"{t} {r.us(t):.1f} us{ratio}{peer}")
+            vs = f" (vs {next(iter(r.best_peers.values()))})" if one_peer else ""
+            parts.append(f"{r.provider} " + (", ".join(times) or "not timed") + vs)
     bad = [f"{r.provider} {r.status.upper()}" for r in rows if r.status in (FAILED, ERROR)]
     if not parts:
-        parts.append(", ".join(f"{r.provider} {r.us(bench.timings[0]) or '-'}" for r in rows) or "no providers")
+        first = bench.timings[0]
+        times = [f"{r.provider} {first} {r.us(first):.1f} us" for r in rows if r.us(first) is not None]
+        parts.append(", ".join(times) or "nothing timed")
     return f"{bench.name}: {case.name}: " + "; ".join(parts) + (f" [{', '.join(bad)}]" if bad else "")
 
 

@@ -177,7 +177,10 @@ def _pct(v: float | None) -> str:
 
 
 def _speedup(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
+    """Two decimals; ratios below 0.1 keep three significant figures (0.0042x, not 0.00x)."""
+    if v is None:
+        return "-"
+    return f"{v:.2f}x" if v >= 0.1 else f"{v:.2g}x"
 
 
 def _stats_cell(s: dict | None) -> str:
