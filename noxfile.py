@@ -37,16 +37,20 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "ci"))
 
+from cpu_stack import cpu_torch_problem  # noqa: E402
+
 from monorepo import PACKAGES, Package, install_order  # noqa: E402
 
 CONSTRAINTS = str(ROOT / "ci" / "constraints-cpu.txt")
+LICENSE = ROOT / "LICENSE"  # each package carries a copy (hatch packs license files from the package folder)
 
-# The CPU stack, pinned in ci/constraints-cpu.txt: a CPU-only torch ("+cpu"), the triton of
-# the GPU machine, numpy < 2.3 for triton's interpreter. PyPI carries only CUDA builds of
-# torch for Linux, so pip must know a CPU wheel source to resolve torch==X+cpu. On this
-# workplace pip's own configuration provides one (a local wheel folder); elsewhere configure
-# pip with the PyTorch CPU wheel index first (PIP_EXTRA_INDEX_URL, or `pip config set
-# global.extra-index-url ...`), e.g. as a CI variable.
+# The CPU stack, pinned in ci/constraints-cpu.txt: a CPU-only torch ("+cpu") and the triton
+# of the GPU machine; numpy as it comes (the runtime adapts Triton's interpreter to numpy
+# >= 2.4). PyPI carries only CUDA builds of torch for Linux, so pip must know a CPU wheel
+# source to resolve torch==X+cpu: PyTorch's CPU wheel index as an extra index
+# (PIP_EXTRA_INDEX_URL, or `pip config set global.extra-index-url ...`; a CI variable in
+# .github/workflows/ci.yml), or a local wheel folder in pip's configuration.
+# _install_cpu_stack checks that first and says what to configure (ci/cpu_stack.py).
 CPU_STACK = ("torch", "triton", "numpy")
 TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "tqdm", "matplotlib")
 CI_TEST_TOOLS = ("pytest", "pyyaml", "nox", "tomli; python_version < '3.11'")  # nox: checks the noxfile
@@ -68,7 +72,22 @@ def _tests_dir(pkg: Package) -> Path:
     return ROOT / pkg.path / "tests"
 
 
+_CPU_TORCH_FOUND = False  # checked once per nox run
+
+
+def _require_cpu_torch_source(session: nox.Session) -> None:
+    """Stop with what to configure when pip cannot find the pinned CPU torch (before a long install fails)."""
+    global _CPU_TORCH_FOUND
+    if _CPU_TORCH_FOUND:
+        return
+    problem = cpu_torch_problem(str(Path(session.bin) / "python"))
+    if problem:
+        session.error(problem)
+    _CPU_TORCH_FOUND = True
+
+
 def _install_cpu_stack(session: nox.Session, *extra: str) -> None:
+    _require_cpu_torch_source(session)
     session.install("-c", CONSTRAINTS, *CPU_STACK, *TEST_TOOLS, *extra)
 
 
@@ -152,7 +171,10 @@ def _check_wheel(session: nox.Session, pkg: Package, wheel: Path) -> None:
         dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
         if len(dist_info) != 1:
             session.error(f"{wheel.name}: expected one .dist-info folder, got {sorted(dist_info)}")
-        entry_points = zf.read(f"{dist_info.pop()}/entry_points.txt").decode() if pkg.gpu else ""
+        info = dist_info.pop()
+        entry_points = zf.read(f"{info}/entry_points.txt").decode() if pkg.gpu else ""
+        metadata = Parser().parsestr(zf.read(f"{info}/METADATA").decode())
+        license_text = zf.read(f"{info}/licenses/LICENSE") if f"{info}/licenses/LICENSE" in names else None
     top = {n.split("/")[0] for n in names}
     if "tests" in top:
         session.error(f"{wheel.name} has a top-level tests/ folder")
@@ -163,13 +185,18 @@ def _check_wheel(session: nox.Session, pkg: Package, wheel: Path) -> None:
         session.error(f"{wheel.name}: {pkg.module}/_version.py missing")
     if pkg.gpu and not re.search(rf"^\[flydsl\.families\]\s*\n{pkg.name}\s*=", entry_points, re.M):
         session.error(f"{wheel.name}: no flydsl.families entry point named {pkg.name!r}")
+    if license_text != LICENSE.read_bytes():
+        session.error(f"{wheel.name}: .dist-info/licenses/LICENSE is {'missing' if license_text is None else 'not'}"
+                      f"{'' if license_text is None else ' the repository LICENSE'}")
+    if metadata.get("License-Expression") != "Apache-2.0" or "LICENSE" not in (metadata.get_all("License-File") or []):
+        session.error(f"{wheel.name}: METADATA lacks License-Expression: Apache-2.0 or License-File: LICENSE")
     session.log(f"{wheel.name}: top level {sorted(top)}, no tests/")
 
 
 def _check_sdist(session: nox.Session, pkg: Package, sdist: Path) -> None:
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
-    needed = ["pyproject.toml", "README.md", "CHANGELOG.md", f"src/{pkg.module}/__init__.py"]
+    needed = ["pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", f"src/{pkg.module}/__init__.py"]
     if _tests_dir(pkg).is_dir():
         needed.append("tests")
     missing = [n for n in needed if n not in members and not any(m.startswith(n + "/") for m in members)]
@@ -385,19 +412,16 @@ def demo(session: nox.Session) -> None:
         "r = {m: u.find_spec(m) is not None for m in ('triton', 'tqdm', 'matplotlib', 'hatchling', 'editables')}\n"
         "try:\n    import torch\n    r['torch'], r['cuda'] = True, torch.cuda.is_available()\n"
         "except Exception:\n    r['torch'], r['cuda'] = False, False\n"
-        "try:\n    import numpy\n    r['numpy'] = numpy.__version__\n"
-        "except Exception:\n    r['numpy'] = None\n"
         "print(json.dumps(r))\n"
     )
     have = json.loads(_probe([str(Path(session.bin) / "python"), "-c", probe]).stdout.strip().splitlines()[-1])
     if not have["torch"]:
         session.log("no torch in this interpreter: installing the CPU pins")
+        _require_cpu_torch_source(session)
         session.install("-c", CONSTRAINTS, *CPU_STACK, "tqdm", "matplotlib")
     else:
         session.log(f"using the preinstalled torch (CUDA available: {have['cuda']})")
         missing = [m for m in ("triton", "tqdm", "matplotlib") if not have[m]]
-        if not have["cuda"] and have["numpy"] and tuple(int(x) for x in have["numpy"].split(".")[:2]) >= (2, 3):
-            missing.append("numpy<2.3")  # triton 3.6's interpreter breaks with numpy >= 2.3
         if missing:
             session.install(*missing)
     args = [a for p in PACKAGES for a in ("-e", str(ROOT / p.path))]

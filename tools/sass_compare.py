@@ -6,7 +6,7 @@
 
 For each case in both folders: the instruction counts and how alike the two opcode sequences are (difflib's
 ratio, 1.0 identical). A change that should only add code (a prologue, a tail) but moves the ratio far
-from 1 has rescheduled the kernel, its loop included; v24 and v25 measured what that can cost (PERF.md).
+from 1 has rescheduled the kernel, its loop included, which can cost more than the added code suggests.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def _bwd_staged(is_rms=True, dres=False, cfg=None):
 
 def _fwd_staged(is_rms=True, parts=16):
     """The staged norm forward (split.FWD_STAGED: slice, warps, stages), bf16 rows, weight (and bias), stats,
-    the pooled slots' clear (v25)."""
+    the pooled slots' clear."""
     slice_cols, warps, stages = split.FWD_STAGED
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
            "rstd_ptr": "*fp32", "slot_ptr": "*i64", "clear_ptr": "*i64", "M": "i32", "N": "i32", "parts": "i32",

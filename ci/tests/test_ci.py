@@ -344,7 +344,7 @@ def test_cpu_constraints():
             pins[name] = line
     assert pins["torch"] == "torch==2.13.0+cpu"
     assert pins["triton"] == "triton==3.6.0"
-    assert pins["numpy"] == "numpy<2.3"
+    assert "numpy" not in pins  # any numpy: the runtime adapts Triton's interpreter (flydsl/_interp_numpy.py)
     for tool in ("pytest", "pytest-xdist", "hypothesis", "tqdm", "matplotlib"):
         assert pins[tool].startswith(f"{tool}=="), f"{tool} must be pinned"
     assert "://" not in (CI / "constraints-cpu.txt").read_text()

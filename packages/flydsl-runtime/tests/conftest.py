@@ -9,6 +9,10 @@ import textwrap
 
 import pytest
 
+# FlyDSL's pytest plugin is opt-in (installing FlyDSL must not change other
+# projects' test runs); this suite, like every package's, loads it here.
+pytest_plugins = ["flydsl.testing.plugin"]
+
 
 def run_python(code: str, env_extra: dict | None = None, env_drop: tuple = ()) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (backend choice is per process) and capture its output."""

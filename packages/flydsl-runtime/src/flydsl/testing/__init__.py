@@ -1,4 +1,4 @@
-"""Test helpers every FlyDSL package uses (the pytest plugin lives in ``plugin``).
+"""Test helpers every FlyDSL package uses (the opt-in pytest plugin lives in ``plugin``).
 
 - ``gpu``: ``@pytest.mark.gpu`` marks a test that needs a CUDA/HIP device; it is
   skipped automatically where kernels run through the interpreter, and

@@ -1,8 +1,16 @@
-"""pytest plugin registered by flydsl-runtime (entry point ``pytest11: flydsl``).
+"""FlyDSL's pytest plugin: the ``gpu`` marker, the ``device`` fixture and the
+``--require-gpu`` option.
 
-Loaded before any test module, so ``import flydsl`` picks compiled or
-interpreted kernels before anything imports Triton. Provides the ``gpu``
-marker, the ``device`` fixture and the ``--require-gpu`` option.
+Opt-in: installing FlyDSL registers nothing with pytest, so other projects'
+test runs are unchanged. A test suite loads it from its top-level
+``conftest.py``::
+
+    pytest_plugins = ["flydsl.testing.plugin"]
+
+or per run with ``pytest -p flydsl.testing.plugin``. Loaded that way it comes
+before any test module, so ``import flydsl`` picks compiled or interpreted
+kernels (setting ``TRITON_INTERPRET`` on a machine without a GPU) before
+anything imports Triton; on such a machine ``gpu``-marked tests are skipped.
 """
 
 from __future__ import annotations
