@@ -326,7 +326,10 @@ def test_skips_and_errors_carry_reasons(fake_timer):
         Provider("late_skip", skip_on_first_call),
         Provider("crash", raises),
     ]
+    providers.append(Provider("late_skip_unchecked", skip_on_first_call, check=False))
     res = run(_add_bench(providers), device="cpu", ceilings={}, cases=["n=1000"])
+    unchecked = _row(res, "n=1000", "late_skip_unchecked")  # its Skip comes from the timer's first call
+    assert (unchecked.status, unchecked.reason, unchecked.gpu_us) == ("skipped", "compiler missing", None)
     assert _row(res, "n=1000", "none").status == "skipped"
     assert _row(res, "n=1000", "none").reason == "cannot serve this case"
     assert (_row(res, "n=1000", "skip").status, _row(res, "n=1000", "skip").reason) == ("skipped", "needs a GPU")
@@ -334,7 +337,7 @@ def test_skips_and_errors_carry_reasons(fake_timer):
     crash = _row(res, "n=1000", "crash")
     assert crash.status == "error" and "RuntimeError: boom" in crash.reason
     assert _row(res, "n=1000", "ours").speedups == {}  # no peer was timed
-    assert fake_timer.timed == [10.0, 10.0]  # ours: gpu and call (no step)
+    assert fake_timer.timed == [10.0, 10.0, None]  # ours: gpu and call (no step); the unchecked skip: gpu only
 
 
 def test_setup_error_is_recorded_per_provider(fake_timer):
@@ -726,3 +729,11 @@ def test_sweep_generator_gets_a_seeded_random():
 
     sweep_cases(_add_bench(PROVIDERS, sweep=gen), 0, 2)
     assert seen == [random.Random]
+
+
+def test_nothing_timed_still_writes_the_tables(fake_timer, tmp_path, capsys):
+    providers = [Provider("ours", lambda t: None, is_ours=True), Provider("peer", lambda t: None)]
+    res = run(_add_bench(providers), device="cpu", ceilings={}, out_dir=tmp_path, stem="none")
+    assert all(r.status == "skipped" for r in res.rows())
+    assert (tmp_path / "none.json").exists() and (tmp_path / "none.md").exists()
+    assert not (tmp_path / "none.png").exists() and "plot skipped" in capsys.readouterr().err

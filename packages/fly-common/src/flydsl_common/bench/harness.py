@@ -540,12 +540,17 @@ def _note(row: Row, text: str) -> None:
 
 
 def _time_job(job: _Job, dev: torch.device, settings: dict) -> Timing | None:
-    """Run the timer; a Skip drops this timing with a note, any other exception makes the row an error.
-    (The values already recorded stay: a provider whose step raises keeps its gpu and call times.)"""
+    """Run the timer; a Skip drops this timing with a note (the whole row is skipped when nothing was timed
+    yet and the callable is ``make``'s), any other exception makes the row an error. The values already
+    recorded stay: a provider whose step raises keeps its gpu and call times."""
     try:
         return timer_bench(job.call, arg_sets=job.arg_sets, device=dev, **settings)
     except Skip as e:
-        _note(job.row, f"{job.timing} skipped: {e}" if str(e) else f"{job.timing} skipped")
+        row = job.row
+        if job.timing != "step" and all(row.us(t) is None for t in TIMINGS):  # an unchecked provider's first call
+            row.status, row.reason = SKIPPED, str(e) or "cannot serve this case"
+        else:
+            _note(row, f"{job.timing} skipped: {e}" if str(e) else f"{job.timing} skipped")
     except Exception as e:  # noqa: BLE001 - recorded as an error row, the other providers and timings go on
         job.row.status = ERROR
         _note(job.row, f"{job.timing}: {_short(e)}")
@@ -640,6 +645,8 @@ def _run_case(
             pending += jobs
             continue
         for job in jobs:
+            if row.status != OK:  # a timing raised or skipped the provider: its other timings would too
+                break
             t = _time_job(job, dev, job.settings)
             if t is not None:
                 _record(job, t)
@@ -654,7 +661,8 @@ def _run_case(
 
 def _interleaved(jobs: list[_Job], rounds: int, dev: torch.device) -> None:
     """Time ``jobs`` in ``rounds`` rounds of one window each, job after job within a round; each time is
-    the median over its rounds (its windows: one a round). A job that raises leaves the rounds."""
+    the median over its rounds (its windows: one a round). A job that raises leaves the rounds (its row's
+    other timings stay in them)."""
     if not jobs:
         return
     live = list(jobs)
@@ -863,6 +871,8 @@ def write_all(results: Results, out_dir: str | Path, stem: str | None = None) ->
         paths["png"] = results.plot(out_dir / f"{stem}.png")
     except ImportError as e:
         print(f"plot skipped: {e} (pip install matplotlib)", file=sys.stderr)
+    except ValueError as e:  # nothing timed to draw (every provider skipped or failed): the tables say why
+        print(f"plot skipped: {e}", file=sys.stderr)
     return paths
 
 
