@@ -512,8 +512,12 @@ class Results:
             ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right", fontsize=7)
         ax.set_xlabel(b.x_param or "case")
         if metric == "us":
+            from matplotlib.ticker import FormatStrFormatter
+
             ax.set_ylabel(f"{_LABEL[timing]} us a call (lower is better)")
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 20, not 2 x 10^1
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         else:
             ax.set_ylabel(f"{metric} (from gpu time)")
             ax.set_ylim(bottom=0)
@@ -533,6 +537,7 @@ class Results:
                        label=f"geomean {s['geomean']:.2f}x, p10 {s['p10']:.2f}x, min {s['min']:.2f}x")  # fmt: skip
         ax.axhline(1.0, color="gray", linestyle=":", linewidth=1.5, label="parity with the best peer")
         ax.set_xlabel("shapes, sorted by ratio")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel(f"{_LABEL[timing]}: best peer / ours")
         ax.set_title(f"{b.name}: {_LABEL[timing]}", fontsize=9)
         ax.grid(True, alpha=0.3)
