@@ -45,9 +45,11 @@ The tuned set runs ``full`` (``quick`` under ``--quick``); a sweep runs
 its verdict is a distribution, not one shape's number. A synchronized call
 costs tens of microseconds at least, so 10 ms windows still hold hundreds of
 calls on small shapes; on large ones a window is a few calls and the median
-over five windows absorbs a stray one. Per (case, provider) the full profile
-costs about 0.2 s (gpu) + 0.1 s per other timing on the GPU; the sweep
-profile about 0.05 s a timing. ``Bench.timer_kwargs`` and
+over five windows absorbs a stray one. By the settings' arithmetic (warmup,
+one or two probe windows, the timed windows) a (case, provider) costs about
+0.2 s for gpu and 0.1 s for each other timing under ``full``, and about
+0.03 s a timing under ``sweep``; setup, checks and compilation come on top
+(a ``torch.compile`` peer compiles once a shape). ``Bench.timer_kwargs`` and
 ``run(timer_kwargs=...)`` override the window settings of every timing; the
 mode keys (``backlog``, ``sync_each``) are each timing's own, except that
 ``Bench.timer_kwargs`` may still set them for the gpu timing.
