@@ -18,13 +18,18 @@ CONSTRAINTS = Path(__file__).resolve().parent / "constraints-cpu.txt"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def torch_pin(constraints: Path = CONSTRAINTS) -> str:
-    """The torch line of the constraints file, e.g. ``torch==2.13.0+cpu``."""
+def pin(name: str, constraints: Path = CONSTRAINTS) -> str:
+    """The ``name==version`` line of the constraints file, e.g. ``triton==3.6.0``."""
     for line in constraints.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if re.match(r"torch\s*==", line):
+        if re.match(rf"{re.escape(name)}\s*==", line):
             return line.replace(" ", "")
-    raise ValueError(f"{constraints} pins no torch version (expected a line 'torch==X+cpu')")
+    raise ValueError(f"{constraints} pins no {name} version (expected a line '{name}==X')")
+
+
+def torch_pin(constraints: Path = CONSTRAINTS) -> str:
+    """The torch line of the constraints file, e.g. ``torch==2.13.0+cpu``."""
+    return pin("torch", constraints)
 
 
 def how_to_configure(pin: str) -> str:

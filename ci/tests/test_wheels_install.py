@@ -3,10 +3,11 @@
 ``test_family_from_wheels_runs_its_cpu_suite`` builds the wheels of
 flydsl-runtime, flydsl-common and fly-gemm, installs them into a fresh virtual
 environment the way a user would (third-party dependencies resolved by pip as
-configured, NOT through ci/constraints-cpu.txt: whatever numpy and test tools
-are newest), and runs fly-gemm's CPU suite there, outside the repository.
-Such an install once got numpy 2.4, on which Triton 3.6's interpreter failed
-181 gemm tests. It takes a few minutes (torch is installed from pip's sources).
+configured, NOT through ci/constraints-cpu.txt: torch and triton at the GPU
+machine's versions, as a user's existing install; numpy and the test tools
+whatever is newest), and runs fly-gemm's CPU suite there, outside the
+repository. Such an install once got numpy 2.4, on which Triton 3.6's
+interpreter failed 181 gemm tests. It takes a few minutes.
 
 ``test_installed_flydsl_leaves_other_projects_test_runs_alone``: FlyDSL's
 pytest plugin is opt-in; a plain pytest run of an unrelated project in an
@@ -28,6 +29,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "ci") not in sys.path:
+    sys.path.insert(0, str(ROOT / "ci"))
+
+import cpu_stack  # noqa: E402
+
 FAMILY = ("fly-gemm", "packages/fly-gemm", "fly_gemm")
 STACK = [("flydsl-runtime", "packages/flydsl-runtime", "flydsl"), ("flydsl-common", "packages/fly-common",
                                                                    "flydsl_common"), FAMILY]
@@ -66,16 +72,23 @@ def test_family_from_wheels_runs_its_cpu_suite(tmp_path):
             (lic,) = [n for n in zf.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
             assert zf.read(lic) == (ROOT / "LICENSE").read_bytes()
 
-    # Our three from their wheel files (so no index copy of ours can be picked); the rest as pip resolves it.
+    # The user's torch and triton: the versions of the GPU machine (ci/constraints-cpu.txt), the
+    # torch without its "+cpu" label (pip's CPU wheel source supplies that build; unpinned, pip would
+    # take the newest CUDA torch from PyPI, gigabytes, with a newer triton). Our three from their
+    # wheel files (no index copy of ours can be picked); everything else (numpy, tqdm, test tools)
+    # as pip resolves it.
+    torch_version = cpu_stack.torch_pin().split("+", 1)[0]
+    triton_version = cpu_stack.pin("triton")
     family_wheel = wheels[FAMILY[0]]
-    _run([py, "-m", "pip", "install", "-q", *[w for d, w in wheels.items() if d != FAMILY[0]],
-          f"{family_wheel}[test]", "matplotlib"], tmp_path, 900)
+    _run([py, "-m", "pip", "install", "-q", torch_version, triton_version,
+          *[w for d, w in wheels.items() if d != FAMILY[0]], f"{family_wheel}[test]", "matplotlib"], tmp_path, 900)
 
     listed = _run([py, "-m", "pip", "list", "--format=freeze"], tmp_path, 120).stdout
     versions = dict(line.split("==", 1) for line in listed.splitlines() if "==" in line)
     ours = sorted(n for n in versions if n.lower() in OURS)
     assert ours == sorted(d for d, _, _ in STACK), f"distributions of ours: {ours}"
     print("resolved:", {k: versions.get(k) for k in ("torch", "triton", "numpy", "pytest")})
+    assert versions["torch"].split("+")[0] == torch_version.split("==")[1], versions["torch"]
 
     tests = tmp_path / "run" / "tests"
     shutil.copytree(ROOT / FAMILY[1] / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
