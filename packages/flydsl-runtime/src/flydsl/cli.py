@@ -229,8 +229,8 @@ def cmd_demo(args) -> int:
         print("no demo cases in the installed families")
         return 0
     mode = "Triton interpreter on the CPU: seconds a case" if _backend.interpreting() else "compiled"
-    print(f"{cases} demo cases from {', '.join(f.name for f in fams)} ({mode}); each row prints as its case finishes",
-          flush=True)
+    print(f"{cases} demo case{'s' if cases != 1 else ''} from {', '.join(f.name for f in fams)} ({mode}); "
+          "each row prints as its case finishes", flush=True)
     header = (f"{'family':<8} {'problem':<44} {'rel err':>9} {'tol':>7}  {'ok':<4} "
               f"{'flydsl us':>10} {'torch us':>10}  {'wall s':>6}  torch op")
     print(header)
