@@ -266,7 +266,13 @@ def _compiled_backward(peer: CompiledPeer) -> Callable:
     def make(inputs):
         ctx, x, dy, params = _unpack(inputs)
         leaves = _leaves(x, params)
-        y = peer.make(ctx.key, *leaves)()
+        # Inductor donates the saved activations to a backward it expects to run once; a backward timed
+        # again and again over one graph (retain_graph) needs them kept: compiled (at the first call inside
+        # make) with donation off, which changes the backward's memory, not its kernels.
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(donated_buffer=False):
+            y = peer.make(ctx.key, *leaves)()
         return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
     return make
