@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "ci"))
 
 from cpu_stack import cpu_torch_problem  # noqa: E402
-
 from monorepo import PACKAGES, Package, install_order  # noqa: E402
 
 CONSTRAINTS = str(ROOT / "ci" / "constraints-cpu.txt")

@@ -17,7 +17,6 @@ if str(CI) not in sys.path:
     sys.path.insert(0, str(CI))
 
 import cpu_stack  # noqa: E402
-
 import monorepo  # noqa: E402
 
 try:
