@@ -7,12 +7,12 @@
   (row width, arch), and :func:`row_config_valid`, the one validity predicate
   of the space (shared by heuristics, tuners and tests).
 
-The ladder was measured on the H200 with the quantization kernel
-(``packages/fly-common/benchmarks/sweep_quant.py``; numbers in PERF.md): a
-row of up to 16K elements stays in registers and is read once; one 16K row
-over 8 warps streams at 98% of copy bandwidth, a 32K row in one pass over 16
-warps only at 73%. Wider rows are processed in chunks and read twice, the
-second time mostly from L2.
+The ladder was measured on the H200 with a launch-config sweep of the
+quantization kernel (numbers in fly-common's PERF.md, "The default launch
+ladder"): a row of up to 16K elements stays in registers and is read once;
+one 16K row over 8 warps streams at 98% of copy bandwidth, a 32K row in one
+pass over 16 warps only at 73%. Wider rows are processed in chunks and read
+twice, the second time mostly from L2.
 """
 
 from __future__ import annotations

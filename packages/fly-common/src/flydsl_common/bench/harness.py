@@ -56,7 +56,16 @@ mode keys (``backlog``, ``sync_each``) are each timing's own, except that
 
 :class:`Results` prints a table and writes JSON, markdown and a PNG plot;
 :func:`main_for` is the command line every family's ``benchmarks/run.py``
-calls (``--sweep``: the unseen-shape sweep too). Example::
+calls (``--sweep``: the unseen-shape sweep too).
+
+Where things live: the spec types (:class:`Bench`, :class:`Case`,
+:class:`Provider`, :class:`Skip`, :class:`CompiledPeer`) in
+:mod:`flydsl_common.bench.spec`, the command line (:func:`main_for`,
+:func:`results_dir`) in :mod:`flydsl_common.bench.cli`, the result types and
+their tables, JSON and plots in :mod:`flydsl_common.bench.results`; this
+module checks and times (ceilings, :func:`run`, the sweep, :func:`write_all`)
+and re-exports the others' public names, so every name in ``__all__`` imports
+from here as from :mod:`flydsl_common.bench`. Example::
 
     spec = Bench(
         name="vec_add",
@@ -78,7 +87,6 @@ calls (``--sweep``: the unseen-shape sweep too). Example::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import math
@@ -115,6 +123,7 @@ from .results import (
     ratio_stats,
     summarize,
 )
+from .spec import Bench, Case, CompiledPeer, Provider, Skip
 
 __all__ = [
     "COPY_GBPS",
@@ -163,192 +172,6 @@ _MODES = {
 }
 _MODE_KEYS = ("backlog", "sync_each")
 DEFAULT_SWEEP_COUNT = 60  # per family, split over the benches that have a sweep (sweep_counts)
-
-
-# --------------------------------------------------------------------- spec
-
-
-class Skip(Exception):
-    """Raised by ``Provider.make`` / ``Provider.step`` (or their callable's first call) when it cannot serve a case.
-
-    The message is the reason shown in the results.
-    """
-
-
-@dataclass(frozen=True)
-class Case:
-    """One problem of a benchmark: a display name and the parameters ``setup`` reads.
-
-    ``params["quick"] = True`` marks the cases ``--quick`` runs (unless the
-    spec gives ``quick_cases``).
-    """
-
-    name: str
-    params: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Provider:
-    """One implementation to time.
-
-    ``make(inputs)`` returns the zero-argument callable to time, or None (or
-    raises :class:`Skip` with a reason) when this provider cannot serve the
-    case. ``is_ours`` marks FlyDSL providers (they get a ratio to the best
-    peer per timing). ``check`` runs the output against the reference once before
-    timing. ``output`` overrides the spec's ``output`` extractor for this
-    provider (a peer may return its result in another layout).
-
-    ``step(inputs)`` returns a zero-argument callable running one training
-    step, or None when this provider has no step for the case (``step_us``
-    then stays None). Each call builds a fresh graph: new leaf tensors with
-    ``requires_grad`` (detached from ``inputs``), the forward, ``backward``
-    with a given upstream gradient, weight ``.grad`` filled. Example::
-
-        def step(t):
-            x, w, dy = t
-            def call():
-                xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-                rms_norm(xl, wl).backward(dy)
-            return call
-    """
-
-    name: str
-    make: Callable[[Any], Callable[[], Any] | None]
-    is_ours: bool = False
-    check: bool = True
-    output: Callable[[Any], torch.Tensor] | None = None
-    step: Callable[[Any], Callable[[], Any] | None] | None = None
-
-
-@dataclass(frozen=True)
-class Bench:
-    """A benchmark: cases, inputs, providers and the model of the minimum work.
-
-    - ``setup(case, device) -> inputs``: any object the providers understand.
-      Use random data, never zeros (zeros hide unwritten outputs and can run
-      faster than real data).
-    - ``bytes(case)``: the fewest bytes the op must move (each input read
-      once, each output written once); gives GB/s and the bandwidth fraction.
-    - ``flops(case)``: the arithmetic the op must do; gives TFLOP/s and the
-      fraction of ``ceilings[flops_ceiling]``.
-    - ``reference(inputs) -> Tensor``, ``output(ret) -> Tensor`` (default:
-      the return value itself) and ``tolerance`` (a float or ``case -> float``)
-      check every provider with ``check=True`` once per case.
-    - ``poison(inputs)``: called before each check run to fill preallocated
-      outputs with values no kernel writes, so unwritten elements fail.
-    - ``rotate``: when ``inputs`` is a tuple of tensors (and other values)
-      smaller than L2, the timed calls of every timing rotate over copies from
-      ``rotating_copies`` (``make`` and ``step`` are called once per copy).
-      Inputs of any other type are not rotated: size them past L2 in ``setup``.
-    - ``x_param``: the case parameter on the plot's x axis (log2 when numeric);
-      ``group_by``: parameters that split the cases into separate panels
-      (e.g. ``("mode", "dtype")``).
-    - ``quick_cases``: the cases of ``--quick`` (default: those with
-      ``params["quick"]``, else the first case).
-    - ``sweep(rng, count) -> list[Case]``: the unseen-shape generator: given a
-      seeded ``random.Random`` and a count, that many cases drawn from the
-      family's realistic range (odd sizes, small M, widths not powers of two),
-      never used for tuning. Draw every number from ``rng`` so a seed repeats
-      the sweep.
-    - ``timings``: which of "gpu", "call", "step", "host" to measure (module
-      docstring); "step" only for providers with a ``step``. A host-cost bench
-      uses ``("host",)``.
-    - ``timer_kwargs``: this bench's timer settings over the run's (windows,
-      target_window_ms, warmup_ms, max_calls_per_window), for every timing.
-    - ``interleave``: when > 0, a case's timings are taken in that many rounds
-      of one window each, provider after provider (each of its timings in turn)
-      within a round, and each time is the median over its rounds: a host whose
-      speed drifts then slows every provider alike, where timing one provider's
-      windows after another's puts the drift between them.
-    """
-
-    name: str
-    cases: list[Case]
-    setup: Callable[[Case, Any], Any]
-    providers: list[Provider]
-    bytes: Callable[[Case], int] | None = None
-    flops: Callable[[Case], int] | None = None
-    reference: Callable[[Any], torch.Tensor] | None = None
-    output: Callable[[Any], torch.Tensor] | None = None
-    tolerance: float | Callable[[Case], float] = 1e-5
-    poison: Callable[[Any], None] | None = None
-    x_param: str | None = None
-    group_by: tuple[str, ...] = ()
-    rotate: bool = True
-    quick_cases: list[Case] | None = None
-    flops_ceiling: str = MATMUL_BF16_TFLOPS
-    description: str = ""
-    timer_kwargs: dict = field(default_factory=dict)
-    interleave: int = 0  # > 0: rounds of one window per provider and timing, alternating (see above)
-    sweep: Callable[[random.Random, int], list[Case]] | None = None
-    timings: tuple[str, ...] = ("gpu", "call", "step")
-
-    def __post_init__(self) -> None:
-        timings = tuple(self.timings) if not isinstance(self.timings, str) else (self.timings,)
-        bad = [t for t in timings if t not in TIMINGS]
-        if bad or not timings:
-            raise ArgumentError(
-                f"Bench {self.name!r}: timings must be a non-empty tuple of {', '.join(TIMINGS)}, got {self.timings!r}"
-            )
-        object.__setattr__(self, "timings", timings)
-        if self.sweep is not None and not callable(self.sweep):
-            raise ArgumentError(
-                f"Bench {self.name!r}: sweep must be a callable (random.Random, count) -> list[Case], "
-                f"got {type(self.sweep).__name__}"
-            )
-        if self.interleave < 0:
-            raise ArgumentError(f"Bench {self.name!r}: interleave must be >= 0, got {self.interleave}")
-
-    def select_cases(self, quick: bool) -> list[Case]:
-        if not quick:
-            return list(self.cases)
-        if self.quick_cases is not None:
-            return list(self.quick_cases)
-        flagged = [c for c in self.cases if c.params.get("quick")]
-        return flagged or list(self.cases[:1])
-
-    @property
-    def metric(self) -> str:
-        """The plotted rate: GB/s for a bytes model, else TFLOP/s."""
-        return "GB/s" if self.bytes is not None else "TFLOP/s" if self.flops is not None else "us"
-
-
-class CompiledPeer:
-    """The ``torch.compile`` peer of a torch function, compiled for one case at a time.
-
-    ``make(case_key, *args)`` compiles ``fn`` for this case (dynamo is reset
-    when the case changes, so each case gets the static-shape code a user
-    with that fixed shape would get, and a long case list never reaches
-    dynamo's recompile limit, past which it silently falls back to eager),
-    runs it once so compile time stays out of the timing, and returns the
-    zero-argument callable. A compile failure (no compiler, an inductor bug)
-    is a :class:`Skip`: the peer is unavailable, not wrong. On the CPU the
-    peer is skipped: inductor's C++ build there costs tens of seconds per
-    shape for a number that means nothing.
-    """
-
-    def __init__(self, fn: Callable[..., Any], **compile_kwargs: Any) -> None:
-        self._fn = fn
-        self._kwargs = {"dynamic": False, **compile_kwargs}
-        self._key: Any = None
-        self._compiled: Callable[..., Any] | None = None
-
-    def make(self, case_key: Any, *args: Any) -> Callable[[], Any]:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if tensors and tensors[0].device.type != "cuda":
-            raise Skip("torch.compile is benchmarked on the GPU only")
-        try:
-            if case_key != self._key or self._compiled is None:
-                torch._dynamo.reset()
-                self._compiled = torch.compile(self._fn, **self._kwargs)
-                self._key = case_key
-            fn = self._compiled
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - any compile failure means the peer is unavailable
-            self._key = None
-            first = (str(e).strip().splitlines() or [""])[0][:120]
-            raise Skip(f"torch.compile failed: {type(e).__name__}: {first}") from e
-        return lambda: fn(*args)
 
 
 # ----------------------------------------------------------------- ceilings
@@ -878,147 +701,6 @@ def write_all(results: Results, out_dir: str | Path, stem: str | None = None) ->
     return paths
 
 
-# ---------------------------------------------------------------------- CLI
-
-
-def _names(values: list[str] | None) -> list[str] | None:
-    if not values:
-        return None
-    return [n.strip() for v in values for n in v.split(",") if n.strip()]
-
-
-def results_dir(package: str, module_file: str | Path) -> Path:
-    """A package's results folder, ``packages/<package>/benchmarks/results`` of the source tree that
-    ``module_file`` (the calling module's ``__file__``) lives in; ``./bench-results`` for an installed copy."""
-    for parent in Path(module_file).resolve().parents:
-        benchmarks = parent / "packages" / package / "benchmarks"
-        if benchmarks.is_dir():
-            return benchmarks / "results"
-    return Path.cwd() / "bench-results"
-
-
-def main_for(
-    benches: Sequence[Bench],
-    argv: Sequence[str] | None = None,
-    default_out_dir: str | Path = "bench-results",
-    *,
-    prog: str | None = None,
-    description: str | None = None,
-) -> int:
-    """The command line of a family's benchmarks; returns the exit status.
-
-    Options: ``--quick`` (the quick cases, short timing), ``--out DIR``,
-    ``--only NAME`` (bench names), ``--providers NAME``, ``--cases TEXT``
-    (case names containing TEXT), ``--no-ceilings``, ``--stem``, ``--device``,
-    ``--list``; the unseen-shape sweep: ``--sweep`` (the tuned set, then every
-    bench's sweep, written as ``<stem>-sweep.json|md|png``), ``--sweep-only``,
-    ``--seed N`` (default: a fresh random seed; printed first, and kept in the
-    sweep's JSON), ``--sweep-count K`` (default 60 for the family, split by
-    :func:`sweep_counts`; under ``--quick``, one shape a bench). Name options take
-    several values or commas. A line is printed as each case finishes. Exits 1
-    when any provider failed its check or raised, 2 on a bad option.
-
-    On the CPU (interpreter) ``--quick`` is implied: full-size cases would run
-    for hours there, and CPU times say nothing about the GPU anyway.
-    """
-    parser = argparse.ArgumentParser(prog=prog, description=description or "FlyDSL benchmarks")
-    parser.add_argument("--quick", action="store_true", help="few, small cases and short timing (a smoke run)")
-    parser.add_argument("--out", default=None, help=f"output folder (default: {default_out_dir})")
-    parser.add_argument("--only", nargs="+", metavar="BENCH", help="run only these benches")
-    parser.add_argument("--providers", nargs="+", metavar="NAME", help="time only these providers")
-    parser.add_argument("--cases", nargs="+", metavar="TEXT", help="only cases whose name contains TEXT")
-    parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul peak")
-    parser.add_argument("--stem", default=None, help="output file stem (default: the device name, e.g. nvidia-h200)")
-    parser.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU interpreter)")
-    parser.add_argument("--list", action="store_true", help="list benches, cases and providers, then exit")
-    parser.add_argument("--sweep", action="store_true", help="also run every bench's sweep of unseen random shapes")
-    parser.add_argument("--sweep-only", action="store_true", help="run the sweep only (not the tuned set)")
-    parser.add_argument("--seed", type=int, default=None, help="the sweep's seed (default: a fresh one, printed)")
-    parser.add_argument(
-        "--sweep-count",
-        type=int,
-        default=None,
-        metavar="K",
-        help=f"sweep shapes for the family (default {DEFAULT_SWEEP_COUNT}; --quick: one a bench), "
-        "each bench with a sweep getting ceil(K / benches)",
-    )
-    args = parser.parse_args(list(argv) if argv is not None else None)
-
-    by_name = {b.name: b for b in benches}
-    only = _names(args.only)
-    if only:
-        unknown = [n for n in only if n not in by_name]
-        if unknown:
-            print(f"unknown bench {', '.join(unknown)}; known: {', '.join(by_name)}", file=sys.stderr)
-            return 2
-        benches = [by_name[n] for n in only]
-    if args.sweep_count is not None and args.sweep_count < 1:
-        print(f"--sweep-count must be >= 1, got {args.sweep_count}", file=sys.stderr)
-        return 2
-    dev = _resolve_device(args.device)
-    quick = args.quick
-    if dev.type != "cuda" and not quick:
-        print("no GPU: running the --quick cases through the interpreter (CPU times are not GPU numbers)")
-        quick = True
-    do_sweep = args.sweep or args.sweep_only
-    counts: dict[str, int] = {}
-    seed = None
-    if do_sweep:
-        with_sweep = [b for b in benches if b.sweep is not None]
-        if not with_sweep:
-            print(f"no sweep: none of {', '.join(b.name for b in benches)} defines one", file=sys.stderr)
-            return 2
-        count = args.sweep_count or (len(with_sweep) if quick else DEFAULT_SWEEP_COUNT)
-        counts = sweep_counts(benches, count)
-        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-        split = ", ".join(f"{n} {c}" for n, c in counts.items())
-        print(f"sweep seed {seed} (repeat: --seed {seed}); {sum(counts.values())} shapes: {split}", flush=True)
-    if args.list:
-        for b in benches:
-            print(f"{b.name}: providers {', '.join(p.name for p in b.providers)}; timings {', '.join(b.timings)}")
-            for c in [] if args.sweep_only else b.select_cases(quick):
-                print(f"  {c.name}")
-            for c in sweep_cases(b, seed, counts[b.name]) if b.name in counts else []:
-                print(f"  sweep: {c.name}")
-        return 0
-
-    providers = _names(args.providers)
-    substrings = _names(args.cases)
-    case_filter = None if not substrings else (lambda name: any(s.lower() in name.lower() for s in substrings))
-    ceilings: dict = {}
-    if not args.no_ceilings:
-        print("measuring ceilings (device copy, bf16 matmul) ...", flush=True)
-        ceilings = measure_ceilings(dev, quick=quick)
-    common = {"device": dev, "ceilings": ceilings, "providers": providers, "cases": case_filter}
-    common["progress"] = lambda line: print(f"  {line}", flush=True)
-    out_dir = args.out or default_out_dir
-    written: list[Results] = []
-    if not args.sweep_only:
-        print("tuned set:", flush=True)
-        tuned = run(benches, quick=quick, **common)
-        if tuned.rows():
-            _report(tuned, out_dir, args.stem)
-            written.append(tuned)
-    if do_sweep:
-        print(f"sweep (seed {seed}):", flush=True)
-        swept = run_sweep(benches, seed=seed, count=count, **common)
-        if swept.rows():
-            _report(swept, out_dir, args.stem)
-            written.append(swept)
-    if not written:
-        print("nothing matched the filters", file=sys.stderr)
-        return 2
-    bad = [r for res in written for r in res.failures()]
-    if bad:
-        print(f"\n{len(bad)} provider run(s) failed or raised:", file=sys.stderr)
-        for r in bad:
-            print(f"  {r.case} / {r.provider}: {r.reason}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _report(results: Results, out_dir: str | Path, stem: str | None) -> None:
-    paths = write_all(results, out_dir, stem)
-    print()
-    results.print_table()
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+# The command line is built on this module (it imports run, run_sweep and the ceilings from here), so its
+# names are re-exported last, once everything it takes from here is defined.
+from .cli import main_for, results_dir  # noqa: E402

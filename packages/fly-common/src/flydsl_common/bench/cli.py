@@ -1,0 +1,173 @@
+"""The command line every family's ``benchmarks/run.py`` calls: :func:`main_for`, and :func:`results_dir`.
+
+It parses the options, picks the benches and cases, measures the ceilings and
+hands the rest to :func:`~flydsl_common.bench.harness.run` (the tuned set) and
+:func:`~flydsl_common.bench.harness.run_sweep` (the unseen-shape sweep), then
+prints each table and writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .harness import (
+    DEFAULT_SWEEP_COUNT,
+    _resolve_device,
+    measure_ceilings,
+    run,
+    run_sweep,
+    sweep_cases,
+    sweep_counts,
+    write_all,
+)
+from .results import Results
+from .spec import Bench
+
+__all__ = ["main_for", "results_dir"]
+
+
+def _names(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
+
+
+def results_dir(package: str, module_file: str | Path) -> Path:
+    """A package's results folder, ``packages/<package>/benchmarks/results`` of the source tree that
+    ``module_file`` (the calling module's ``__file__``) lives in; ``./bench-results`` for an installed copy."""
+    for parent in Path(module_file).resolve().parents:
+        benchmarks = parent / "packages" / package / "benchmarks"
+        if benchmarks.is_dir():
+            return benchmarks / "results"
+    return Path.cwd() / "bench-results"
+
+
+def main_for(
+    benches: Sequence[Bench],
+    argv: Sequence[str] | None = None,
+    default_out_dir: str | Path = "bench-results",
+    *,
+    prog: str | None = None,
+    description: str | None = None,
+) -> int:
+    """The command line of a family's benchmarks; returns the exit status.
+
+    Options: ``--quick`` (the quick cases, short timing), ``--out DIR``,
+    ``--only NAME`` (bench names), ``--providers NAME``, ``--cases TEXT``
+    (case names containing TEXT), ``--no-ceilings``, ``--stem``, ``--device``,
+    ``--list``; the unseen-shape sweep: ``--sweep`` (the tuned set, then every
+    bench's sweep, written as ``<stem>-sweep.json|md|png``), ``--sweep-only``,
+    ``--seed N`` (default: a fresh random seed; printed first, and kept in the
+    sweep's JSON), ``--sweep-count K`` (default 60 for the family, split by
+    :func:`sweep_counts`; under ``--quick``, one shape a bench). Name options take
+    several values or commas. A line is printed as each case finishes. Exits 1
+    when any provider failed its check or raised, 2 on a bad option.
+
+    On the CPU (interpreter) ``--quick`` is implied: full-size cases would run
+    for hours there, and CPU times say nothing about the GPU anyway.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description or "FlyDSL benchmarks")
+    parser.add_argument("--quick", action="store_true", help="few, small cases and short timing (a smoke run)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {default_out_dir})")
+    parser.add_argument("--only", nargs="+", metavar="BENCH", help="run only these benches")
+    parser.add_argument("--providers", nargs="+", metavar="NAME", help="time only these providers")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT", help="only cases whose name contains TEXT")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul peak")
+    parser.add_argument("--stem", default=None, help="output file stem (default: the device name, e.g. nvidia-h200)")
+    parser.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU interpreter)")
+    parser.add_argument("--list", action="store_true", help="list benches, cases and providers, then exit")
+    parser.add_argument("--sweep", action="store_true", help="also run every bench's sweep of unseen random shapes")
+    parser.add_argument("--sweep-only", action="store_true", help="run the sweep only (not the tuned set)")
+    parser.add_argument("--seed", type=int, default=None, help="the sweep's seed (default: a fresh one, printed)")
+    parser.add_argument(
+        "--sweep-count",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"sweep shapes for the family (default {DEFAULT_SWEEP_COUNT}; --quick: one a bench), "
+        "each bench with a sweep getting ceil(K / benches)",
+    )
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    by_name = {b.name: b for b in benches}
+    only = _names(args.only)
+    if only:
+        unknown = [n for n in only if n not in by_name]
+        if unknown:
+            print(f"unknown bench {', '.join(unknown)}; known: {', '.join(by_name)}", file=sys.stderr)
+            return 2
+        benches = [by_name[n] for n in only]
+    if args.sweep_count is not None and args.sweep_count < 1:
+        print(f"--sweep-count must be >= 1, got {args.sweep_count}", file=sys.stderr)
+        return 2
+    dev = _resolve_device(args.device)
+    quick = args.quick
+    if dev.type != "cuda" and not quick:
+        print("no GPU: running the --quick cases through the interpreter (CPU times are not GPU numbers)")
+        quick = True
+    do_sweep = args.sweep or args.sweep_only
+    counts: dict[str, int] = {}
+    seed = None
+    if do_sweep:
+        with_sweep = [b for b in benches if b.sweep is not None]
+        if not with_sweep:
+            print(f"no sweep: none of {', '.join(b.name for b in benches)} defines one", file=sys.stderr)
+            return 2
+        count = args.sweep_count or (len(with_sweep) if quick else DEFAULT_SWEEP_COUNT)
+        counts = sweep_counts(benches, count)
+        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+        split = ", ".join(f"{n} {c}" for n, c in counts.items())
+        print(f"sweep seed {seed} (repeat: --seed {seed}); {sum(counts.values())} shapes: {split}", flush=True)
+    if args.list:
+        for b in benches:
+            print(f"{b.name}: providers {', '.join(p.name for p in b.providers)}; timings {', '.join(b.timings)}")
+            for c in [] if args.sweep_only else b.select_cases(quick):
+                print(f"  {c.name}")
+            for c in sweep_cases(b, seed, counts[b.name]) if b.name in counts else []:
+                print(f"  sweep: {c.name}")
+        return 0
+
+    providers = _names(args.providers)
+    substrings = _names(args.cases)
+    case_filter = None if not substrings else (lambda name: any(s.lower() in name.lower() for s in substrings))
+    ceilings: dict = {}
+    if not args.no_ceilings:
+        print("measuring ceilings (device copy, bf16 matmul) ...", flush=True)
+        ceilings = measure_ceilings(dev, quick=quick)
+    common = {"device": dev, "ceilings": ceilings, "providers": providers, "cases": case_filter}
+    common["progress"] = lambda line: print(f"  {line}", flush=True)
+    out_dir = args.out or default_out_dir
+    written: list[Results] = []
+    if not args.sweep_only:
+        print("tuned set:", flush=True)
+        tuned = run(benches, quick=quick, **common)
+        if tuned.rows():
+            _report(tuned, out_dir, args.stem)
+            written.append(tuned)
+    if do_sweep:
+        print(f"sweep (seed {seed}):", flush=True)
+        swept = run_sweep(benches, seed=seed, count=count, **common)
+        if swept.rows():
+            _report(swept, out_dir, args.stem)
+            written.append(swept)
+    if not written:
+        print("nothing matched the filters", file=sys.stderr)
+        return 2
+    bad = [r for res in written for r in res.failures()]
+    if bad:
+        print(f"\n{len(bad)} provider run(s) failed or raised:", file=sys.stderr)
+        for r in bad:
+            print(f"  {r.case} / {r.provider}: {r.reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(results: Results, out_dir: str | Path, stem: str | None) -> None:
+    paths = write_all(results, out_dir, stem)
+    print()
+    results.print_table()
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
