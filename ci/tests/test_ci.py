@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CI = ROOT / "ci"
-if str(CI) not in sys.path:
-    sys.path.insert(0, str(CI))
+import changed_packages as cp
+import monorepo
 
-import changed_packages as cp  # noqa: E402
-import monorepo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+CI = ROOT / "ci"  # on sys.path through conftest.py
 
 try:
     import tomllib

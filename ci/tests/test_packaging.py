@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CI = ROOT / "ci"
-if str(CI) not in sys.path:
-    sys.path.insert(0, str(CI))
+import cpu_stack
+import monorepo
 
-import cpu_stack  # noqa: E402
-import monorepo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+CI = ROOT / "ci"  # on sys.path through conftest.py
 
 try:
     import tomllib
