@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from dataclasses import replace
 
 import pytest
@@ -38,6 +39,7 @@ from flydsl_common.bench import (
     sweep_cases,
     sweep_counts,
 )
+from flydsl_common.bench.prewarm import parse_shard, prewarm, warm_cases
 from flydsl_common.bench.results import SCHEMA_VERSION
 
 N = 1000
@@ -737,3 +739,104 @@ def test_nothing_timed_still_writes_the_tables(fake_timer, tmp_path, capsys):
     assert all(r.status == "skipped" for r in res.rows())
     assert (tmp_path / "none.json").exists() and (tmp_path / "none.md").exists()
     assert not (tmp_path / "none.png").exists() and "plot skipped" in capsys.readouterr().err
+
+
+# ------------------------------------------------------ runs in parts, prewarm
+
+
+def test_each_finished_bench_is_handed_over(fake_timer):
+    """on_bench sees the results after every bench, so a run cut short can write what it finished."""
+    seen = []
+    specs = [_add_bench(PROVIDERS[:2]), _add_bench(PROVIDERS[:2], name="second")]
+    run(specs, ceilings={}, on_bench=lambda r: seen.append([b.name for b in r.benches]))
+    assert seen == [["toy"], ["toy", "second"]]
+    seen.clear()
+    swept = run_sweep([replace(specs[0], sweep=_sweep)], seed=3, count=2, ceilings={}, on_bench=seen.append)
+    assert len(seen) == 1 and seen[0].sweep == swept.sweep == {"seed": 3, "count": 2, "cases_per_bench": {"toy": 2}}
+
+
+def test_merge_keeps_the_benches_not_run_again(fake_timer, tmp_path, capsys):
+    first, second = _add_bench(PROVIDERS[:2]), _add_bench(PROVIDERS[:2], name="second")
+    args = ["--no-ceilings", "--out", str(tmp_path), "--stem", "m"]
+    assert main_for([first, second], [*args, "--only", "toy"]) == 0
+    assert main_for([first, second], [*args, "--only", "second", "--merge"]) == 0
+    merged = Results.load(tmp_path / "m.json")
+    assert [b.name for b in merged.benches] == ["toy", "second"]  # the family's order, not the runs'
+    assert all(b.date for b in merged.benches)
+    assert "kept from the earlier run: toy" in capsys.readouterr().out
+    assert "Run finished" in (tmp_path / "m.md").read_text()
+    # without --merge the file is the run's alone
+    assert main_for([first, second], [*args, "--only", "second"]) == 0
+    assert [b.name for b in Results.load(tmp_path / "m.json").benches] == ["second"]
+
+
+def test_merge_refuses_other_devices_and_shape_sets(fake_timer):
+    a = run(_add_bench(PROVIDERS[:2]), ceilings={})
+    b = run(_add_bench(PROVIDERS[:2], name="second"), ceilings={})
+    merged, note = b.merged_with(a, ["toy", "second"])
+    assert [x.name for x in merged.benches] == ["toy", "second"] and "toy" in note
+    other = Results(env={**a.env, "device_name": "another"}, ceilings={}, benches=a.benches)
+    assert b.merged_with(other, ["toy", "second"])[0] is b
+    sweep = Results(env=a.env, ceilings={}, benches=a.benches, sweep={"seed": 1, "cases_per_bench": {"toy": 1}})
+    assert b.merged_with(sweep, ["toy", "second"])[0] is b  # a sweep never mixes into a tuned set
+    later = Results(env=a.env, ceilings={}, benches=b.benches, sweep={"seed": 2, "cases_per_bench": {"second": 1}})
+    assert later.merged_with(sweep, ["toy", "second"])[0] is later  # nor two sweeps of different seeds
+
+
+def test_parse_shard():
+    assert parse_shard("0/1") == (0, 1) and parse_shard("3/8") == (3, 8)
+    for bad in ("1/1", "8/8", "-1/2", "a/2", "2", "1/0"):
+        with pytest.raises(ValueError):
+            parse_shard(bad)
+
+
+def test_warm_cases_runs_its_share_once_and_survives_failures():
+    calls = []
+
+    def maker(name):
+        def make(t):
+            if name == "broken":
+                raise RuntimeError("a peer that cannot serve this case")
+            return lambda: calls.append((name, t[0].numel()))
+
+        return make
+
+    def step(t):
+        return lambda: calls.append(("step", t[0].numel()))
+
+    spec = _add_bench([Provider("ours", maker("ours"), is_ours=True, step=step), Provider("broken", maker("broken"))])
+    pairs = [(spec, Case(f"n={n}", {"n": n})) for n in (1, 2, 3, 4, 5)]
+    assert warm_cases(pairs, torch.device("cpu"), (1, 2)) == 2  # pairs 1 and 3: n = 2 and 4
+    assert calls == [("ours", 2), ("step", 2), ("ours", 4), ("step", 4)]
+
+
+_WARM_SCRIPT = '''
+import sys
+from pathlib import Path
+
+import torch
+
+from flydsl_common.bench import Bench, Case, Provider, main_for
+
+marks = Path(sys.argv[1])
+def make(t):
+    def call():
+        (marks / f"n{t[0].numel()}").write_text("compiled")
+    return call
+cases = [Case(f"n={n}", {"n": n}) for n in (1, 2, 3)]
+bench = Bench(name="toy", cases=cases, quick_cases=cases, setup=lambda case, dev: (torch.zeros(case.params["n"]),),
+              providers=[Provider("ours", make, is_ours=True)])
+sys.exit(main_for([bench], sys.argv[2:]))
+'''
+
+
+def test_prewarm_workers_cover_every_case(tmp_path, monkeypatch):
+    """prewarm starts N copies of the command line with --warm-shard i/N; together they run every case."""
+    script = tmp_path / "bench.py"
+    script.write_text(_WARM_SCRIPT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, str(script), str(marks), "--quick"], raising=False)
+    took = prewarm([], 2)
+    assert took > 0
+    assert sorted(p.name for p in marks.iterdir()) == ["n1", "n2", "n3"]

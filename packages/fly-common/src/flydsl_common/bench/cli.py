@@ -12,18 +12,24 @@ import argparse
 import random
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+
+from flydsl.errors import ArgumentError
 
 from .harness import (
     DEFAULT_SWEEP_COUNT,
+    _matches,
     _resolve_device,
     measure_ceilings,
+    results_path,
     run,
     run_sweep,
     sweep_cases,
     sweep_counts,
     write_all,
 )
+from .prewarm import parse_shard, prewarm, warm_cases
 from .results import Results
 from .spec import Bench
 
@@ -91,8 +97,24 @@ def main_for(
         help=f"sweep shapes for the family (default {DEFAULT_SWEEP_COUNT}; --quick: one a bench), "
         "each bench with a sweep getting ceil(K / benches)",
     )
+    parser.add_argument(
+        "--prewarm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first compile every case's kernels in N worker processes (filling the compilers' disk caches), "
+        "then time as usual: a cold machine's run is mostly compiling",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the benches of the results already in the output folder that this run does not re-run "
+        "(a family's run made in parts with --only)",
+    )
+    parser.add_argument("--warm-shard", type=parse_shard, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
 
+    order = [b.name for b in benches]
     by_name = {b.name: b for b in benches}
     only = _names(args.only)
     if only:
@@ -134,6 +156,19 @@ def main_for(
     providers = _names(args.providers)
     substrings = _names(args.cases)
     case_filter = None if not substrings else (lambda name: any(s.lower() in name.lower() for s in substrings))
+    if args.warm_shard is not None:  # a --prewarm worker: compile its share, time and write nothing
+        pairs = []
+        for b in benches:
+            chosen = replace(b, providers=[p for p in b.providers if _matches(p.name, providers)])
+            cases = [] if args.sweep_only else b.select_cases(quick)
+            cases += sweep_cases(b, seed, counts[b.name]) if b.name in counts else []
+            pairs += [(chosen, c) for c in cases if case_filter is None or case_filter(c.name)]
+        warm_cases(pairs, dev, args.warm_shard)
+        return 0
+    if args.prewarm > 0 and dev.type == "cuda":
+        print(f"prewarm: compiling every case in {args.prewarm} worker processes ...", flush=True)
+        took = prewarm(["--seed", str(seed)] if seed is not None else [], args.prewarm)
+        print(f"prewarm: {took:.0f} s", flush=True)
     ceilings: dict = {}
     if not args.no_ceilings:
         print("measuring ceilings (device copy, bf16 matmul) ...", flush=True)
@@ -141,18 +176,21 @@ def main_for(
     common = {"device": dev, "ceilings": ceilings, "providers": providers, "cases": case_filter}
     common["progress"] = lambda line: print(f"  {line}", flush=True)
     out_dir = args.out or default_out_dir
+    merge = order if args.merge else None
+    # Each finished bench is written at once, so a run cut short keeps what it measured.
+    common["on_bench"] = lambda partial: _write(partial, out_dir, args.stem, merge, quiet=True)
     written: list[Results] = []
     if not args.sweep_only:
         print("tuned set:", flush=True)
         tuned = run(benches, quick=quick, **common)
         if tuned.rows():
-            _report(tuned, out_dir, args.stem)
+            _report(tuned, out_dir, args.stem, merge)
             written.append(tuned)
     if do_sweep:
         print(f"sweep (seed {seed}):", flush=True)
         swept = run_sweep(benches, seed=seed, count=count, **common)
         if swept.rows():
-            _report(swept, out_dir, args.stem)
+            _report(swept, out_dir, args.stem, merge)
             written.append(swept)
     if not written:
         print("nothing matched the filters", file=sys.stderr)
@@ -166,8 +204,27 @@ def main_for(
     return 0
 
 
-def _report(results: Results, out_dir: str | Path, stem: str | None) -> None:
-    paths = write_all(results, out_dir, stem)
+def _write(
+    results: Results, out_dir: str | Path, stem: str | None, merge: list[str] | None, quiet: bool = False
+) -> dict[str, Path]:
+    """Write ``results`` (with ``merge``: merged into the results of the same stem already there, keeping the
+    benches this run did not re-run, in that bench order)."""
+    if merge is not None:
+        path = results_path(results, out_dir, stem)
+        if path.is_file():
+            try:
+                earlier = Results.load(path)
+            except (ArgumentError, ValueError, KeyError, TypeError) as e:
+                print(f"--merge: {path} not merged ({e})", file=sys.stderr)
+            else:
+                results, note = results.merged_with(earlier, merge)
+                if not quiet:
+                    print(f"--merge: {note}", flush=True)
+    return write_all(results, out_dir, stem)
+
+
+def _report(results: Results, out_dir: str | Path, stem: str | None, merge: list[str] | None = None) -> None:
+    paths = _write(results, out_dir, stem, merge)
     print()
     results.print_table()
     print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)

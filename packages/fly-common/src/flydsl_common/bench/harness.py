@@ -145,6 +145,7 @@ __all__ = [
     "ratio_stats",
     "results_dir",
     "run",
+    "results_path",
     "run_sweep",
     "summarize",
     "sweep_cases",
@@ -248,6 +249,10 @@ def _versions() -> dict:
     return found
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def environment(device: Any = None) -> dict:
     """Identity of the machine and software the numbers belong to."""
     dev = _resolve_device(device)
@@ -263,7 +268,7 @@ def environment(device: Any = None) -> dict:
         "hip": torch.version.hip,
         "python": platform.python_version(),
         "versions": _versions(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
     }
 
 
@@ -568,6 +573,7 @@ def run(
     timer_kwargs: dict | None = None,
     progress: Callable[[str], None] | None = None,
     profile: str | None = None,
+    on_bench: Callable[[Results], None] | None = None,
 ) -> Results:
     """Check, time and rate every (case, provider) of ``bench`` (one spec or several).
 
@@ -581,6 +587,8 @@ def run(
         timer_kwargs: overrides of every timing's window settings (windows, target_window_ms, warmup_ms, ...).
         progress: called with one line per case as it finishes, with its times and ratios (e.g. ``print``).
         profile: the timer profile ("full", "sweep", "quick"; default "quick" when ``quick``, else "full").
+        on_bench: called with the results so far after each bench (e.g. to write them, so that a run cut
+            short keeps the benches it finished).
 
     Returns:
         :class:`Results`; a failed check shows as status ``failed`` (not timed),
@@ -608,9 +616,12 @@ def run(
                 progress(_progress_line(spec, case, done))
         results.benches.append(
             BenchResult(
-                spec.name, spec.x_param, spec.metric, list(spec.group_by), spec.description, rows, list(spec.timings)
+                spec.name, spec.x_param, spec.metric, list(spec.group_by), spec.description, rows, list(spec.timings),
+                date=_now(),
             )
         )
+        if on_bench is not None:
+            on_bench(results)
     if out_dir is not None:
         write_all(results, out_dir, stem)
     return results
@@ -661,8 +672,16 @@ def run_sweep(benches: Bench | Sequence[Bench], *, seed: int, count: int = DEFAU
     kwargs.pop("quick", None)
     out_dir, stem = kwargs.pop("out_dir", None), kwargs.pop("stem", None)
     kwargs.setdefault("profile", "sweep")
-    results = run(swept, **kwargs)
-    results.sweep = {"seed": seed, "count": count, "cases_per_bench": counts}
+    info = {"seed": seed, "count": count, "cases_per_bench": counts}
+    user_on_bench = kwargs.pop("on_bench", None)
+
+    def on_bench(partial: Results) -> None:
+        partial.sweep = info
+        if user_on_bench is not None:
+            user_on_bench(partial)
+
+    results = run(swept, on_bench=on_bench, **kwargs)
+    results.sweep = info
     if out_dir is not None:
         write_all(results, out_dir, stem)
     return results
@@ -677,6 +696,13 @@ def gpu_slug(device_name: str, limit: int = 40) -> str:
     return slug[:limit].rstrip("-") or "device"
 
 
+def results_path(results: Results, out_dir: str | Path, stem: str | None = None) -> Path:
+    """Where :func:`write_all` puts ``results``' JSON: ``<out_dir>/<stem>.json``, stem default the device
+    slug, with ``-sweep`` after it for a sweep's results."""
+    stem = stem or gpu_slug(str(results.env.get("device_name", "device")))
+    return Path(out_dir) / f"{stem}{'-sweep' if results.sweep else ''}.json"
+
+
 def write_all(results: Results, out_dir: str | Path, stem: str | None = None) -> dict[str, Path]:
     """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` (stem default: the device slug; a sweep's results
     get ``-sweep`` after the stem, beside the tuned set's); returns the paths.
@@ -684,16 +710,13 @@ def write_all(results: Results, out_dir: str | Path, stem: str | None = None) ->
     The PNG is skipped with a message when matplotlib is missing (it is the
     ``bench`` extra), so a results file is never lost to a plotting problem.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = stem or gpu_slug(str(results.env.get("device_name", "device")))
-    if results.sweep:
-        stem += "-sweep"
-    paths = {"json": results.to_json(out_dir / f"{stem}.json")}
-    paths["md"] = out_dir / f"{stem}.md"
+    json_path = results_path(results, out_dir, stem)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    paths = {"json": results.to_json(json_path)}
+    paths["md"] = json_path.with_suffix(".md")
     results.to_markdown(paths["md"])
     try:
-        paths["png"] = results.plot(out_dir / f"{stem}.png")
+        paths["png"] = results.plot(json_path.with_suffix(".png"))
     except ImportError as e:
         print(f"plot skipped: {e} (pip install matplotlib)", file=sys.stderr)
     except ValueError as e:  # nothing timed to draw (every provider skipped or failed): the tables say why

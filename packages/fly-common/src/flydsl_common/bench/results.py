@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class BenchResult:
     description: str
     rows: list[Row]
     timings: list[str] = field(default_factory=lambda: ["gpu", "call", "step"])
+    date: str = ""  # when the bench finished (UTC, ISO): benches merged from several runs keep their own
 
     def shown_timings(self) -> list[str]:
         """The measured timings in table order (:data:`TIMINGS`), those with no value in any row left out."""
@@ -220,6 +222,28 @@ class Results:
     def summary(self) -> dict:
         """:func:`summarize` of these results."""
         return summarize(self.benches)
+
+    def merged_with(self, earlier: Results, order: Sequence[str]) -> tuple[Results, str]:
+        """These results plus the benches of ``earlier`` that this run did not re-run, in ``order`` (bench
+        names; others of ``earlier`` are dropped), and a note of what was kept. A family's run can then be
+        made in parts (``--only``) that add up to one result set. Nothing is merged (the note says why) when
+        ``earlier`` comes from another device, or is a sweep where these are not (or of another seed)."""
+        if earlier.env.get("device_name") != self.env.get("device_name"):
+            return self, f"not merged: earlier results are from {earlier.env.get('device_name')!r}"
+        if bool(earlier.sweep) != bool(self.sweep) or (
+            self.sweep and earlier.sweep.get("seed") != self.sweep.get("seed")
+        ):
+            return self, "not merged: earlier results are of another shape set (tuned vs sweep, or another seed)"
+        mine = {b.name: b for b in self.benches}
+        theirs = {b.name: b for b in earlier.benches}
+        kept = [n for n in order if n not in mine and n in theirs]
+        benches = [mine.get(n) or theirs[n] for n in order if n in mine or n in theirs]
+        sweep = self.sweep
+        if sweep and earlier.sweep:
+            counts = {**earlier.sweep.get("cases_per_bench", {}), **sweep.get("cases_per_bench", {})}
+            sweep = {**sweep, "cases_per_bench": {n: counts[n] for n in order if n in counts}}
+        merged = Results(env=self.env, ceilings=self.ceilings, benches=benches, sweep=sweep)
+        return merged, f"kept from the earlier run: {', '.join(kept) or 'nothing'}"
 
     # ---- JSON
 
@@ -361,6 +385,8 @@ class Results:
             out += ["", f"## {b.name}", ""]
             if b.description:
                 out += [b.description, ""]
+            if b.date:
+                out += [f"Run finished {b.date}.", ""]
             head = ["case", "provider"]
             for t in timings:
                 head += [f"{_LABEL[t]} (us)", "vs best"]
