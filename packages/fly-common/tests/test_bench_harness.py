@@ -840,3 +840,13 @@ def test_prewarm_workers_cover_every_case(tmp_path, monkeypatch):
     took = prewarm([], 2)
     assert took > 0
     assert sorted(p.name for p in marks.iterdir()) == ["n1", "n2", "n3"]
+
+
+def test_profile_writes_where_the_time_went(fake_timer, tmp_path):
+    specs = [_add_bench(PROVIDERS[:2]), _add_bench(PROVIDERS[:2], name="second")]
+    prof = tmp_path / "prof.txt"
+    assert main_for(specs, ["--no-ceilings", "--out", str(tmp_path), "--profile", str(prof)]) == 0
+    text = prof.read_text()
+    case_line = next(line for line in text.splitlines() if "(_run_case)" in line)
+    assert case_line.split()[0] == "2"  # one quick case a bench, both benches profiled (not just the first)
+    assert text.count("function calls") == 2  # the two sortings of one profile

@@ -9,6 +9,9 @@ prints each table and writes the results.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import sys
 from collections.abc import Sequence
@@ -111,6 +114,13 @@ def main_for(
         help="keep the benches of the results already in the output folder that this run does not re-run "
         "(a family's run made in parts with --only)",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="profile the run (cProfile) and write where its wall time goes to FILE (text, rewritten after "
+        "each bench, so a run cut short keeps it)",
+    )
     parser.add_argument("--warm-shard", type=parse_shard, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
 
@@ -178,7 +188,18 @@ def main_for(
     out_dir = args.out or default_out_dir
     merge = order if args.merge else None
     # Each finished bench is written at once, so a run cut short keeps what it measured.
-    common["on_bench"] = lambda partial: _write(partial, out_dir, args.stem, merge, quiet=True)
+    profiler = cProfile.Profile() if args.profile else None
+
+    def on_bench(partial: Results) -> None:
+        _write(partial, out_dir, args.stem, merge, quiet=True)
+        if profiler is not None:  # reading the stats stops the profiler: it is started again after
+            profiler.disable()
+            _write_profile(profiler, args.profile)
+            profiler.enable()
+
+    common["on_bench"] = on_bench
+    if profiler is not None:
+        profiler.enable()
     written: list[Results] = []
     if not args.sweep_only:
         print("tuned set:", flush=True)
@@ -192,6 +213,10 @@ def main_for(
         if swept.rows():
             _report(swept, out_dir, args.stem, merge)
             written.append(swept)
+    if profiler is not None:
+        profiler.disable()
+        _write_profile(profiler, args.profile)
+        print(f"profile: {args.profile}", flush=True)
     if not written:
         print("nothing matched the filters", file=sys.stderr)
         return 2
@@ -221,6 +246,16 @@ def _write(
                 if not quiet:
                     print(f"--merge: {note}", flush=True)
     return write_all(results, out_dir, stem)
+
+
+def _write_profile(profiler: cProfile.Profile, path: str | Path) -> None:
+    """Where the profiled run's time went, as text: the top functions by cumulative and by own time."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text.getvalue(), encoding="utf-8")
 
 
 def _report(results: Results, out_dir: str | Path, stem: str | None, merge: list[str] | None = None) -> None:
