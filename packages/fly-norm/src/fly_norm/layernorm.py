@@ -225,13 +225,11 @@ class _EagerLayerNorm(torch.autograd.Function):
     implementation imports torch._dynamo (1.4 s on a CPU host, torch 2.13; see rmsnorm._EagerRMSNorm)."""
 
     @staticmethod
-    def forward(x, weight, bias, residual, eps, weight_offset, store_stats):
-        return _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_stats, None)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, x, weight, bias, residual, eps, weight_offset, store_stats):  # ctx here: see _EagerRMSNorm
+        out = _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_stats, None)
+        _setup_context(ctx, (x, weight, bias, residual, eps, weight_offset, store_stats), out)
         ctx.eager = True
+        return out
 
     @staticmethod
     def backward(ctx, dy, dh, dmean, drstd):

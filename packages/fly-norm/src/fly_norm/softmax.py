@@ -514,13 +514,11 @@ class _EagerSoftmax(torch.autograd.Function):
     implementation imports torch._dynamo (1.4 s on a CPU host, torch 2.13; see rmsnorm._EagerRMSNorm)."""
 
     @staticmethod
-    def forward(x, autotune):
-        return _fwd_rows(x, autotune)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, x, autotune):  # ctx here: see rmsnorm._EagerRMSNorm
+        out = _fwd_rows(x, autotune)
+        _setup_context(ctx, (x, autotune), out)
         ctx.eager = True
+        return out
 
     @staticmethod
     def backward(ctx, grad):
