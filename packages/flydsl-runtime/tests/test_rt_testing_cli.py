@@ -36,6 +36,17 @@ def test_rel_error_and_nan_never_passes():
         testing.rel_error(ref, ref[:2])
 
 
+@pytest.mark.gpu
+def test_rel_error_on_the_gpu_matches_the_cpu():
+    """rel_error works where out lives (a CPU reference is moved to it), with the CPU's result."""
+    ref = torch.randn(1000, dtype=torch.float64)
+    out = (ref * (1 + 1e-3 * torch.randn(1000, dtype=torch.float64))).float()
+    on_cpu = testing.rel_error(out, ref)
+    assert math.isclose(testing.rel_error(out.cuda(), ref), on_cpu, rel_tol=1e-9)
+    assert math.isclose(testing.rel_error(out.cuda(), ref.cuda()), on_cpu, rel_tol=1e-9)
+    assert math.isnan(testing.rel_error(torch.tensor([1.0, float("nan")]).cuda(), torch.ones(2)))
+
+
 def test_tolerances():
     assert testing.tolerance(torch.float32) == 1e-5
     assert testing.tolerance(torch.float32, tf32=True) == 3e-4
