@@ -143,6 +143,7 @@ def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
 
     if tiled != "staged":
         monkeypatch.setattr(split, "BWD_STAGED", None)
+        tiled = None if tiled is None else split.TiledConfig(*tiled)
         monkeypatch.setattr(split, "BWD_TILED", tiled)
         monkeypatch.setattr(split, "LN_BWD_TILED", tiled)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
@@ -313,7 +314,7 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
     from fly_norm._kernels.split import launch_bwd_split
 
     monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
-    cfg = None if tiled is None else (512, 4, None, tile_rows, tiled)
+    cfg = None if tiled is None else split.TiledConfig(512, 4, None, tile_rows, tiled)
     monkeypatch.setattr(split, "BWD_TILED", cfg)
     monkeypatch.setattr(split, "LN_BWD_TILED", cfg)
     m, n = 6, 257
@@ -343,7 +344,7 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
     a row: dx (+ the residual's gradient), dweight of an fp32 weight with (1 + w), dbias."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
+    monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(512, 4, 3))
     m, n = 7, 300
     h = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0) + 1.0
     w = randn(n, device=device, seed=1)
@@ -381,7 +382,7 @@ def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypa
     on a GPU."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_STAGED", (512, 4, 3))
+    monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(512, 4, 3))
     m, n = 6, 400 if flyc.interpreting() else 1200
     if offset == "spikes":
         h = torch.full((m, n), 4096.0, device=device)
@@ -428,7 +429,7 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "BWD_STAGED", (64, 4, 3))
+    monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(64, 4, 3))
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5
@@ -456,7 +457,7 @@ def test_staged_rms_forward(device, slices, monkeypatch):
     (programs one after another) the row's first slice gives up its wait (NaN) while its last is right."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3 if flyc.interpreting() else split._SPIN_LIMIT)
     m, n = 5, 200 if slices == 1 else 400
@@ -486,7 +487,7 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     GPU (the last short); one in the interpreter."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     if slices > 1 and flyc.interpreting():
         pytest.skip("the interpreter runs one program at a time: a row's slices would wait on each other")
@@ -575,7 +576,7 @@ def test_staged_forward_pooled_slots_over_many_calls(device, monkeypatch, is_rms
     last short), one in the interpreter."""
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_STAGED", (256, 4, 3))
+    monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
     monkeypatch.setattr(split, "_FWD_POOLS", {})
     n = 200 if flyc.interpreting() else 700
@@ -761,7 +762,7 @@ def test_resident_softmax_forward(m, n, monkeypatch):
     from fly_norm._kernels import resident
 
     if n < 65536:
-        monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4, 4))
+        monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(512, 6, 4, 4))
         monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
     else:
         shipped = resident.RESIDENT_WIDE if n > 1048576 else resident.RESIDENT
@@ -795,7 +796,7 @@ def test_resident_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkey
     after the spin limit and its slice is NaN; nothing else is written."""
     from fly_norm._kernels import resident
 
-    monkeypatch.setattr(resident, "RESIDENT", (512, 6, 4, 4))
+    monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(512, 6, 4, 4))
     monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
     x = randn(1, 4000, dtype=torch.bfloat16, device="cuda", seed=4)  # two slices: two chunks (2048 columns), 1952
     y = torch.zeros_like(x)
@@ -809,12 +810,12 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
 
     monkeypatch.setattr(resident.flyc, "interpreting", lambda: False)
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: SM90)
-    chunk, ring, warps, left = resident.RESIDENT
-    most = resident.SPLIT_MAX_PARTS * 2 * chunk * (ring - left)  # the widest row of RESIDENT's slices
+    cfg = resident.RESIDENT
+    most = resident.SPLIT_MAX_PARTS * 2 * cfg.chunk * (cfg.ring - cfg.left)  # the widest row of RESIDENT's slices
     assert resident._config(None, 65536) == resident._config(None, most) == resident.RESIDENT
     assert resident._config(None, most + 2) == resident.RESIDENT_WIDE
     wide = resident.RESIDENT_WIDE
-    assert resident._config(None, resident.SPLIT_MAX_PARTS * 2 * wide[0] * (wide[1] - wide[3]) + 2) is None
+    assert resident._config(None, resident.SPLIT_MAX_PARTS * 2 * wide.chunk * (wide.ring - wide.left) + 2) is None
     rows = torch.zeros(2, resident.RESIDENT_MIN_N + 2, dtype=torch.bfloat16)
     assert resident.resident_applies(rows, rows)
     assert not resident.resident_applies(rows[:, :-4], rows[:, :-4])  # narrower than RESIDENT_MIN_N
@@ -822,10 +823,10 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
     assert not resident.resident_applies(rows[:, :-1], rows[:, :-1])  # an odd width
     assert not resident.resident_applies(rows[:, 1:], rows[:, 1:])  # rows off 4-byte boundaries
     # the ring shrinks with the shared memory; too small a ring, AMD or pre-sm_80: no
-    monkeypatch.setattr(resident, "RESIDENT", (4096, 12, 16, 4))
+    monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(4096, 12, 16, 4))
     ampere = Arch(**{**SM90.__dict__, "capability": (8, 6), "smem_per_block": 99 * 1024})
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: ampere)
-    assert resident._config(None, 65536) == (4096, 6, 16, 4)
+    assert resident._config(None, 65536) == resident.ResidentConfig(4096, 6, 16, 4)
     for arch in (Arch(**{**SM90.__dict__, "smem_per_block": 64 * 1024}), Arch(**{**SM90.__dict__, "backend": "hip"}),
                  Arch(**{**SM90.__dict__, "capability": (7, 5)})):  # fmt: skip
         monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None, a=arch: a)
@@ -879,13 +880,13 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
         pytest.skip("on a GPU both programs of a row run at once")
     from fly_norm._kernels import split
 
-    monkeypatch.setattr(split, "FWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "LN_FWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "BWD_SLICE", (64, 4, None))
-    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", (64, 4, None))
+    monkeypatch.setattr(split, "FWD_SLICE", split.SliceConfig(64, 4))
+    monkeypatch.setattr(split, "LN_FWD_SLICE", split.SliceConfig(64, 4))
+    monkeypatch.setattr(split, "BWD_SLICE", split.SliceConfig(64, 4))
+    monkeypatch.setattr(split, "SOFTMAX_BWD_SLICE", split.SliceConfig(64, 4))
     monkeypatch.setattr(split, "BWD_ROWS", 2 if kernel == "norm_bwd_tiles" else 1)
-    tiled = {"norm_bwd_tiled": (64, 4, None, 2), "norm_bwd_lead": (64, 4, None, 2, 1),
-             "norm_bwd_lead2": (64, 4, None, 2, 2)}.get(kernel)  # fmt: skip
+    tiled = {"norm_bwd_tiled": split.TiledConfig(64, 4, None, 2), "norm_bwd_lead": split.TiledConfig(64, 4, None, 2, 1),
+             "norm_bwd_lead2": split.TiledConfig(64, 4, None, 2, 2)}.get(kernel)  # fmt: skip
     monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
     monkeypatch.setattr(split, "_SPIN_LIMIT", 3)

@@ -1,8 +1,8 @@
 """Softmax forward over wide bf16 rows, each program's slice of a row resident in shared memory (GPU only).
 
 From 64K columns (bf16, word aligned, on NVIDIA sm_80+) a row is cut into ``parts`` slices of at most
-``ring - left`` chunks (``(chunk, ring, warps, left)`` = RESIDENT, or RESIDENT_WIDE past 1M columns; a chunk
-is ``chunk`` int32 words, two columns each), one slice a program, as the split paths do
+``ring - left`` chunks (the ResidentConfig RESIDENT, or RESIDENT_WIDE past 1M columns; a chunk is ``chunk``
+int32 words, two columns each), one slice a program, as the split paths do
 (:mod:`fly_norm._kernels.split`: one resident wave of ``groups * parts`` programs, program ``pid`` on slice
 ``pid % parts`` of rows ``group, group + groups, ...``). Each program owns a ring of ``ring`` chunk slots in
 shared memory, filled by ``cp.async`` in the order it will read them (its rows one after the other, chunk by
@@ -36,6 +36,8 @@ reaches BIG.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 import flydsl.arch
@@ -53,12 +55,25 @@ from flydsl_common.device import (
 from .passes import LOG2E, word_aligned
 from .split import _SPIN_LIMIT, SPLIT_MAX_PARTS, _launch_split
 
-# (chunk in int32 words, ring slots (at most: the device's shared memory), warps, slots left beyond a slice:
-# chunks of later rows in flight while a slice is held). RESIDENT: 40 KB rings, five programs an SM, 16K-column
+
+@dataclass(frozen=True)
+class ResidentConfig:
+    """The resident kernel's launch: chunks of ``chunk`` int32 words (two columns each), a ring of ``ring``
+    chunk slots in shared memory (at most: the device's shared memory), ``warps`` warps, and ``left`` slots
+    left beyond a slice (chunks of later rows in flight while a slice is held): a slice is ``ring - left``
+    chunks."""
+
+    chunk: int
+    ring: int
+    warps: int
+    left: int
+
+
+# RESIDENT: 40 KB rings, five programs an SM, 16K-column
 # slices (H200, bf16: 88-91% of the copy from 64K to 1M, where one program an SM with 64K slices ran 75-86%).
 # RESIDENT_WIDE: rows of more than SPLIT_MAX_PARTS of RESIDENT's slices (past 1M columns), 64K slices.
-RESIDENT = (1024, 10, 4, 2)
-RESIDENT_WIDE = (4096, 12, 16, 4)
+RESIDENT = ResidentConfig(chunk=1024, ring=10, warps=4, left=2)
+RESIDENT_WIDE = ResidentConfig(chunk=4096, ring=12, warps=16, left=4)
 RESIDENT_MIN_N = 65536
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
@@ -238,17 +253,17 @@ def _softmax_fwd_resident_kernel(
 # ---------------------------------------------------------------- host
 
 
-def _config(device, n: int):
-    """(chunk, ring, warps, left) for rows of ``n`` columns on ``device``: RESIDENT's, else RESIDENT_WIDE's
+def _config(device, n: int) -> ResidentConfig | None:
+    """The config for rows of ``n`` columns on ``device``: RESIDENT, else RESIDENT_WIDE
     where RESIDENT's slices would be too many, the ring shrunk to the device's shared memory; None where the
     kernel cannot run (not NVIDIA sm_80+, room for too few chunks, or more than SPLIT_MAX_PARTS slices)."""
     arch = flydsl.arch.current(device)
     if RESIDENT is None or arch.backend != "cuda" or (arch.capability or (0, 0)) < (8, 0):
         return None
-    for chunk, ring, warps, left in (RESIDENT, RESIDENT_WIDE):
-        ring = min(ring, arch.smem_per_block // (4 * chunk))
-        if ring > left and flyc.cdiv(n, 2 * chunk * (ring - left)) <= SPLIT_MAX_PARTS:
-            return chunk, ring, warps, left
+    for cfg in (RESIDENT, RESIDENT_WIDE):
+        ring = min(cfg.ring, arch.smem_per_block // (4 * cfg.chunk))
+        if ring > cfg.left and flyc.cdiv(n, 2 * cfg.chunk * (ring - cfg.left)) <= SPLIT_MAX_PARTS:
+            return replace(cfg, ring=ring)
     return None
 
 
@@ -265,7 +280,8 @@ def launch_softmax_fwd_resident(x2, y2, spin_limit: int = _SPIN_LIMIT, programs:
     """Softmax forward on [M, N] bf16 row views (:func:`resident_applies`) through the resident kernel, one
     wave (False: not launched; :func:`fly_norm._kernels.split._launch_split`). ``programs`` (tests): launch
     only the first programs of the wave (a row whose other slices never publish: its wait gives up)."""
-    chunk, ring, warps, left = _config(x2.device, x2.shape[1])
+    cfg = _config(x2.device, x2.shape[1])
+    chunk, ring, warps, left = cfg.chunk, cfg.ring, cfg.warps, cfg.left
     per_slice = 2 * chunk * (ring - left)  # columns
     slot_cols = 1 if x2.shape[1] > per_slice else 0  # one slice a row: no exchange, no slots to zero
 

@@ -29,8 +29,8 @@ Every element is read once and written once: the copy's floor.
 The tiled norm backward (``BWD_TILED``) instead holds nothing across the
 wait: a program walks tiles of a few rows of its slice, exchanges the tile's
 sums, then re-reads the tile (from L2) to write dx; with a lead (the config's
-fifth element) it publishes its next tile before waiting on the current one
-(the lead of 1 that BWD_TILED ships was measured on the H200; see BWD_TILED). What limits the speed is
+``lead``) it publishes its next tile before waiting on the current one (the
+lead of 1 that BWD_TILED ships was measured on the H200; see BWD_TILED). What limits the speed is
 the exchange's latency (a publish reaching L2 and a poll seeing it, ~1 us a
 row), hidden by the loads in flight during it: the other programs resident on
 the same SM (small slices, few registers, several programs an SM) and the
@@ -59,6 +59,7 @@ the last program of each row merging every slice: ``tests/test_split.py``).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -109,58 +110,102 @@ SPLIT_MIN_N_BWD = 8192 + 1  # backward: wider than its single-pass default (16 w
 # measured 187.3 us at 16K against the split's 202.9 (H200, bf16, 2^27 elements: 103% / 95% of a copy of
 # the same bytes); at 32K the split stays ahead (205.7 against 211.4 us)
 SOFTMAX_SPLIT_MIN_N_BWD = 16384 + 1
-# (columns a program holds, warps, register cap or None): the fastest of the slice widths, warps and caps
-# timed on the H200 (bf16, 2^27 elements, 16K-256K columns); several programs share an SM so that one's
-# wait overlaps the others' loads. 32 elements a thread (the backward holds two rows: h and dy, or y and dy).
-FWD_SLICE = (4096, 4, None)  # RMSNorm and softmax (80 registers: 6 programs an SM)
+
+
+@dataclass(frozen=True)
+class SliceConfig:
+    """A register-resident split kernel's launch: each program holds ``slice_cols`` columns of a row (its
+    slice) in registers, across ``warps`` warps, its registers capped at ``maxnreg`` (None: uncapped)."""
+
+    slice_cols: int
+    warps: int
+    maxnreg: int | None = None
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """The tiled split backward's launch (:func:`_norm_bwd_tiled_kernel`): a program owns ``slice_cols``
+    columns, across ``warps`` warps, registers capped at ``maxnreg`` (None: uncapped), and walks tiles of
+    ``tile_rows`` rows; ``lead`` (0-2) runs pass 1 that many tiles ahead of the wait (see the kernel)."""
+
+    slice_cols: int
+    warps: int
+    maxnreg: int | None
+    tile_rows: int
+    lead: int = 0
+
+
+@dataclass(frozen=True)
+class StagedConfig:
+    """A staged split kernel's launch (bf16 rows held as int32 words): a program owns ``slice_cols`` columns,
+    across ``warps`` warps, its row loop software-pipelined ``stages`` deep, registers capped at ``maxnreg``
+    (None: uncapped)."""
+
+    slice_cols: int
+    warps: int
+    stages: int
+    maxnreg: int | None = None
+
+
+@dataclass(frozen=True)
+class EvictHints:
+    """Cache hints of the split kernels' loads: of the rows, and of the per-column operands (weight, bias,
+    smooth scale); each "" (none), "evict_first" or "evict_last"."""
+
+    rows: str = ""
+    cols: str = ""
+
+
+# The slice configs: the fastest of the slice widths, warps and caps timed on the H200 (bf16, 2^27 elements,
+# 16K-256K columns); several programs share an SM so that one's wait overlaps the others' loads. 32 elements
+# a thread (the backward holds two rows: h and dy, or y and dy).
+FWD_SLICE = SliceConfig(slice_cols=4096, warps=4)  # RMSNorm and softmax (80 registers: 6 programs an SM)
 # From WIDE_MIN_N columns, RMSNorm and softmax slices of 8192 (168 registers, 2 programs an SM): fewer
 # slices a row to wait for; H200, bf16: rms 77/73% of copy at 128K/256K against 76/57% with 4096-column
 # slices, softmax 64/67 against 64/61
-FWD_SLICE_WIDE = (8192, 4, None)
+FWD_SLICE_WIDE = SliceConfig(slice_cols=8192, warps=4)
 WIDE_MIN_N = 131072
-LN_FWD_SLICE = (4096, 4, 96)  # LayerNorm: 128 registers uncapped (4 an SM), 96 capped (5), spill-free
-BWD_SLICE = (4096, 4, None)  # the norms' (which also hold per-column weight-gradient sums)
+# LayerNorm: 128 registers uncapped (4 programs an SM), 96 capped (5), spill-free
+LN_FWD_SLICE = SliceConfig(slice_cols=4096, warps=4, maxnreg=96)
+BWD_SLICE = SliceConfig(slice_cols=4096, warps=4)  # the norms' (which also hold per-column weight-gradient sums)
 # Rows a norm-backward program takes at a time (a [BWD_ROWS, slice] tile). RMSNorm only: layer_norm with
 # tiles of 4 rows waited out the spin limit on the H200 (every row poisoned, 16K-64K columns), cause not
 # found; its tiles stay one row until that is understood.
 BWD_ROWS = 1
 # The tiled split backward (_norm_bwd_tiled_kernel: the tile re-read from L2 after the wait, nothing held
-# across it): (columns a program owns, warps, register cap, rows a tile[, lead 0-2: pass 1 a tile ahead of
-# the wait, see the kernel]), or None for the register-resident kernel above. Measured on the H200 (bf16,
+# across it): a TiledConfig, or None for the register-resident kernel above. Measured on the H200 (bf16,
 # the whole backward through autograd, 16K/32K/64K columns), 2048
 # columns x 4 warps, 4-row tiles, lead 1, capped at 168 registers: RMSNorm 69/69/67% of copy against the
 # register-resident kernel's 54/54/52%, LayerNorm 58/60/60% against 58/55/53%. Lead 2 and the uncapped
 # lead 1 (184 registers) lost to it everywhere.
-BWD_TILED = (2048, 4, 168, 4, 1)  # RMSNorm
-LN_BWD_TILED = (2048, 4, 168, 4, 1)
-SOFTMAX_BWD_SLICE = (4096, 4, None)
+BWD_TILED = TiledConfig(slice_cols=2048, warps=4, maxnreg=168, tile_rows=4, lead=1)  # RMSNorm
+LN_BWD_TILED = TiledConfig(slice_cols=2048, warps=4, maxnreg=168, tile_rows=4, lead=1)
+SOFTMAX_BWD_SLICE = SliceConfig(slice_cols=4096, warps=4)
 # Rows of SOFTMAX_BWD_WIDE_MIN_N+ columns take slices of 8192 columns x 8 warps, up to SOFTMAX_BWD_MAX_PARTS
 # of them (collect_sum's poll is one reduction whatever the count). H200 (bf16, 2^27 elements, % of copy):
 # 256K 93 against 90 for 4096 x 4, 512K 85 and 1M 78 against the chunked pass's 59 and 55 (it reads the rows
 # twice; 256 slices of 4096 at 1M: 64); 16384 x 16 and 8192 x 4 no better
-SOFTMAX_BWD_SLICE_WIDE = (8192, 8, None)
+SOFTMAX_BWD_SLICE_WIDE = SliceConfig(slice_cols=8192, warps=8)
 SOFTMAX_BWD_WIDE_MIN_N = 262144
 SOFTMAX_BWD_MAX_PARTS = 256
 # The staged norm forward (_norm_fwd_staged_kernel, bf16 rows of FWD_STAGED_MIN_N+ columns, no residual,
-# smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent): (columns a program owns,
-# warps, stages). H200 (bf16, 2^27 elements): RMSNorm 91 / 90 / 88% of copy at 64K / 128K / 256K against
-# the register-resident split's 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes
-# stay ahead (99% against 91%). LayerNorm 86 / 84 / 83% against 68 / 61 / 55%. Softmax's staged forward
-# (81 / 78 / 76%) lost to the resident kernel (fly_norm._kernels.resident, 88-91%). 16384 x 8 warps (one
-# uncapped program an SM): -1 to +0.5 points; LayerNorm's weight and bias held widened there: -20 to -30.
-FWD_STAGED = (16384, 16, 3)
+# smooth scale or quantized output, LayerNorm's weight and bias bf16 or absent), a StagedConfig. H200 (bf16,
+# 2^27 elements): RMSNorm 91 / 90 / 88% of copy at 64K / 128K / 256K against the register-resident split's
+# 83 / 77 / 72%; 8192 x 16 and 4096 x 8 slower; at 32K the single passes stay ahead (99% against 91%).
+# LayerNorm 86 / 84 / 83% against 68 / 61 / 55%. Softmax's staged forward (81 / 78 / 76%) lost to the
+# resident kernel (fly_norm._kernels.resident, 88-91%). 16384 x 8 warps (one uncapped program an SM): -1 to
+# +0.5 points; LayerNorm's weight and bias held widened there: -20 to -30.
+FWD_STAGED = StagedConfig(slice_cols=16384, warps=16, stages=3)
 FWD_STAGED_MIN_N = 65536
-# The staged norm backward (_norm_bwd_staged_kernel, bf16 rows): (columns a program owns, warps, the row
-# loop's pipeline stages[, register cap]). H200 (bf16, 2^27 elements): RMSNorm 32K 85.5% of copy,
-# LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 / 60%; 4096 x 8 warps 81-85 / 53-60%,
-# 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (0 to -20 points); 8192 x 8 warps (one uncapped program
-# an SM): LayerNorm the same, RMSNorm 32K -1.3.
-BWD_STAGED = (8192, 16, 3)
-# Cache hints of the split kernels' loads, (rows, per-column operands): "" (none), "evict_first",
-# "evict_last". H200, ("", "") against ("evict_first", "evict_last"): no gain, within 1-3% and worse on the
-# softmax backward; the per-column operands' evict_last in the chunked quant and layer_norm forward gained
-# nothing either. None shipped.
-SPLIT_EVICT = ("", "")
+# The staged norm backward (_norm_bwd_staged_kernel, bf16 rows), a StagedConfig. H200 (bf16, 2^27
+# elements): RMSNorm 32K 85.5% of copy, LayerNorm 16K / 32K 80 / 79%, against the tiled kernel's 69 / 58 /
+# 60%; 4096 x 8 warps 81-85 / 53-60%, 2048 x 4 warps 76-81 / 59-66%, 4 stages no better (0 to -20 points);
+# 8192 x 8 warps (one uncapped program an SM): LayerNorm the same, RMSNorm 32K -1.3.
+BWD_STAGED = StagedConfig(slice_cols=8192, warps=16, stages=3)
+# Cache hints of the split kernels' loads (EvictHints). H200, none against rows "evict_first" and per-column
+# operands "evict_last": no gain, within 1-3% and worse on the softmax backward; the per-column operands'
+# evict_last in the chunked quant and layer_norm forward gained nothing either. None shipped.
+SPLIT_EVICT = EvictHints(rows="", cols="")
 _SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
 
 
@@ -798,25 +843,25 @@ def _norm_fwd_staged_kernel(
 # ---------------------------------------------------------------- host
 
 
-def _launch_opts(cfg, cols: bool = False) -> dict:
-    """Triton launch options of a (slice, warps, register cap) config, and the cache hints if any."""
-    opts = {"num_warps": cfg[1]} if cfg[2] is None else {"num_warps": cfg[1], "maxnreg": cfg[2]}
-    if SPLIT_EVICT[0]:
-        opts["ROW_EVICT"] = SPLIT_EVICT[0]
-    if cols and SPLIT_EVICT[1]:
-        opts["COL_EVICT"] = SPLIT_EVICT[1]
+def _launch_opts(cfg: SliceConfig | TiledConfig, cols: bool = False) -> dict:
+    """Triton launch options of a slice or tiled config (warps, register cap), and the cache hints if any."""
+    opts = {"num_warps": cfg.warps} if cfg.maxnreg is None else {"num_warps": cfg.warps, "maxnreg": cfg.maxnreg}
+    if SPLIT_EVICT.rows:
+        opts["ROW_EVICT"] = SPLIT_EVICT.rows
+    if cols and SPLIT_EVICT.cols:
+        opts["COL_EVICT"] = SPLIT_EVICT.cols
     return opts
 
 
-def _staged_opts(cfg) -> dict:
-    """Launch options of a staged kernel's (slice, warps, stages[, register cap]) config."""
-    opts = {"STAGES": cfg[2], "num_warps": cfg[1]}
-    if len(cfg) > 3 and cfg[3]:
-        opts["maxnreg"] = cfg[3]
+def _staged_opts(cfg: StagedConfig) -> dict:
+    """Launch options of a staged kernel's config."""
+    opts = {"STAGES": cfg.stages, "num_warps": cfg.warps}
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
     return opts
 
 
-def _fwd_slice(n: int) -> tuple:
+def _fwd_slice(n: int) -> SliceConfig:
     """The RMSNorm / softmax forward's slice config for rows of ``n`` columns."""
     return FWD_SLICE_WIDE if n >= WIDE_MIN_N else FWD_SLICE
 
@@ -878,13 +923,13 @@ def launch_fwd_split(
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg[0],
+            HAS_SMOOTH=s is not None, STORE_STATS=rstd is not None, QUANT=quant, QMAX=qmax, SLICE=cfg.slice_cols,
             PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg, cols=True),
         )
         # fmt: on
         return args, meta
 
-    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg[0], x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_norm_fwd_split_kernel, x2, 3, build, cfg.slice_cols, x2.device) > 0
 
 
 # ------------------------------------------------------- pooled slots
@@ -1013,12 +1058,12 @@ def _fwd_staged(x2, y2, packed=None) -> bool:
     vectors = [v for v in packed or () if v is not None]
     if not all(v.dtype == torch.bfloat16 for v in vectors) or not word_aligned(*vectors):
         return False
-    return stages_fit(x2.device, FWD_STAGED[2], 2 * FWD_STAGED[0])
+    return stages_fit(x2.device, FWD_STAGED.stages, 2 * FWD_STAGED.slice_cols)
 
 
 def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> bool:
     """The staged norm forward through :func:`_launch_split` (False: not launched)."""
-    slice_cols, warps, stages = FWD_STAGED
+    cfg = FWD_STAGED
     # RMSNorm adds its offset always (as measured on the H200); LayerNorm only a nonzero one (an add an element less)
     offset = float(weight_offset) if is_rms or weight_offset else None
 
@@ -1040,13 +1085,14 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
         args = (x2, w, b, y2, mean, rstd, slots, clear, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset,
                 clear.numel())  # fmt: skip
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-                    STORE_STATS=rstd is not None, SLICE=slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
-                    STAGES=stages, num_warps=warps, **pdl)  # fmt: skip
+                    STORE_STATS=rstd is not None, SLICE=cfg.slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
+                    STAGES=cfg.stages, num_warps=cfg.warps, **pdl)  # fmt: skip
         return args, meta
 
     launched = False
     try:
-        launched = _launch_split(_norm_fwd_staged_kernel, x2, 1, build, slice_cols, x2.device, slots_of=slots_of) > 0
+        launched = _launch_split(_norm_fwd_staged_kernel, x2, 1, build, cfg.slice_cols, x2.device,
+                                 slots_of=slots_of) > 0
     finally:
         if "pooled" in taken:
             give_back_fwd_slots(taken["pooled"], launched)
@@ -1061,9 +1107,9 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
     def build(slots, parts, pp, groups):
         m, n = x2.shape
         args = (x2, y2, slots, m, n, parts, x2.stride(0), y2.stride(0))
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
+        return args, dict(SLICE=cfg.slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, **_launch_opts(cfg))
 
-    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, cfg[0], x2.device) > 0
+    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_split_kernel, x2, 2, build, cfg.slice_cols, x2.device) > 0
 
 
 def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
@@ -1074,10 +1120,10 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
     def build(slots, parts, pp, groups):
         m, n = y2.shape
         args = (dy2, y2, dx2, slots, m, n, parts, dy2.stride(0), y2.stride(0), dx2.stride(0))
-        lanes = slot_lanes(pp, cfg[1], flydsl.arch.current(y2.device).warp_size)
-        return args, dict(SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **_launch_opts(cfg))
+        lanes = slot_lanes(pp, cfg.warps, flydsl.arch.current(y2.device).warp_size)
+        return args, dict(SLICE=cfg.slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT, LANES=lanes, **_launch_opts(cfg))
 
-    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cfg[0], y2.device,
+    return y2.shape[0] == 0 or _launch_split(_softmax_bwd_split_kernel, y2, 1, build, cfg.slice_cols, y2.device,
                                              max_parts=SOFTMAX_BWD_MAX_PARTS) > 0  # fmt: skip
 
 
@@ -1088,7 +1134,7 @@ def _staged(h2, dy2, dres2, dx2) -> bool:
     rows = [t for t in (h2, dy2, dres2, dx2) if t is not None]
     if BWD_STAGED is None or not (all(t.dtype == torch.bfloat16 for t in rows) and word_aligned(*rows)):
         return False
-    return stages_fit(h2.device, BWD_STAGED[2], 2 * BWD_STAGED[0] * (len(rows) - 1))  # the rows it loads
+    return stages_fit(h2.device, BWD_STAGED.stages, 2 * BWD_STAGED.slice_cols * (len(rows) - 1))  # the rows it loads
 
 
 @flyc.jit(skip_empty=False)
@@ -1128,11 +1174,11 @@ def launch_bwd_split(
         )
         meta = dict(
             IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_DRES=dres2 is not None, COMPUTE_DW=need_dw,
-            COMPUTE_DB=need_db, SLICE=cfg[0], PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
+            COMPUTE_DB=need_db, SLICE=cfg.slice_cols, PARTS_POW2=pp, SPIN_LIMIT=_SPIN_LIMIT,
             **(_staged_opts(cfg) if staged else _launch_opts(cfg)),
             **({"PAIR": pair} if staged else {}),
             **({"ROWS": tile_rows} if tiled or tile_rows > 1 else {}),
-            **({"LEAD": cfg[4] if len(cfg) > 4 else 0} if tiled else {}),
+            **({"LEAD": cfg.lead} if tiled else {}),
         )
         # fmt: on
         return args, meta
@@ -1141,13 +1187,14 @@ def launch_bwd_split(
     tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
     tiled = tiled_cfg is not None and not staged
     cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
-    tile_rows = tiled_cfg[3] if tiled else (BWD_ROWS if is_rms and not staged else 1)
+    tile_rows = tiled_cfg.tile_rows if tiled else (BWD_ROWS if is_rms and not staged else 1)
     kernel = _norm_bwd_staged_kernel if staged else _norm_bwd_tiled_kernel if tiled else _norm_bwd_split_kernel
     # the staged kernel's LayerNorm PAIR form only without a residual gradient (with one it spills: 69% of copy
     # against 92%); it and RMSNorm's staged kernel take one slot a slice, the rest two
     pair = dres2 is None
     one_slot = staged and (is_rms or pair)
-    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg[0], h2.device, tile_rows, slots_of=slots_of):
+    if not _launch_split(kernel, h2, 1 if one_slot else 2, build, cfg.slice_cols, h2.device, tile_rows,
+                         slots_of=slots_of):
         for buf in lent:  # nothing launched: the buffer is still all zeros
             give_back_slots(buf)
         return None
