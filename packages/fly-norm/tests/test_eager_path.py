@@ -6,8 +6,8 @@ import pytest
 import torch
 from norm_helpers import randn
 
+from fly_norm import _norm_host as shared
 from fly_norm import layer_norm, rms_norm
-from fly_norm._kernels import norm as shared
 from fly_norm.reference import layer_norm_ref, rms_norm_ref
 from fly_norm.rmsnorm import _fwd_config
 from flydsl.testing import assert_rel_close

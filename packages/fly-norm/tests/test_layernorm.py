@@ -75,7 +75,7 @@ PACKED_CASES = [(32768, 32768, 0, True, True, True), (20000, 20004, 0, True, Fal
 def test_packed_rows(device, monkeypatch, n, stride, first, has_w, has_b, packs):
     """The plain LayerNorm's single pass with bf16 rows held packed (two columns an int32 through both
     reductions), and the calls that config cannot serve packed, against the reference; a large mean."""
-    from fly_norm._kernels import norm
+    from fly_norm import _norm_host as norm
 
     force_config(monkeypatch, layernorm_mod, RowConfig(1, 32768, 8, True, maxnreg=128))
     monkeypatch.setattr(norm, "_EAGER_PLANS", {})  # plans made under other configs must not serve these calls
@@ -198,7 +198,7 @@ def test_gradients(device, monkeypatch, n, fused, offset, has_w, has_b, chunked)
 def test_gradients_lean_single_pass(device, monkeypatch, n, fused, offset, has_w, has_b, chunked):
     """The single-pass backward's lean form (no select past the row: dy reads 0 there), which layer_norm takes
     from norm.BWD_LEAN_MIN_N columns, forced at every width: masked columns and rows past the last."""
-    from fly_norm._kernels import norm
+    from fly_norm import _norm_host as norm
 
     monkeypatch.setattr(norm, "BWD_LEAN_MIN_N", 0)
     test_gradients(device, monkeypatch, n, fused, offset, has_w, has_b, chunked)

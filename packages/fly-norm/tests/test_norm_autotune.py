@@ -104,7 +104,7 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
 
 
 def test_gpu_tuning_skips_the_widths_of_the_split_paths():
-    from fly_norm._kernels.split import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+    from fly_norm._split_host import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
     for op in OPS:
         limit = SPLIT_MIN_N_BWD if op.endswith("_bwd") else SPLIT_MIN_N

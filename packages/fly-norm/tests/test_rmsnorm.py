@@ -22,7 +22,7 @@ from norm_helpers import (
     reference_grads,
 )
 
-import fly_norm._kernels.norm as norm_mod
+import fly_norm._norm_host as norm_mod
 import fly_norm.rmsnorm as rmsnorm_mod
 from fly_norm.autotune import bwd_default_row_config
 from fly_norm.reference import rms_norm_quant_ref, rms_norm_ref
@@ -125,7 +125,8 @@ def test_low_level_launch_writes_every_element(device):
 def test_chunked_rows_with_the_width_fixed_or_at_run_time(device, monkeypatch, fixed):
     """Chunked rows compile with N fixed (passes.row_meta) until FIXED_WIDTHS_MAX widths are; then N is read
     at run time. Both must write every element of odd rows right (rms_norm, layer_norm, softmax)."""
-    from fly_norm._kernels import norm, passes
+    from fly_norm import _norm_host as norm
+    from fly_norm._kernels import passes
     from fly_norm.reference import layer_norm_ref, softmax_ref
     from fly_norm.softmax import softmax_fwd
 
@@ -195,7 +196,7 @@ PACKED_CASES = [(32768, 32768, 0, True), (20000, 20004, 0, True), (20001, 20001,
 def test_quant_packed_rows(device, monkeypatch, qdtype, n, stride, first, packs):
     """The quantized RMSNorm's single pass with bf16 rows held packed (two columns an int32 through the
     reduction), and the calls that config cannot serve packed, against the reference."""
-    from fly_norm._kernels import norm
+    from fly_norm import _norm_host as norm
 
     force_config(monkeypatch, rmsnorm_mod, RowConfig(1, 32768, 8, True, maxnreg=128))
     seen = []

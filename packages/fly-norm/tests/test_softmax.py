@@ -251,7 +251,7 @@ def test_empty(device, shape):
 def test_backward_of_rows_up_to_16k_takes_the_chunked_pass(dtype, n, monkeypatch):
     """Softmax's backward from 8K to 16K columns on a GPU: the chunked pass, not the split path
     (split.SOFTMAX_SPLIT_MIN_N_BWD), through autograd, against fp64."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     def no_split(*args):
         raise AssertionError("the split path took a row of at most 16K columns")

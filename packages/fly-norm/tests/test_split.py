@@ -8,7 +8,7 @@ from norm_helpers import assert_quant_matches, randn, reference_grads
 
 import flydsl.compiler as flyc
 from fly_norm import layer_norm, layer_norm_quant, rms_norm, rms_norm_quant
-from fly_norm._kernels.split import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split, split_applies
+from fly_norm._split_host import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split, split_applies
 from fly_norm.reference import (
     layer_norm_quant_ref,
     layer_norm_ref,
@@ -50,7 +50,7 @@ def test_split_softmax_backward_waits(m, n):
     would leave a slice out of a row now and then): dx right every time. Rows of 256K+ columns take
     slices of 8192 (split.SOFTMAX_BWD_SLICE_WIDE): 65 of them at 512K + 6 columns, 129 at 1M + 2050 (the last
     slice short)."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0)
     dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -69,7 +69,7 @@ def test_wide_slices_match_reference(monkeypatch, is_rms, m, n):
     """The split kernels with the wide rows' 8192-column slices (split.FWD_SLICE_WIDE) at every width, on
     real wide rows, twice (the exchange): the norms with a residual, stats and the quantized output;
     softmax forward and backward."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "WIDE_MIN_N", 0)
     x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0) + 0.5
@@ -139,7 +139,7 @@ def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
     staged kernel, bf16's default; the register-resident kernel and the tiled one, with and without its
     lead). RMSNorm at 16K with a residual gradient: not the single pipelined pass (norm._bwd_plan)."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     if tiled != "staged":
         monkeypatch.setattr(split, "BWD_STAGED", None)
@@ -229,7 +229,7 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
     """The host side on any machine: the grid never exceeds one wave; rows wider than a wave's slices decline."""
     import types
 
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     launched = []
     monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 2)
@@ -243,15 +243,15 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
         return (), {}
 
     rows = torch.empty(50, 5 * 1024)  # 5 parts of 1024 columns; a wave of 20 programs holds 4 rows
-    assert split._launch_split(None, rows, 2, build, 1024, "cpu") == 4
+    assert split.launch_split(None, rows, 2, build, 1024, "cpu") == 4
     assert launched == [(20,)] and seen_groups == [None, 4]
     few = torch.empty(3, 5 * 1024)  # fewer rows than the wave could take: one group per row
-    assert split._launch_split(None, few, 2, build, 1024, "cpu") == 3 and launched[-1] == (15,)
+    assert split.launch_split(None, few, 2, build, 1024, "cpu") == 3 and launched[-1] == (15,)
     wide = torch.empty(2, 21 * 1024)  # 21 parts > a wave of 20: declined, nothing launched
-    assert split._launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+    assert split.launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2
     monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 32)  # a wave of 320
     too_many = torch.empty(2, (split.SPLIT_MAX_PARTS + 1) * 1024)  # fits the wave, but too many slices
-    assert split._launch_split(None, too_many, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+    assert split.launch_split(None, too_many, 2, build, 1024, "cpu") == 0 and len(launched) == 2
 
 
 # ------------------------------------------- the split kernels' arithmetic on any machine
@@ -265,7 +265,7 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
 def fwd_launcher(request, monkeypatch):
     """The split forward with its default slices, or with the wide rows' (split.FWD_SLICE_WIDE) at every
     width (RMSNorm)."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     if request.param == "wide":
         monkeypatch.setattr(split, "WIDE_MIN_N", 0)
@@ -310,8 +310,8 @@ def test_one_slice_quantized_forward(device, qdtype, fwd_launcher):
 @pytest.mark.parametrize("tile_rows", [1, 4])
 @pytest.mark.parametrize("tiled", [None, 0, 1, 2], ids=["resident", "tiled", "lead", "lead2"])
 def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
-    from fly_norm._kernels import split
-    from fly_norm._kernels.split import launch_bwd_split
+    from fly_norm import _split_host as split
+    from fly_norm._split_host import launch_bwd_split
 
     monkeypatch.setattr(split, "BWD_ROWS", tile_rows)  # 4: a last tile of 2 rows past M
     cfg = None if tiled is None else split.TiledConfig(512, 4, None, tile_rows, tiled)
@@ -342,7 +342,7 @@ def test_one_slice_backward(device, is_rms, tile_rows, tiled, monkeypatch):
 def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
     """The staged backward (bf16 rows read as words, pass 1 a row ahead, the row loop pipelined) with one slice
     a row: dx (+ the residual's gradient), dweight of an fp32 weight with (1 + w), dbias."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(512, 4, 3))
     m, n = 7, 300
@@ -380,7 +380,7 @@ def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypa
     residual gradient, sum(g * (h - mean)) and two slots a slice): dx and the weight gradients stay within
     bf16's tolerance of the fp64 reference of the same (bf16) rows. One slice a row in the interpreter, three
     on a GPU."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(512, 4, 3))
     m, n = 6, 400 if flyc.interpreting() else 1200
@@ -408,7 +408,7 @@ def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypa
 
 
 def test_staged_backward_takes_only_word_aligned_bf16_rows():
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     rows = torch.zeros(4, 1000, dtype=torch.bfloat16)
     assert split._staged(rows, rows, None, rows) and split._staged(rows, rows, rows, rows)
@@ -427,10 +427,10 @@ def test_staged_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, is_
     both slices' sums, writes its slice right."""
     if not flyc.interpreting():
         pytest.skip("on a GPU both programs of a row run at once")
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "BWD_STAGED", split.StagedConfig(64, 4, 3))
-    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    monkeypatch.setattr(split, "SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x = randn(m, n, dtype=torch.bfloat16, scale=2.0) + 1.5
     dy = randn(m, n, dtype=torch.bfloat16, seed=2)
@@ -455,11 +455,11 @@ def test_staged_rms_forward(device, slices, monkeypatch):
     """The staged RMSNorm forward (bf16 rows as words, pass 1 a row ahead, the row loop pipelined): y and the
     saved rstd with an fp32 weight and (1 + w). One slice a row anywhere; two on a GPU, and in the interpreter
     (programs one after another) the row's first slice gives up its wait (NaN) while its last is right."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
-    monkeypatch.setattr(split, "_SPIN_LIMIT", 3 if flyc.interpreting() else split._SPIN_LIMIT)
+    monkeypatch.setattr(split, "SPIN_LIMIT", 3 if flyc.interpreting() else split.SPIN_LIMIT)
     m, n = 5, 200 if slices == 1 else 400
     x = randn(m, n, dtype=torch.bfloat16, device=device, scale=2.0) + 0.5
     w = randn(n, device=device, seed=1)
@@ -485,7 +485,7 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     taken instead), a constant row (M2 = 0) and rows whose slices' means differ by ~1000 and ~16 standard
     deviations of their own (Chan's merge of the slices' M2s about the row's mean). Three slices a row on a
     GPU (the last short); one in the interpreter."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
@@ -517,7 +517,8 @@ def test_pooled_slots_are_lent_once_and_zeroed_by_the_column_sums(device, monkey
     """The staged backward's pooled slots (split.take_slots): all zeros when lent, not lent again before they
     are given back (that launch takes fresh zeros), a larger request gets a larger buffer; the column-sum
     kernel zeroes the buffer it is given while it sums (the partials' sums right)."""
-    from fly_norm._kernels import norm, split
+    from fly_norm import _norm_host as norm
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "_POOLS", {})
     a = split.take_slots(100, device)
@@ -547,7 +548,7 @@ def test_forward_slot_pairs_are_taken_in_turn(device, monkeypatch):
     """The staged forward's pooled slots (split.take_fwd_slots), host logic: an all-zero buffer and nothing to
     zero at first; not lent twice; after a launch the other buffer, with the first one's dirtied words to
     zero; a launch that did not happen changes nothing; a larger request grows the buffer in turn."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "_FWD_POOLS", {})
     a, clear = split.take_fwd_slots(100, device)
@@ -574,7 +575,7 @@ def test_staged_forward_pooled_slots_over_many_calls(device, monkeypatch, is_rms
     outgrown) and shrink: y, mean and rstd right every time; after each call the buffer the next call takes
     is all zeros, and the launch zeroed what the one before it had dirtied. Three slices a row on a GPU (the
     last short), one in the interpreter."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "FWD_STAGED", split.StagedConfig(256, 4, 3))
     monkeypatch.setattr(split, "FWD_STAGED_MIN_N", 0)
@@ -609,7 +610,7 @@ def test_staged_forward_pooled_slots_over_many_calls(device, monkeypatch, is_rms
 def test_public_staged_forward_over_many_calls(monkeypatch, is_rms):
     """The public forward at 64K-128K columns (the staged kernel, its slots pooled), call after call with row
     counts and widths that grow and shrink: y right every time, and the buffer the next call takes all zeros."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "_FWD_POOLS", {})
     for i, (m, n) in enumerate([(8, 65536), (8, 65536), (40, 131072), (3, 65538), (21, 131072)]):
@@ -630,7 +631,7 @@ def test_staged_paths_replay_in_a_cuda_graph(is_rms):
     """The staged forward (64K columns) and the staged backward with its column sums (16K + 2) captured in
     one CUDA graph and replayed with new inputs: under capture they take fresh slots zeroed inside the graph
     and plain launches (no PDL, no pool), so every replay is right; the pools are not lent by the capture."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     def make(m, n, seed):
         x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=seed) + 0.5
@@ -680,7 +681,7 @@ def test_column_sums_of_any_shape(device, p, n):
     """launch_sum_partials over one step (P <= 256: a [next_pow2(P), band] tile) and several (P > 256), with a
     band wider or narrower than N: each column's fp32 sum right, in bf16 and fp32 outputs, and the same bits
     on a second launch (a fixed order)."""
-    from fly_norm._kernels import norm
+    from fly_norm import _norm_host as norm
 
     partials = randn(p, n, device=device, seed=p + n)
     q = randn(p, n, device=device, seed=p * n + 1)
@@ -701,7 +702,7 @@ def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms):
     """The public backward through the staged kernel (16K + 2 and 32K columns), call after call with row
     counts that grow (the pool outgrown) and shrink: dx, dweight (and dbias) right every time, and after each
     call the stream's pooled slots all zeros again and free to lend."""
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "_POOLS", {})
     for i, (m, n) in enumerate([(64, 16386), (64, 16386), (300, 32768), (5, 16386), (130, 32768)]):
@@ -759,7 +760,7 @@ def test_resident_softmax_forward(m, n, monkeypatch):
     a masked tail (2000); three slices, the last short, more rows than a wave holds (5000); three whole slices
     (6144, no column masks). The shipped configs: RESIDENT at 64K (four slices) and 1M (64, the most a row
     may have), RESIDENT_WIDE past 1M (17 slices of 64K, the last short)."""
-    from fly_norm._kernels import resident
+    from fly_norm import _split_host as resident
 
     if n < 65536:
         monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(512, 6, 4, 4))
@@ -781,7 +782,7 @@ def test_resident_softmax_forward(m, n, monkeypatch):
 @pytest.mark.gpu
 def test_resident_softmax_on_strided_rows_through_the_public_op():
     """Rows of a wider tensor (row stride past N) through fly_norm.softmax at 128K columns (two slices)."""
-    from fly_norm._kernels import resident
+    from fly_norm import _split_host as resident
 
     wide = randn(3, 131072 + 64, dtype=torch.bfloat16, device="cuda", seed=3, scale=4.0)
     x = wide[:, :131072]
@@ -794,7 +795,7 @@ def test_resident_softmax_on_strided_rows_through_the_public_op():
 def test_resident_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch):
     """Only the first program of the wave launched: its row's other slice never publishes, so its wait gives up
     after the spin limit and its slice is NaN; nothing else is written."""
-    from fly_norm._kernels import resident
+    from fly_norm import _split_host as resident
 
     monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(512, 6, 4, 4))
     monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
@@ -805,7 +806,7 @@ def test_resident_softmax_wait_that_never_ends_poisons_instead_of_hanging(monkey
 
 
 def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monkeypatch):
-    from fly_norm._kernels import resident
+    from fly_norm import _split_host as resident
     from flydsl.arch import SM90, Arch
 
     monkeypatch.setattr(resident.flyc, "interpreting", lambda: False)
@@ -834,7 +835,7 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
 
 
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     rows = torch.zeros(2, split.FWD_STAGED_MIN_N + 2, dtype=torch.bfloat16)
     assert split._fwd_staged(rows, rows)
@@ -850,7 +851,7 @@ def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
 
 
 def test_one_slice_softmax(device):
-    from fly_norm._kernels.split import launch_softmax_bwd_split, launch_softmax_fwd_split
+    from fly_norm._split_host import launch_softmax_bwd_split, launch_softmax_fwd_split
 
     m, n = 6, 333
     x = randn(m, n, device=device, scale=5.0)
@@ -878,7 +879,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
     checks the cross-slice merge (sums of squares, Chan's mean/M2, max/sum rescaling, dot products)."""
     if not flyc.interpreting():
         pytest.skip("on a GPU both programs of a row run at once")
-    from fly_norm._kernels import split
+    from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "FWD_SLICE", split.SliceConfig(64, 4))
     monkeypatch.setattr(split, "LN_FWD_SLICE", split.SliceConfig(64, 4))
@@ -889,7 +890,7 @@ def test_a_wait_that_never_ends_poisons_instead_of_hanging(monkeypatch, kernel):
              "norm_bwd_lead2": split.TiledConfig(64, 4, None, 2, 2)}.get(kernel)  # fmt: skip
     monkeypatch.setattr(split, "BWD_TILED", tiled)
     monkeypatch.setattr(split, "LN_BWD_TILED", None)
-    monkeypatch.setattr(split, "_SPIN_LIMIT", 3)
+    monkeypatch.setattr(split, "SPIN_LIMIT", 3)
     m, n = 3, 100  # slices of 64 and 36 columns
     x, w, b = randn(m, n, scale=2.0) + 1.5, randn(n, seed=1), randn(n, seed=2)
     out = empty_poisoned(m, n, dtype=torch.float32)

@@ -25,7 +25,7 @@ from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._kernels.eager import general_path_only
 from ._kernels.passes import CHUNKED, PACKED_MIN_N
-from ._kernels.split import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from ._split_host import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
@@ -40,7 +40,7 @@ OPS = (
 
 # Row widths the shipped artifacts cover (powers of two; a width is served by its bucket).
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
-# On a GPU, rows from these widths on take the split paths (fly_norm._kernels.split), which the
+# On a GPU, rows from these widths on take the split paths (fly_norm._split_host), which the
 # row config does not steer: `flydsl tune norm` skips those buckets there. (Softmax's backward splits only
 # past 16K: its space holds chunked configs, and its 16K bucket is searched.)
 _SPLIT_FROM = {"fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
@@ -78,7 +78,7 @@ def _default(key, arch: str) -> RowConfig:
 # reached 91-92% of copy up to 8K columns; layer_norm 62-66% at 16 elements
 # and 69-74% at 8, so layer_norm uses 8 elements a thread wherever 16
 # warps suffice (up to 4K columns), 16 above. The grid is the resident count
-# (norm.bwd_resident). 32 warps cap a thread at 64 registers and spill, so
+# (_norm_host.bwd_resident). 32 warps cap a thread at 64 registers and spill, so
 # rows wider than 16 warps x 32 threads x 16 elements go through the chunked
 # path with 8K-element chunks (on a GPU, the split path takes them first).
 _BWD_ELEMS_PER_THREAD = 16

@@ -19,7 +19,7 @@ import torch
 import flydsl.compiler as flyc
 from flydsl_common.rows import RowConfig
 
-from ._kernels import norm as shared
+from . import _norm_host as shared
 from .autotune import row_config_for
 from .reference import layer_norm_quant_ref, layer_norm_ref
 

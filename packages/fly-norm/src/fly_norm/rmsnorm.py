@@ -2,7 +2,8 @@
 
     y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset),   h = x (+ residual)
 
-The device code is shared with LayerNorm (:mod:`fly_norm._kernels.norm`);
+The device code is shared with LayerNorm (:mod:`fly_norm._kernels.norm`, its host side
+:mod:`fly_norm._norm_host`);
 this module holds, in order: config choice, host launch on 2-D row views,
 the ``fly_norm::`` custom ops with their fake implementations, autograd,
 the public functions and the seed's builder API.
@@ -17,7 +18,7 @@ import torch
 import flydsl.compiler as flyc
 from flydsl_common.rows import RowConfig
 
-from ._kernels import norm as shared
+from . import _norm_host as shared
 from .autotune import row_config_for
 from .reference import rms_norm_quant_ref, rms_norm_ref
 

@@ -68,24 +68,17 @@ from ._kernels.passes import (
     softmax_lane_stats,
     softmax_write,
 )
-from ._kernels.split import (
+from ._split_host import (
     SOFTMAX_SPLIT_MIN_N_BWD,
     SPLIT_MIN_N,
     launch_softmax_bwd_split,
+    launch_softmax_fwd_resident,
     launch_softmax_fwd_split,
+    resident_applies,
     split_applies,
 )
 from .autotune import row_config_for
 from .reference import softmax_bwd_ref, softmax_ref
-
-try:
-    from ._kernels.resident import launch_softmax_fwd_resident, resident_applies
-except ImportError:  # a Triton whose Gluon lacks what the resident kernel uses: the split paths take its rows
-
-    def resident_applies(x2, y2) -> bool:
-        return False
-
-    launch_softmax_fwd_resident = None
 
 __all__ = [
     "softmax",

@@ -27,7 +27,7 @@ tensor API (:func:`flydsl.native.tensor_api`, built in the background at
 that first call, or taken from the cache) is handed to it, then through
 torch's C++ API (~2 us less a call). The Python path
 (:func:`rows_device`, :func:`vector_key`, :func:`make_plan`, :func:`launch`;
-the callers :func:`fly_norm._kernels.norm.eager_forward` and
+the callers :func:`fly_norm._norm_host.eager_forward` and
 :func:`fly_norm.softmax._eager_fwd`) serves everything else and makes the
 plans; both build the same key and fill the kernel's arguments from the
 plan's layout (``ARG_*``).

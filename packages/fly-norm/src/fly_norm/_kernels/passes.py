@@ -134,7 +134,7 @@ def row_meta(cfg, n: int) -> dict:
 def clear_share(clear_ptr, clear_n):
     """Zero this program's share of the ``clear_n`` int64 words at ``clear_ptr`` (an equal cut of them over
     every program of the grid, in 256-word stores): a split launch's pooled slots, made ready for a later
-    launch in stream order (:func:`fly_norm._kernels.split.take_slots`, ``take_fwd_slots``)."""
+    launch in stream order (:func:`fly_norm._split_host.take_slots`, ``take_fwd_slots``)."""
     programs = fx.num_programs(0) * fx.num_programs(1)
     per = (clear_n + programs - 1) // programs
     first = (fx.program_id(1) * fx.num_programs(0) + fx.program_id(0)) * per

@@ -1,7 +1,7 @@
 """Softmax forward over wide bf16 rows, each program's slice of a row resident in shared memory (GPU only).
 
 From 64K columns (bf16, word aligned, on NVIDIA sm_80+) a row is cut into ``parts`` slices of at most
-``ring - left`` chunks (the ResidentConfig RESIDENT, or RESIDENT_WIDE past 1M columns; a chunk is ``chunk``
+``ring - left`` chunks (RESIDENT, or RESIDENT_WIDE past 1M columns: :mod:`fly_norm._split_host`; a chunk is ``chunk``
 int32 words, two columns each), one slice a program, as the split paths do
 (:mod:`fly_norm._kernels.split`: one resident wave of ``groups * parts`` programs, program ``pid`` on slice
 ``pid % parts`` of rows ``group, group + groups, ...``). Each program owns a ring of ``ring`` chunk slots in
@@ -36,11 +36,6 @@ reaches BIG.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-import torch
-
-import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.gexpr as gx
 from flydsl_common.device import (
@@ -52,29 +47,7 @@ from flydsl_common.device import (
     publish_pair,
 )
 
-from .passes import LOG2E, word_aligned
-from .split import _SPIN_LIMIT, SPLIT_MAX_PARTS, _launch_split
-
-
-@dataclass(frozen=True)
-class ResidentConfig:
-    """The resident kernel's launch: chunks of ``chunk`` int32 words (two columns each), a ring of ``ring``
-    chunk slots in shared memory (at most: the device's shared memory), ``warps`` warps, and ``left`` slots
-    left beyond a slice (chunks of later rows in flight while a slice is held): a slice is ``ring - left``
-    chunks."""
-
-    chunk: int
-    ring: int
-    warps: int
-    left: int
-
-
-# RESIDENT: 40 KB rings, five programs an SM, 16K-column
-# slices (H200, bf16: 88-91% of the copy from 64K to 1M, where one program an SM with 64K slices ran 75-86%).
-# RESIDENT_WIDE: rows of more than SPLIT_MAX_PARTS of RESIDENT's slices (past 1M columns), 64K slices.
-RESIDENT = ResidentConfig(chunk=1024, ring=10, warps=4, left=2)
-RESIDENT_WIDE = ResidentConfig(chunk=4096, ring=12, warps=16, left=4)
-RESIDENT_MIN_N = 65536
+from .passes import LOG2E
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
 
@@ -204,7 +177,7 @@ def _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, c
 
 
 @flyc.gluon_kernel(do_not_specialize=["M", "groups"])
-def _softmax_fwd_resident_kernel(
+def softmax_fwd_resident_kernel(
     x_ptr, y_ptr, slot_ptr, M, N, P, groups, stride_x, stride_y,
     CHUNK: gx.constexpr, CHUNKS: gx.constexpr, RING: gx.constexpr, WARPS: gx.constexpr, EVEN: gx.constexpr,
     PP: gx.constexpr, SPIN_LIMIT: gx.constexpr,
@@ -248,50 +221,3 @@ def _softmax_fwd_resident_kernel(
             _slice_out(ring, xw_ptr, yrow, base, group, groups, col0, M, W, stride_xw, cols, m, inv, layout, CHUNK,
                        CHUNKS, RING, False)  # fmt: skip
     gx.async_copy.wait_group(0)
-
-
-# ---------------------------------------------------------------- host
-
-
-def _config(device, n: int) -> ResidentConfig | None:
-    """The config for rows of ``n`` columns on ``device``: RESIDENT, else RESIDENT_WIDE
-    where RESIDENT's slices would be too many, the ring shrunk to the device's shared memory; None where the
-    kernel cannot run (not NVIDIA sm_80+, room for too few chunks, or more than SPLIT_MAX_PARTS slices)."""
-    arch = flydsl.arch.current(device)
-    if RESIDENT is None or arch.backend != "cuda" or (arch.capability or (0, 0)) < (8, 0):
-        return None
-    for cfg in (RESIDENT, RESIDENT_WIDE):
-        ring = min(cfg.ring, arch.smem_per_block // (4 * cfg.chunk))
-        if ring > cfg.left and flyc.cdiv(n, 2 * cfg.chunk * (ring - cfg.left)) <= SPLIT_MAX_PARTS:
-            return replace(cfg, ring=ring)
-    return None
-
-
-def resident_applies(x2, y2) -> bool:
-    """Whether softmax rows take the resident kernel: compiled GPU runs, bf16 rows of RESIDENT_MIN_N+ columns,
-    word aligned, on a GPU that can run it."""
-    n = x2.shape[1]
-    if n < RESIDENT_MIN_N or flyc.interpreting() or not (x2.dtype == y2.dtype == torch.bfloat16):
-        return False
-    return word_aligned(x2, y2) and _config(x2.device, n) is not None
-
-
-def launch_softmax_fwd_resident(x2, y2, spin_limit: int = _SPIN_LIMIT, programs: int | None = None) -> bool:
-    """Softmax forward on [M, N] bf16 row views (:func:`resident_applies`) through the resident kernel, one
-    wave (False: not launched; :func:`fly_norm._kernels.split._launch_split`). ``programs`` (tests): launch
-    only the first programs of the wave (a row whose other slices never publish: its wait gives up)."""
-    cfg = _config(x2.device, x2.shape[1])
-    chunk, ring, warps, left = cfg.chunk, cfg.ring, cfg.warps, cfg.left
-    per_slice = 2 * chunk * (ring - left)  # columns
-    slot_cols = 1 if x2.shape[1] > per_slice else 0  # one slice a row: no exchange, no slots to zero
-
-    def build(slots, parts, pp, groups):
-        m, n = x2.shape
-        chunks = flyc.cdiv(flyc.cdiv(n // 2, parts), chunk)  # the slices as even as whole chunks allow
-        args = (x2, y2, slots, m, n, parts, groups or 1, x2.stride(0), y2.stride(0))
-        meta = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=n // 2 == parts * chunks * chunk,
-                    PP=pp, SPIN_LIMIT=spin_limit, num_warps=warps)  # fmt: skip
-        return args, meta
-
-    return x2.shape[0] == 0 or _launch_split(_softmax_fwd_resident_kernel, x2, slot_cols, build, per_slice,
-                                             x2.device, programs=programs) > 0  # fmt: skip
