@@ -27,7 +27,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import flydsl  # noqa: E402, F401 - backend choice before triton
+from fly_norm import _norm_host as norm_host  # noqa: E402
+from fly_norm import _split_host as split_host  # noqa: E402
 from fly_norm._kernels import norm, resident, split  # noqa: E402
+from flydsl_common.device import slot_lanes  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
 
 softmax = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
@@ -86,7 +89,7 @@ def _fwd(block_m, block_n, warps, single, is_rms=True, residual=False, stats=Fal
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=False, HAS_SMOOTH=False,
                   STORE_STATS=stats, QUANT=0, QMAX=127.0, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
                   N_FIXED=fixed, PACKED=False)
-    return norm._norm_fwd_kernel, sig, consts, warps
+    return norm.norm_fwd_kernel, sig, consts, warps
 
 
 def _bwd(block_m, block_n, warps, single, is_rms=True, db=False, pipelined=0):
@@ -96,34 +99,34 @@ def _bwd(block_m, block_n, warps, single, is_rms=True, db=False, pipelined=0):
            "weight_offset": "fp32"}
     consts = dict(IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True, COMPUTE_DB=db,
                   BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, PIPELINED=pipelined)
-    return norm._norm_bwd_kernel, sig, consts, warps
+    return norm.norm_bwd_kernel, sig, consts, warps
 
 
 def _split(is_rms=True, residual=False, stats=False, parts=16, quant=0, cfg=None):
     """The split norm forward at its default (slice, warps, cap) config, or ``cfg``."""
-    cfg = cfg or (split.FWD_SLICE if is_rms else split.LN_FWD_SLICE)
+    cfg = cfg or (split_host.FWD_SLICE if is_rms else split_host.LN_FWD_SLICE)
     ptrs, consts = _norm_fwd_operands(quant, residual, stats, bias=not is_rms)
     ptrs.update(slot_ptr="*i64")
     sig = {**ptrs, "M": "i32", "N": "i32", "parts": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
            "stride_h": "i32", "eps": "fp32", "weight_offset": "fp32"}
     consts.update(IS_RMS=is_rms, HAS_RESIDUAL=residual, HAS_WEIGHT=True, HAS_BIAS=not is_rms, HAS_SMOOTH=False,
-                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=cfg[0], PARTS_POW2=parts,
-                  SPIN_LIMIT=split._SPIN_LIMIT)
-    return split._norm_fwd_split_kernel, sig, consts, cfg[1:3]
+                  STORE_STATS=stats, QUANT=quant, QMAX=127.0, SLICE=cfg.slice_cols, PARTS_POW2=parts,
+                  SPIN_LIMIT=split_host.SPIN_LIMIT)
+    return split.norm_fwd_split_kernel, sig, consts, (cfg.warps, cfg.maxnreg)
 
 
 def _softmax_split(backward=False, parts=16, cfg=None):
-    cfg = cfg or (split.SOFTMAX_BWD_SLICE if backward else split.FWD_SLICE)
-    slice_cols, warps = cfg[0], tuple(cfg[1:3])
-    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT)
+    cfg = cfg or (split_host.SOFTMAX_BWD_SLICE if backward else split_host.FWD_SLICE)
+    slice_cols, warps = cfg.slice_cols, (cfg.warps, cfg.maxnreg)
+    consts = dict(SLICE=slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split_host.SPIN_LIMIT)
     if backward:
         sig = {"dy_ptr": "*bf16", "y_ptr": "*bf16", "dx_ptr": "*bf16", "slot_ptr": "*i64",
                "M": "i32", "N": "i32", "parts": "i32", "stride_dy": "i32", "stride_y": "i32", "stride_dx": "i32"}
-        consts["LANES"] = split.slot_lanes(parts, cfg[1], 32)
-        return split._softmax_bwd_split_kernel, sig, consts, warps
+        consts["LANES"] = slot_lanes(parts, cfg.warps, 32)
+        return split.softmax_bwd_split_kernel, sig, consts, warps
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32",
            "parts": "i32", "stride_x": "i32", "stride_y": "i32"}
-    return split._softmax_fwd_split_kernel, sig, consts, warps
+    return split.softmax_fwd_split_kernel, sig, consts, warps
 
 
 def _bwd_split(is_rms=True, parts=4):
@@ -132,47 +135,50 @@ def _bwd_split(is_rms=True, parts=4):
            "parts": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
            "weight_offset": "fp32"}
     consts = dict(dres_ptr=None, IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True,
-                  COMPUTE_DB=not is_rms, SLICE=split.BWD_SLICE[0], PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT,
-                  ROWS=split.BWD_ROWS)
+                  COMPUTE_DB=not is_rms, SLICE=split_host.BWD_SLICE.slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split_host.SPIN_LIMIT,
+                  ROWS=split_host.BWD_ROWS)
     if is_rms:
         consts.update(dbp_ptr=None)
     else:
         sig.update(dbp_ptr="*fp32")
-    return split._norm_bwd_split_kernel, sig, consts, split.BWD_SLICE[1:]
+    return split.norm_bwd_split_kernel, sig, consts, (split_host.BWD_SLICE.warps, split_host.BWD_SLICE.maxnreg)
 
 
 def _bwd_tiled(is_rms=True, cfg=(1024, 4, None, 4)):
     """The tiled split backward (split.BWD_TILED) at a (slice, warps, cap, rows[, lead]) config."""
     _, sig, consts, _ = _bwd_split(is_rms)
-    lead = cfg[4] if len(cfg) > 4 else 0
-    return split._norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg[0], ROWS=cfg[3], LEAD=lead), cfg[1:3]
+    cfg = split_host.TiledConfig(*cfg)
+    return split.norm_bwd_tiled_kernel, sig, dict(consts, SLICE=cfg.slice_cols, ROWS=cfg.tile_rows, LEAD=cfg.lead), (
+        cfg.warps, cfg.maxnreg)
 
 
 def _bwd_staged(is_rms=True, dres=False, cfg=None):
     """The staged split backward (split.BWD_STAGED: slice, warps, stages), bf16 rows."""
     _, sig, consts, _ = _bwd_split(is_rms)
-    slice_cols, warps, stages = cfg or split.BWD_STAGED
+    cfg = split_host.StagedConfig(*cfg) if cfg else split_host.BWD_STAGED
+    slice_cols, warps, stages = cfg.slice_cols, cfg.warps, cfg.stages
     consts = dict(consts, SLICE=slice_cols, STAGES=stages, HAS_DRES=dres, PARTS_POW2=4)
     del consts["ROWS"]
     if dres:
         del consts["dres_ptr"]
         sig = dict(sig, dres_ptr="*bf16")
-    return split._norm_bwd_staged_kernel, sig, consts, warps
+    return split.norm_bwd_staged_kernel, sig, consts, warps
 
 
 def _fwd_staged(is_rms=True, parts=16):
     """The staged norm forward (split.FWD_STAGED: slice, warps, stages), bf16 rows, weight (and bias), stats,
     the pooled slots' clear."""
-    slice_cols, warps, stages = split.FWD_STAGED
+    cfg = split_host.FWD_STAGED
+    slice_cols, warps, stages = cfg.slice_cols, cfg.warps, cfg.stages
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "mean_ptr": "*fp32",
            "rstd_ptr": "*fp32", "slot_ptr": "*i64", "clear_ptr": "*i64", "M": "i32", "N": "i32", "parts": "i32",
            "stride_x": "i32", "stride_y": "i32", "eps": "fp32", "weight_offset": "fp32", "clear_n": "i32"}
     consts = dict(IS_RMS=is_rms, HAS_WEIGHT=True, HAS_BIAS=not is_rms, STORE_STATS=True, SLICE=slice_cols,
-                  PARTS_POW2=parts, SPIN_LIMIT=split._SPIN_LIMIT, STAGES=stages)
+                  PARTS_POW2=parts, SPIN_LIMIT=split_host.SPIN_LIMIT, STAGES=stages)
     if is_rms:
         del sig["b_ptr"], sig["mean_ptr"]
         consts.update(b_ptr=None, mean_ptr=None)
-    return split._norm_fwd_staged_kernel, sig, consts, warps
+    return split.norm_fwd_staged_kernel, sig, consts, warps
 
 
 def _softmax_fwd(block_m, block_n, warps, single):
@@ -184,12 +190,13 @@ def _softmax_fwd(block_m, block_n, warps, single):
 
 def _resident(chunks, parts=1, even=True):
     """The resident softmax forward (resident.RESIDENT) with slices of ``chunks`` chunks, ``parts`` a row."""
-    chunk, ring, warps, _ = resident.RESIDENT
+    cfg = split_host.RESIDENT
+    chunk, ring, warps = cfg.chunk, cfg.ring, cfg.warps
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slot_ptr": "*i64", "M": "i32", "N": "i32", "P": "i32",
            "groups": "i32", "stride_x": "i32", "stride_y": "i32"}
     consts = dict(CHUNK=chunk, CHUNKS=chunks, RING=ring, WARPS=warps, EVEN=even, PP=parts,
-                  SPIN_LIMIT=split._SPIN_LIMIT)
-    return resident._softmax_fwd_resident_kernel, sig, consts, warps
+                  SPIN_LIMIT=split_host.SPIN_LIMIT)
+    return resident.softmax_fwd_resident_kernel, sig, consts, warps
 
 
 CASES = {
@@ -215,10 +222,10 @@ CASES = {
                  ("softmax 1M (sixty-four)", _resident(8, parts=64))],
     "softmax_fwd": [("softmax chunked 4096 w16", _softmax_fwd(1, 4096, 16, False)),
                     ("softmax 1x16384 w8", _softmax_fwd(1, 16384, 8, True))],
-    # The wide rows' slices (split.FWD_SLICE_WIDE)
-    "split_wide": [("rms wide", _split(cfg=split.FWD_SLICE_WIDE, parts=32)),
-                   ("softmax wide", _softmax_split(cfg=split.FWD_SLICE_WIDE, parts=32)),
-                   ("softmax bwd wide", _softmax_split(backward=True, parts=128, cfg=split.SOFTMAX_BWD_SLICE_WIDE))],
+    # The wide rows' slices (split_host.FWD_SLICE_WIDE)
+    "split_wide": [("rms wide", _split(cfg=split_host.FWD_SLICE_WIDE, parts=32)),
+                   ("softmax wide", _softmax_split(cfg=split_host.FWD_SLICE_WIDE, parts=32)),
+                   ("softmax bwd wide", _softmax_split(backward=True, parts=128, cfg=split_host.SOFTMAX_BWD_SLICE_WIDE))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),
@@ -234,7 +241,7 @@ CASES = {
          _bwd(c.block_m, c.block_n, c.num_warps, c.single_pass, is_rms=op == "rms", db=op == "ln"))
         for op, elems in (("rms", 16), ("ln", 8))
         for c in (bwd_default_row_config(n, "sm_90", elems) for n in (256, 1024, 2048, 4096, 8192, 16384))
-    ] + [("rms pipelined 1x16384 w16", _bwd(1, 16384, 16, True, pipelined=norm.PIPELINED_BWD_STAGES))],
+    ] + [("rms pipelined 1x16384 w16", _bwd(1, 16384, 16, True, pipelined=norm_host.PIPELINED_BWD_STAGES))],
 }
 
 
