@@ -30,8 +30,8 @@ import flydsl  # noqa: E402, F401 - backend choice before triton
 from fly_norm import _norm_host as norm_host  # noqa: E402
 from fly_norm import _split_host as split_host  # noqa: E402
 from fly_norm._kernels import norm, resident, split  # noqa: E402
-from flydsl_common.device import slot_lanes  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
+from flydsl_common.device import slot_lanes  # noqa: E402
 
 softmax = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
 
@@ -135,8 +135,8 @@ def _bwd_split(is_rms=True, parts=4):
            "parts": "i32", "stride_h": "i32", "stride_dy": "i32", "stride_dres": "i32", "stride_dx": "i32",
            "weight_offset": "fp32"}
     consts = dict(dres_ptr=None, IS_RMS=is_rms, HAS_WEIGHT=True, HAS_DRES=False, COMPUTE_DW=True,
-                  COMPUTE_DB=not is_rms, SLICE=split_host.BWD_SLICE.slice_cols, PARTS_POW2=parts, SPIN_LIMIT=split_host.SPIN_LIMIT,
-                  ROWS=split_host.BWD_ROWS)
+                  COMPUTE_DB=not is_rms, SLICE=split_host.BWD_SLICE.slice_cols, PARTS_POW2=parts,
+                  SPIN_LIMIT=split_host.SPIN_LIMIT, ROWS=split_host.BWD_ROWS)
     if is_rms:
         consts.update(dbp_ptr=None)
     else:
@@ -225,7 +225,8 @@ CASES = {
     # The wide rows' slices (split_host.FWD_SLICE_WIDE)
     "split_wide": [("rms wide", _split(cfg=split_host.FWD_SLICE_WIDE, parts=32)),
                    ("softmax wide", _softmax_split(cfg=split_host.FWD_SLICE_WIDE, parts=32)),
-                   ("softmax bwd wide", _softmax_split(backward=True, parts=128, cfg=split_host.SOFTMAX_BWD_SLICE_WIDE))],
+                   ("softmax bwd wide",
+                    _softmax_split(backward=True, parts=128, cfg=split_host.SOFTMAX_BWD_SLICE_WIDE))],
     "norm_fwd": [("rms 4x1024 w4", _fwd(4, 1024, 4, True)), ("rms 1x16384 w16", _fwd(1, 16384, 16, True)),
                  ("rms 1x32768 w16", _fwd(1, 32768, 16, True)), ("rms 1x32768 w32", _fwd(1, 32768, 32, True)),
                  ("ln 1x16384 w16", _fwd(1, 16384, 16, True, is_rms=False)),
