@@ -30,6 +30,7 @@ import flydsl  # noqa: E402, F401 - backend choice before triton
 from fly_norm import _norm_host as norm_host  # noqa: E402
 from fly_norm import _split_host as split_host  # noqa: E402
 from fly_norm._kernels import norm, resident, split  # noqa: E402
+from fly_norm._kernels import softmax as softmax_kernels  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
 from flydsl_common.device import slot_lanes  # noqa: E402
 
@@ -185,7 +186,7 @@ def _softmax_fwd(block_m, block_n, warps, single):
     """The softmax forward kernel (fly_norm.softmax) at one row config."""
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_x": "i32", "stride_y": "i32"}
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, N_FIXED=0)
-    return softmax._softmax_fwd_kernel, sig, consts, warps
+    return softmax_kernels.softmax_fwd_kernel, sig, consts, warps
 
 
 def _resident(chunks, parts=1, even=True):
