@@ -1,4 +1,4 @@
-"""The eager plans' C path (_kernels/eager_native.c) on the CPU, with stand-in tensors.
+"""The eager plans' C path (eager_native.c) on the CPU, with stand-in tensors.
 
 The C function only ever launches for CUDA tensors, so here it is set up with a stand-in tensor class and
 stand-in torch functions, and a Python function in place of Triton's C launch: each test checks what the
@@ -17,7 +17,7 @@ from importlib.resources import files
 import pytest
 import torch
 
-from fly_norm._kernels import eager
+from fly_norm import _eager as eager
 from flydsl import native
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(scope="module")
 def built():
-    m = native.load("fly_norm_eager_native", (files("fly_norm._kernels") / "eager_native.c").read_text())
+    m = native.load("fly_norm_eager_native", (files("fly_norm") / "eager_native.c").read_text())
     if m is None:
         pytest.skip("no C compiler or Python headers here")
     return m

@@ -142,8 +142,8 @@ def test_a_launch_hook_sees_every_launch():
 def c_path(request):
     """eager_native.c reading tensors through torch's Python methods, or through flydsl's C++ tensor API
     (waited for here; the first call's waiter must have handed it to the module); restored after."""
+    from fly_norm import _eager as eager
     from fly_norm import softmax
-    from fly_norm._kernels import eager
     from flydsl import native
 
     softmax(torch.zeros(1, 64, device="cuda"))  # the first call: builds the C path, starts the API's build
@@ -165,8 +165,8 @@ def test_plain_calls_take_the_c_path_and_keep_no_references(c_path):
     the same plans as the Python path, no reference or memory kept per call."""
     import sys
 
+    from fly_norm import _eager as eager
     from fly_norm import softmax
-    from fly_norm._kernels import eager
 
     x = randn(3, 4096, dtype=torch.bfloat16, device="cuda")
     w = randn(4096, dtype=torch.bfloat16, device="cuda", seed=1)
@@ -194,8 +194,8 @@ def test_driver_path_launches_on_the_current_stream(c_path):
     """The C path launches through the driver on torch's current stream: calls captured in a CUDA graph on a
     side stream replay with the graph (a launch on any other stream would fail the capture or miss the
     replay), and their results follow the input's new values."""
+    from fly_norm import _eager as eager
     from fly_norm import softmax
-    from fly_norm._kernels import eager
     from fly_norm.reference import softmax_ref
 
     x = randn(5, 4096, dtype=torch.bfloat16, device="cuda")

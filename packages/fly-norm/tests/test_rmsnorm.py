@@ -123,10 +123,10 @@ def test_low_level_launch_writes_every_element(device):
 
 @pytest.mark.parametrize("fixed", [16, 0], ids=["width_fixed", "width_at_run_time"])
 def test_chunked_rows_with_the_width_fixed_or_at_run_time(device, monkeypatch, fixed):
-    """Chunked rows compile with N fixed (passes.row_meta) until FIXED_WIDTHS_MAX widths are; then N is read
+    """Chunked rows compile with N fixed (_row_plans.row_meta) until FIXED_WIDTHS_MAX widths are; then N is read
     at run time. Both must write every element of odd rows right (rms_norm, layer_norm, softmax)."""
     from fly_norm import _norm_host as norm
-    from fly_norm._kernels import passes
+    from fly_norm import _row_plans as passes
     from fly_norm.reference import layer_norm_ref, softmax_ref
     from fly_norm.softmax import softmax_fwd
 

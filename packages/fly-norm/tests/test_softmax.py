@@ -102,7 +102,7 @@ def test_chunked_backward_one_row_a_program(device, n, fixed, monkeypatch):
     """The chunked backward (one row a program, no row mask): strided dy, y and dx rows of widths under,
     at and past a chunk (the last chunk partial), the width fixed at compile time or read at run time;
     nothing written past a row."""
-    from fly_norm._kernels import passes
+    from fly_norm import _row_plans as passes
 
     monkeypatch.setattr(passes, "FIXED_WIDTHS_MAX", 16 if fixed else 0)
     monkeypatch.setattr(passes, "_FIXED_WIDTHS", set())

@@ -21,9 +21,9 @@ from flydsl.testing import tolerance
 from flydsl_common.device import FP8_E4M3_MAX, INT8_MAX
 from flydsl_common.rows import RowConfig, as_rows
 
-from ._kernels import eager
+from . import _eager as eager
 from ._kernels.norm import norm_bwd_kernel, norm_fwd_kernel, sum_partials_kernel
-from ._kernels.passes import packed_plan, pdl_options, row_meta, stages_fit, word_aligned
+from ._row_plans import packed_plan, pdl_options, row_meta, stages_fit, word_aligned
 from ._split_host import (
     SPLIT_MIN_N,
     SPLIT_MIN_N_BWD,
@@ -96,7 +96,7 @@ def launch_fwd(
 
 
 def _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
-    """(config, PACKED) of a forward launch (:func:`.passes.packed_plan`): the quantized RMSNorm
+    """(config, PACKED) of a forward launch (:func:`._row_plans.packed_plan`): the quantized RMSNorm
     (:func:`_packed_quant_rows`, which needs its weight) and the plain LayerNorm (:func:`_packed_norm_rows`)
     run packed when there is no residual, smooth scale or weight offset."""
     vectors = [v for v in (w, b) if v is not None]

@@ -16,7 +16,6 @@ import flydsl.compiler as flyc
 from flydsl_common.device import slot_lanes
 from flydsl_common.rows import MAX_SINGLE_PASS
 
-from ._kernels.passes import pdl_options, stages_fit, word_aligned
 from ._kernels.split import (
     norm_bwd_split_kernel,
     norm_bwd_staged_kernel,
@@ -26,6 +25,7 @@ from ._kernels.split import (
     softmax_bwd_split_kernel,
     softmax_fwd_split_kernel,
 )
+from ._row_plans import pdl_options, stages_fit, word_aligned
 
 try:
     from ._kernels.resident import softmax_fwd_resident_kernel
@@ -41,7 +41,7 @@ __all__ = [
 ]  # fmt: skip
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
-# Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (passes.row_meta;
+# Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (_row_plans.row_meta;
 # H200, bf16, 2^27 elements: at 32K rms_norm 97%, softmax 92%, layer_norm 86% of copy chunked, against
 # 85/81/75% split); wider rows' second read no longer finds them in L2 (64K: chunked 68-76%, split 69-83%).
 SPLIT_MIN_N = 2 * MAX_SINGLE_PASS + 1

@@ -23,8 +23,8 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import TuningError
 from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
-from ._kernels.eager import general_path_only
-from ._kernels.passes import CHUNKED, PACKED_MIN_N
+from ._eager import general_path_only
+from ._row_plans import CHUNKED, PACKED_MIN_N
 from ._split_host import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
 
 __all__ = [
@@ -145,9 +145,9 @@ def candidates(key, arch: str) -> list[RowConfig]:
 
 def packed_candidates(key, arch: str) -> list[RowConfig]:
     """The space of the forwards whose single pass holds bf16 rows packed from 32K columns (the quantized
-    RMSNorm, the plain LayerNorm, softmax; passes.PACKED_MIN_N): the forwards' and, at 32K, that single
+    RMSNorm, the plain LayerNorm, softmax; _row_plans.PACKED_MIN_N): the forwards' and, at 32K, that single
     pass over 8 warps under a 128-register cap (two programs an SM; sm_90: 128 registers, no spill). Calls
-    it cannot serve packed run the chunked passes (passes.packed_plan)."""
+    it cannot serve packed run the chunked passes (_row_plans.packed_plan)."""
     out = candidates(key, arch)
     n = key["n_bucket"]
     if n == PACKED_MIN_N and key["dtype"] == "bf16" and not arch.startswith("gfx") and arch != "cpu":

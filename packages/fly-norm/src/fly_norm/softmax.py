@@ -56,9 +56,9 @@ from flydsl.errors import ArgumentError, DeviceError, LayoutError, ShapeError
 from flydsl.testing import poison, tolerance
 from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
-from ._kernels import eager
-from ._kernels.passes import packed_plan, row_meta
+from . import _eager as eager
 from ._kernels.softmax import softmax_bwd_kernel, softmax_fwd_kernel
+from ._row_plans import packed_plan, row_meta
 from ._split_host import (
     SOFTMAX_SPLIT_MIN_N_BWD,
     SPLIT_MIN_N,
@@ -250,11 +250,11 @@ def _check_bwd(dy, y, dy_name="dy", y_name="y", ndim=None) -> None:
     _check_layout(dy_name, dy)
 
 
-_EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see _kernels/eager.py)
+_EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see _eager.py)
 
 
 def _eager_fwd_plan(x: torch.Tensor, m: int, n: int):
-    """What :func:`._kernels.eager.make_plan` binds for :func:`_eager_fwd`'s key (what packed_plan reads: the
+    """What :func:`._eager.make_plan` binds for :func:`_eager_fwd`'s key (what packed_plan reads: the
     dtype, the width, x's pointer's low bits), or None when no plan can serve it."""
     if x.dtype not in SOFTMAX_DTYPES or n >= SPLIT_MIN_N:
         return None
@@ -266,7 +266,7 @@ def _eager_fwd_plan(x: torch.Tensor, m: int, n: int):
 
 def _eager_fwd(x: torch.Tensor):
     """softmax over the last dim of a plain eager call through a cached launch plan; None when the call is
-    not one (:func:`fly_norm._kernels.eager.rows_device`, rows narrower than the split path's, no gradient)."""
+    not one (:func:`fly_norm._eager.rows_device`, rows narrower than the split path's, no gradient)."""
     dev = eager.rows_device(x)
     if dev is None or (x.requires_grad and eager.grad_enabled()):
         return None
