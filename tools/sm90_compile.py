@@ -27,8 +27,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import flydsl  # noqa: E402, F401 - backend choice before triton
-from fly_norm import _norm_host as norm_host  # noqa: E402
 from fly_norm import _split_host as split_host  # noqa: E402
+from fly_norm import routing  # noqa: E402
 from fly_norm._kernels import norm, resident, split  # noqa: E402
 from fly_norm._kernels import softmax as softmax_kernels  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
@@ -243,7 +243,7 @@ CASES = {
          _bwd(c.block_m, c.block_n, c.num_warps, c.single_pass, is_rms=op == "rms", db=op == "ln"))
         for op, elems in (("rms", 16), ("ln", 8))
         for c in (bwd_default_row_config(n, "sm_90", elems) for n in (256, 1024, 2048, 4096, 8192, 16384))
-    ] + [("rms pipelined 1x16384 w16", _bwd(1, 16384, 16, True, pipelined=norm_host.PIPELINED_BWD_STAGES))],
+    ] + [("rms pipelined 1x16384 w16", _bwd(1, 16384, 16, True, pipelined=routing.PIPELINED_BWD_STAGES))],
 }
 
 

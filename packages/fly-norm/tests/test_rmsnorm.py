@@ -34,6 +34,7 @@ from fly_norm.rmsnorm import (
     rmsnorm_bwd,
     rmsnorm_fwd,
 )
+from fly_norm.routing import Path
 from flydsl.errors import DeviceError, DTypeError, LayoutError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 from flydsl_common.rows import RowConfig, row_config_valid
@@ -300,8 +301,8 @@ def test_pipelined_backward(device, n, wdtype, offset, strided, need_dw):
     dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     dw = empty_poisoned(n, dtype=w.dtype, device=device) if need_dw and w is not None else None
     x2, dy2 = x.detach(), dy
-    cfg, stages = norm_mod._bwd_plan(x2, w, dy2, None, dx, True, bwd_default_row_config(n))
-    assert stages and cfg.block_n == 16384  # the path under test
+    path = norm_mod.bwd_route(x2, dy2, None, dx, True)
+    assert path.path is Path.PIPELINED and path.config.block_n == 16384  # the path under test
     norm_mod.backward_into(x2, w, dy2, None, None, rstd, dx, dw, None, offset, True, bwd_default_row_config(n))
     xs = x.detach().clone().requires_grad_()
     ws = None if w is None else w.detach().clone().requires_grad_()
@@ -313,12 +314,11 @@ def test_pipelined_backward(device, n, wdtype, offset, strided, need_dw):
 
 def test_pipelined_backward_plan():
     """Only RMSNorm's bf16 rows of 8K-16K columns, even widths and strides, 4-byte aligned, with no residual
-    gradient take the pipelined backward; everything else keeps its config."""
-    cfg = bwd_default_row_config(12288)
+    gradient take the pipelined backward (fly_norm.routing.route); everything else keeps its config."""
 
     def plan(n=12288, dtype=torch.bfloat16, is_rms=True, dres=False, offset=0, stride=None):
         x = torch.zeros(2, (stride or n) + offset, dtype=dtype)[:, offset : offset + n]
-        return norm_mod._bwd_plan(x, None, x, x if dres else None, x, is_rms, cfg)[1]
+        return norm_mod.bwd_route(x, x, x if dres else None, x, is_rms).path is Path.PIPELINED
 
     assert plan() and plan(8194) and plan(16384) and plan(stride=12300)
     assert not plan(8192) and not plan(16386) and not plan(12287)  # the single pass's widths; too wide; odd

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from norm_helpers import assert_quant_matches, randn, reference_grads
 
+import flydsl.arch
 import flydsl.compiler as flyc
 from fly_norm import layer_norm, layer_norm_quant, rms_norm, rms_norm_quant
-from fly_norm._split_host import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split, split_applies
+from fly_norm._split_host import SPLIT_MIN_N, SPLIT_MIN_N_BWD, launch_fwd_split
 from fly_norm.reference import (
     layer_norm_quant_ref,
     layer_norm_ref,
@@ -17,14 +20,39 @@ from fly_norm.reference import (
     softmax_bwd_ref,
     softmax_ref,
 )
+from fly_norm.routing import Path, resident_config, route
 from fly_norm.softmax import softmax, softmax_bwd, softmax_bwd_config, softmax_config, softmax_fwd
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 
 
 def test_split_path_is_never_taken_by_the_interpreter_or_for_narrow_rows():
-    assert not split_applies(SPLIT_MIN_N - 1)
-    assert split_applies(SPLIT_MIN_N) == (not flyc.interpreting())
-    assert split_applies(SPLIT_MIN_N_BWD, min_n=SPLIT_MIN_N_BWD) == (not flyc.interpreting())
+    arch = flydsl.arch.current()
+    for op in ("rms_norm", "layer_norm", "softmax"):
+        assert route(op, torch.float32, 4, SPLIT_MIN_N - 1, arch).path is Path.ROWS
+        assert (route(op, torch.float32, 4, SPLIT_MIN_N, arch).path is Path.SPLIT) == (not flyc.interpreting())
+    bwd = route("layer_norm", torch.float32, 4, SPLIT_MIN_N_BWD, arch, backward=True)
+    assert (bwd.path is Path.ROWS) == flyc.interpreting()
+
+
+def _resident(x2, y2) -> bool:
+    """Whether softmax's forward routes these rows to the resident kernel."""
+    return sys.modules["fly_norm.softmax"].fwd_route(x2, y2).path is Path.RESIDENT
+
+
+def _staged_bwd(h2, dy2, dres2, dx2) -> bool:
+    """Whether a norm backward's split path over these rows is the staged kernel."""
+    from fly_norm import _split_host as split
+
+    return split.norm_bwd_split_route(h2, dy2, dres2, dx2, True).path is Path.STAGED
+
+
+def _staged_fwd(x2, y2, packed=None) -> bool:
+    """Whether a plain norm forward's split path is the staged kernel; ``packed``: LayerNorm's (weight, bias)
+    (None: RMSNorm's, whose weight the kernel does not hold as words)."""
+    from fly_norm import _split_host as split
+
+    w, b = packed or (None, None)
+    return split.norm_split_route(x2, y2, w, b, None, None, packed is None, False).path is Path.STAGED
 
 
 # (M, N): one slice short (40000 = 16384 + 16384 + 7232: 3 slices, padded to 4), an odd width
@@ -138,7 +166,7 @@ def test_split_low_level_writes_every_element_and_the_stats(is_rms):
 def test_split_backward_with_fused_residual(is_rms, m, n, tiled, monkeypatch):
     """dx, the residual's gradient, dweight (fp32 weight, (1 + w)) and dbias through the split backward (the
     staged kernel, bf16's default; the register-resident kernel and the tiled one, with and without its
-    lead). RMSNorm at 16K with a residual gradient: not the single pipelined pass (norm._bwd_plan)."""
+    lead). RMSNorm at 16K with a residual gradient: not the single pipelined pass (routing.route)."""
     from fly_norm import _split_host as split
 
     if tiled != "staged":
@@ -355,7 +383,7 @@ def test_one_slice_staged_backward(device, is_rms, dres, monkeypatch):
     var = hd.pow(2).mean(-1) if is_rms else hd.var(-1, unbiased=False)
     rstd = torch.rsqrt(var + 1e-5).float()
     dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
-    assert split._staged(h, dy, dr, dx)
+    assert _staged_bwd(h, dy, dr, dx)
     dwp, dbp = split.launch_bwd_split(h, w, dy, dr, None if is_rms else mu.float(), rstd, dx, True, not is_rms, 1.0,
                                       is_rms)  # fmt: skip
     xhat = (hd - mu[:, None]) * rstd.double()[:, None]
@@ -397,7 +425,7 @@ def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypa
     rstd = torch.rsqrt(var + 1e-5).float()
     dx = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     dr = None if pair else randn(m, n, dtype=torch.bfloat16, device=device, seed=3)
-    assert split._staged(h, dy, dr, dx)
+    assert _staged_bwd(h, dy, dr, dx)
     dwp, dbp = split.launch_bwd_split(h, w, dy, dr, mu.float(), rstd, dx, True, True, 0.0, False)
     xhat = (hd - mu[:, None]) * rstd.double()[:, None]
     g = dy.double() * w.double()
@@ -408,15 +436,14 @@ def test_staged_layer_backward_rows_far_from_zero(device, pair, offset, monkeypa
 
 
 def test_staged_backward_takes_only_word_aligned_bf16_rows():
-    from fly_norm import _split_host as split
 
     rows = torch.zeros(4, 1000, dtype=torch.bfloat16)
-    assert split._staged(rows, rows, None, rows) and split._staged(rows, rows, rows, rows)
-    assert not split._staged(rows.float(), rows.float(), None, rows.float())
-    assert not split._staged(rows.half(), rows.half(), None, rows.half())
-    assert not split._staged(rows, rows, rows.float(), rows)  # a residual gradient in another dtype
-    assert not split._staged(rows[:, :999], rows[:, :999], None, rows[:, :999])  # an odd width
-    assert not split._staged(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
+    assert _staged_bwd(rows, rows, None, rows) and _staged_bwd(rows, rows, rows, rows)
+    assert not _staged_bwd(rows.float(), rows.float(), None, rows.float())
+    assert not _staged_bwd(rows.half(), rows.half(), None, rows.half())
+    assert not _staged_bwd(rows, rows, rows.float(), rows)  # a residual gradient in another dtype
+    assert not _staged_bwd(rows[:, :999], rows[:, :999], None, rows[:, :999])  # an odd width
+    assert not _staged_bwd(rows[:, 1:], rows, None, rows)  # rows off 4-byte boundaries
 
 
 @pytest.mark.parametrize("is_rms, dres", [(True, False), (False, False), (False, True)])
@@ -465,7 +492,7 @@ def test_staged_rms_forward(device, slices, monkeypatch):
     w = randn(n, device=device, seed=1)
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     rstd = empty_poisoned(m, dtype=torch.float32, device=device)
-    assert split._fwd_staged(x, y)
+    assert _staged_fwd(x, y)
     assert split.launch_fwd_split(x, None, w, None, None, y, None, None, rstd, None, 1e-6, 1.0, True, 0, 127.0)
     ref = rms_norm_ref(x, w, 1e-6, None, 1.0)
     if slices == 2 and flyc.interpreting():
@@ -505,7 +532,7 @@ def test_staged_layer_forward(device, slices, affine, monkeypatch):
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device=device)
     mean = empty_poisoned(m, dtype=torch.float32, device=device)
     rstd = empty_poisoned(m, dtype=torch.float32, device=device)
-    assert split._fwd_staged(x, y, (w, b))
+    assert _staged_fwd(x, y, (w, b))
     assert split.launch_fwd_split(x, None, w, b, None, y, None, mean, rstd, None, 1e-5, offset, False, 0, 127.0)
     xd = x.double()
     assert_rel_close(y, layer_norm_ref(x, w, b, 1e-5, None, offset))
@@ -767,10 +794,10 @@ def test_resident_softmax_forward(m, n, monkeypatch):
         monkeypatch.setattr(resident, "RESIDENT_MIN_N", 0)
     else:
         shipped = resident.RESIDENT_WIDE if n > 1048576 else resident.RESIDENT
-        assert resident._config(torch.device("cuda"), n) == shipped
+        assert resident_config(flydsl.arch.current(), n) == shipped
     x = _softmax_extremes(m, n, seed=n)
     y = empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
-    assert resident.resident_applies(x, y)
+    assert _resident(x, y)
     assert resident.launch_softmax_fwd_resident(x, y)
     assert torch.isnan(y[3]).all() and torch.isnan(y[9]).all() and torch.isnan(y[11]).all()
     rows = [r for r in range(m) if r not in (3, 9, 11)]
@@ -782,11 +809,10 @@ def test_resident_softmax_forward(m, n, monkeypatch):
 @pytest.mark.gpu
 def test_resident_softmax_on_strided_rows_through_the_public_op():
     """Rows of a wider tensor (row stride past N) through fly_norm.softmax at 128K columns (two slices)."""
-    from fly_norm import _split_host as resident
 
     wide = randn(3, 131072 + 64, dtype=torch.bfloat16, device="cuda", seed=3, scale=4.0)
     x = wide[:, :131072]
-    assert resident.resident_applies(x, x)
+    assert _resident(x, x)
     y = softmax(x)
     assert_rel_close(y, softmax_ref(x))
 
@@ -813,41 +839,41 @@ def test_resident_softmax_takes_only_wide_word_aligned_bf16_rows_on_nvidia(monke
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: SM90)
     cfg = resident.RESIDENT
     most = resident.SPLIT_MAX_PARTS * 2 * cfg.chunk * (cfg.ring - cfg.left)  # the widest row of RESIDENT's slices
-    assert resident._config(None, 65536) == resident._config(None, most) == resident.RESIDENT
-    assert resident._config(None, most + 2) == resident.RESIDENT_WIDE
+    assert resident_config(SM90, 65536) == resident_config(SM90, most) == resident.RESIDENT
+    assert resident_config(SM90, most + 2) == resident.RESIDENT_WIDE
     wide = resident.RESIDENT_WIDE
-    assert resident._config(None, resident.SPLIT_MAX_PARTS * 2 * wide.chunk * (wide.ring - wide.left) + 2) is None
+    assert resident_config(SM90, resident.SPLIT_MAX_PARTS * 2 * wide.chunk * (wide.ring - wide.left) + 2) is None
     rows = torch.zeros(2, resident.RESIDENT_MIN_N + 2, dtype=torch.bfloat16)
-    assert resident.resident_applies(rows, rows)
-    assert not resident.resident_applies(rows[:, :-4], rows[:, :-4])  # narrower than RESIDENT_MIN_N
-    assert not resident.resident_applies(rows.half(), rows.half()) and not resident.resident_applies(rows, rows.float())
-    assert not resident.resident_applies(rows[:, :-1], rows[:, :-1])  # an odd width
-    assert not resident.resident_applies(rows[:, 1:], rows[:, 1:])  # rows off 4-byte boundaries
+    assert _resident(rows, rows)
+    assert not _resident(rows[:, :-4], rows[:, :-4])  # narrower than RESIDENT_MIN_N
+    assert not _resident(rows.half(), rows.half()) and not _resident(rows, rows.float())
+    assert not _resident(rows[:, :-1], rows[:, :-1])  # an odd width
+    assert not _resident(rows[:, 1:], rows[:, 1:])  # rows off 4-byte boundaries
     # the ring shrinks with the shared memory; too small a ring, AMD or pre-sm_80: no
     monkeypatch.setattr(resident, "RESIDENT", resident.ResidentConfig(4096, 12, 16, 4))
     ampere = Arch(**{**SM90.__dict__, "capability": (8, 6), "smem_per_block": 99 * 1024})
     monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None: ampere)
-    assert resident._config(None, 65536) == resident.ResidentConfig(4096, 6, 16, 4)
+    assert resident_config(flydsl.arch.current(), 65536) == resident.ResidentConfig(4096, 6, 16, 4)
     for arch in (Arch(**{**SM90.__dict__, "smem_per_block": 64 * 1024}), Arch(**{**SM90.__dict__, "backend": "hip"}),
                  Arch(**{**SM90.__dict__, "capability": (7, 5)})):  # fmt: skip
         monkeypatch.setattr(resident.flydsl.arch, "current", lambda device=None, a=arch: a)
-        assert resident._config(None, 65536) is None and not resident.resident_applies(rows, rows)
+        assert resident_config(flydsl.arch.current(), 65536) is None and not _resident(rows, rows)
 
 
 def test_staged_forward_takes_only_wide_word_aligned_bf16_rows(monkeypatch):
     from fly_norm import _split_host as split
 
     rows = torch.zeros(2, split.FWD_STAGED_MIN_N + 2, dtype=torch.bfloat16)
-    assert split._fwd_staged(rows, rows)
-    assert not split._fwd_staged(rows[:, :-4], rows[:, :-4])  # narrower than FWD_STAGED_MIN_N
-    assert not split._fwd_staged(rows.half(), rows.half()) and not split._fwd_staged(rows, rows.float())
-    assert not split._fwd_staged(rows[:, :-1], rows[:, :-1]) and not split._fwd_staged(rows[:, 1:], rows[:, 1:])
+    assert _staged_fwd(rows, rows)
+    assert not _staged_fwd(rows[:, :-4], rows[:, :-4])  # narrower than FWD_STAGED_MIN_N
+    assert not _staged_fwd(rows.half(), rows.half()) and not _staged_fwd(rows, rows.float())
+    assert not _staged_fwd(rows[:, :-1], rows[:, :-1]) and not _staged_fwd(rows[:, 1:], rows[:, 1:])
     # LayerNorm's weight and bias, held as words: bf16 and word aligned, or absent
     vec = torch.zeros(split.FWD_STAGED_MIN_N + 4, dtype=torch.bfloat16)
     w = vec[: rows.shape[1]]
-    assert split._fwd_staged(rows, rows, (w, w)) and split._fwd_staged(rows, rows, (None, None))
-    assert not split._fwd_staged(rows, rows, (w.float(), None))
-    assert not split._fwd_staged(rows, rows, (None, vec[1 : rows.shape[1] + 1]))
+    assert _staged_fwd(rows, rows, (w, w)) and _staged_fwd(rows, rows, (None, None))
+    assert not _staged_fwd(rows, rows, (w.float(), None))
+    assert not _staged_fwd(rows, rows, (None, vec[1 : rows.shape[1] + 1]))
 
 
 def test_one_slice_softmax(device):

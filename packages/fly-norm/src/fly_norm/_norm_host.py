@@ -23,21 +23,15 @@ from flydsl_common.rows import RowConfig, as_rows
 
 from . import _eager as eager
 from ._kernels.norm import norm_bwd_kernel, norm_fwd_kernel, sum_partials_kernel
-from ._row_plans import packed_plan, pdl_options, row_meta, stages_fit, word_aligned
-from ._split_host import (
-    SPLIT_MIN_N,
-    SPLIT_MIN_N_BWD,
-    give_back_slots,
-    launch_bwd_split,
-    launch_fwd_split,
-    split_applies,
-)
+from ._row_plans import packed_plan, pdl_options, row_meta, word_aligned
+from ._split_host import give_back_slots, launch_bwd_split, launch_fwd_split, norm_bwd_rows
+from .routing import PIPELINED_BWD_STAGES, ROW_KERNEL, Path, Route, route, row_kernels_below
 
 __all__ = [  # private to fly-norm: the host plumbing that rmsnorm.py and layernorm.py share
     "FLOAT_DTYPES", "QUANT_DTYPES", "QUANT_NONE", "check_norm_args", "check_eps", "check_weight_offset", "on_meta",
     "needs_grad", "detach_all",
     "norm_forward", "norm_quant_forward", "norm_backward", "backward_into", "backward_reference",
-    "launch_fwd", "fake_forward", "fake_quant_forward", "fake_backward",
+    "launch_fwd", "fwd_route", "bwd_route", "fake_forward", "fake_quant_forward", "fake_backward",
     "builder_dtypes", "builder_rows",
 ]  # fmt: skip
 
@@ -76,11 +70,12 @@ def launch_fwd(
     m, n = x2.shape
     if m == 0:
         return
-    if split_applies(n):  # wide rows on a GPU: split.py
+    path = fwd_route(x2, r2, w, b, s, y2, is_rms, qdtype)
+    if path.path is not Path.ROWS:  # wide rows on a GPU: the split paths (_split_host)
         code, qmax = _quant_code(qdtype), _qmax(qdtype)
         ops = (x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, code, qmax)
-        if launch_fwd_split.__wrapped__(*ops):
-            return  # split over the programs of one wave
+        if launch_fwd_split.__wrapped__(*ops, route=path):
+            return  # split over the programs of one wave (else its fallback: the row kernel)
     store_stats = rstd is not None and (mean is not None or is_rms)
     cfg, packed = _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg)
     # Absent operands go as None: a constexpr for Triton, so nothing to parse or key at launch.
@@ -93,6 +88,36 @@ def launch_fwd(
         **_fwd_meta(is_rms, r2, w, b, s, store_stats, qdtype, cfg, n, packed),
     )
     # fmt: on
+
+
+_OPS = {True: "rms_norm", False: "layer_norm"}
+
+
+def fwd_route(x2, r2, w, b, s, y2, is_rms, qdtype) -> Route:
+    """:func:`.routing.route` of a norm forward's operands ([M, N] views; None when absent); narrower rows
+    than :func:`.routing.row_kernels_below` need no arch or alignment looked up: the row kernel."""
+    m, n = x2.shape
+    if n < row_kernels_below():
+        return ROW_KERNEL
+    vectors = () if is_rms else tuple(v for v in (w, b) if v is not None)  # LayerNorm's, held as words staged
+    return route(
+        _OPS[is_rms], x2.dtype, m, n, flydsl.arch.current(x2.device), residual=r2 is not None, quant=qdtype,
+        smooth=s is not None, row_dtypes=(y2.dtype,), vector_dtypes=tuple(v.dtype for v in vectors),
+        aligned=word_aligned(x2, y2, *vectors),
+    )  # fmt: skip
+
+
+def bwd_route(h2, dy2, dres2, dx2, is_rms) -> Route:
+    """:func:`.routing.route` of a norm backward's rows ([M, N] views; ``dres2`` None when absent); as
+    :func:`fwd_route`, the row kernel for rows narrower than :func:`.routing.row_kernels_below`."""
+    m, n = h2.shape
+    if n < row_kernels_below():
+        return ROW_KERNEL
+    rows = norm_bwd_rows(h2, dy2, dres2, dx2)
+    return route(
+        _OPS[is_rms], h2.dtype, m, n, flydsl.arch.current(h2.device), backward=True, residual=dres2 is not None,
+        row_dtypes=tuple(t.dtype for t in rows[1:]), aligned=word_aligned(*rows),
+    )  # fmt: skip
 
 
 def _row_plan(x2, r2, w, b, s, y2, weight_offset, is_rms, qdtype, cfg: RowConfig) -> tuple[RowConfig, bool]:
@@ -149,25 +174,7 @@ def _bwd_call(
 BWD_LEAN_MIN_N = 4096
 
 
-# RMSNorm's bf16 backward past the single pass's widths, up to PIPELINED_BWD.block_n columns, runs pipelined
-# (_pipelined_bwd_rows): one 16-warp program an SM, the row loop PIPELINED_BWD_STAGES deep (192 KB of shared
-# memory at 16K columns). H200 (bf16, 2^27 elements): 90% of copy at 16K against the tiled split kernel's 69%; 2
-# stages 78%. LayerNorm's (also the bias gradient's sums) spills in this form and stays split.
-PIPELINED_BWD = RowConfig(1, 16384, 16, True)
-PIPELINED_BWD_STAGES = 3
-
-
-def _bwd_plan(h2, w, dy2, dres2, dx2, is_rms, cfg: RowConfig) -> tuple[RowConfig, int]:
-    """(config, PIPELINED) of a backward launch: PIPELINED_BWD and its stages for RMSNorm's bf16 rows of
-    SPLIT_MIN_N_BWD to PIPELINED_BWD.block_n columns with no residual gradient, even widths and strides,
-    4-byte aligned rows, where a program may take the stages' shared memory; else ``cfg`` and 0."""
-    stages, block_n = PIPELINED_BWD_STAGES, PIPELINED_BWD.block_n
-    pipelined = (
-        is_rms and dres2 is None and SPLIT_MIN_N_BWD <= h2.shape[1] <= block_n
-        and all(t.dtype == torch.bfloat16 for t in (h2, dy2, dx2)) and word_aligned(h2, dy2, dx2)
-        and stages_fit(h2.device, stages, 4 * block_n)  # h and dy, bf16, a row each
-    )  # fmt: skip
-    return (PIPELINED_BWD, stages) if pipelined else (cfg, 0)
+# The pipelined backward (routing.PIPELINED_BWD, its measurements there): which rows take it, routing.route.
 
 
 def bwd_programs(m: int, cfg: RowConfig, device: torch.device, per_sm: int | None = None) -> int:
@@ -203,7 +210,8 @@ def launch_bwd(
 ):
     """Launch the backward kernel: dx2 and the [programs, N] fp32 partials dwp/dbp (when given).
 
-    ``scratch`` (fp32 [2, M]) is needed by the chunked path only; ``pipelined``: :func:`_bwd_plan`'s.
+    ``scratch`` (fp32 [2, M]) is needed by the chunked path only; ``pipelined``: the row loop's stages on
+    the pipelined path (:attr:`.routing.Path.PIPELINED`), else 0.
     """
     if h2.shape[0] == 0:
         return
@@ -456,9 +464,12 @@ def _eager_fwd_plan(x, weight, bias, residual, eps, weight_offset, is_rms, confi
     vector_dtypes = FLOAT_DTYPES if is_rms else (dtype, torch.float32)  # RMSNorm: any float weight
     vectors_ok = all(k is None or (k is not False and k[1] == (n,) and k[0] in vector_dtypes)
                      for k in (wkey, bkey))  # fmt: skip
-    if dtype not in FLOAT_DTYPES or n >= SPLIT_MIN_N or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
+    if dtype not in FLOAT_DTYPES or not vectors_ok or (rkey and rkey[0] not in FLOAT_DTYPES):
         return None
     m = x.numel() // n
+    arch = flydsl.arch.current(x.device)
+    if not route(_OPS[is_rms], dtype, m, n, arch, residual=residual is not None).eager_plan:  # the split widths
+        return None
     x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
     cfg, packed = _row_plan(x2, residual, weight, bias, None, y2, weight_offset, is_rms, None,
                             config_for(n, dtype, x.device, autotune=None, task=None))  # fmt: skip
@@ -597,11 +608,13 @@ def backward_into(h2, weight, dy2, dres2, mean, rstd, dx2, dweight, dbias, weigh
     dev = h2.device
     split = None
     lent = None
-    cfg, pipelined = _bwd_plan(h2, weight, dy2, dres2, dx2, is_rms, cfg)
-    if not pipelined and split_applies(n, min_n=SPLIT_MIN_N_BWD):  # wide rows on a GPU: split over one wave
+    path, pipelined = bwd_route(h2, dy2, dres2, dx2, is_rms), 0
+    if path.path is Path.PIPELINED:
+        cfg, pipelined = path.config, PIPELINED_BWD_STAGES
+    elif path.path is not Path.ROWS:  # wide rows on a GPU: split over one wave (else the row kernel)
         split = launch_bwd_split(
             h2, weight, dy2, dres2, mean, rstd, dx2, dweight is not None, dbias is not None, weight_offset, is_rms,
-            pooled=True,
+            pooled=True, route=path,
         )  # fmt: skip
     if split is not None:
         dwp, dbp, lent = split

@@ -1,6 +1,6 @@
 """Host planning of the row kernels' launches (:mod:`fly_norm._kernels.norm`, :mod:`fly_norm._kernels.softmax`)
 and of the split kernels' options: the chunked config, when a single pass runs packed, the launch constexprs a
-config gives, PDL, whether a pipelined row loop's stages fit, word alignment. Host code only; the device
+config gives, PDL, word alignment. Host code only; the device
 helpers are in :mod:`fly_norm._kernels.passes`.
 """
 
@@ -11,7 +11,7 @@ import torch
 import flydsl.arch
 from flydsl_common.rows import RowConfig
 
-__all__ = ["CHUNKED", "FIXED_WIDTHS_MAX", "PACKED_MIN_N", "packed_plan", "pdl_options", "stages_fit", "word_aligned",
+__all__ = ["CHUNKED", "FIXED_WIDTHS_MAX", "PACKED_MIN_N", "packed_plan", "pdl_options", "word_aligned",
            "row_meta"]  # fmt: skip
 
 
@@ -51,14 +51,6 @@ def pdl_options(device) -> dict:
     if arch.backend != "cuda" or (arch.capability or (0,))[0] < 9 or torch.cuda.is_current_stream_capturing():
         return {}
     return {"launch_pdl": True}
-
-
-def stages_fit(device, stages: int, stage_bytes: int) -> bool:
-    """Whether a program on ``device`` may take the shared memory of a row loop software-pipelined ``stages``
-    deep (``fx.range(..., num_stages=)``) that stages ``stage_bytes`` an iteration: ``stages - 1`` buffers in
-    flight. Not on AMD (its pipeliner stages otherwise, in 64 KB); the interpreter has Hopper's sizes."""
-    arch = flydsl.arch.current(device)
-    return arch.backend != "hip" and arch.smem_per_block >= (stages - 1) * stage_bytes
 
 
 def word_aligned(*tensors) -> bool:

@@ -7,7 +7,7 @@ configuration are beside it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,8 @@ from ._kernels.split import (
     softmax_bwd_split_kernel,
     softmax_fwd_split_kernel,
 )
-from ._row_plans import pdl_options, stages_fit, word_aligned
+from ._row_plans import pdl_options, word_aligned
+from .routing import Path, Route, resident_config, split_route
 
 try:
     from ._kernels.resident import softmax_fwd_resident_kernel
@@ -34,11 +35,13 @@ except ImportError:  # a Triton whose Gluon lacks what the resident kernel uses:
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "SOFTMAX_SPLIT_MIN_N_BWD", "SPLIT_MAX_PARTS", "SPIN_LIMIT", "SliceConfig",
-    "TiledConfig", "StagedConfig", "EvictHints", "ResidentConfig", "split_applies", "launch_split",
+    "TiledConfig", "StagedConfig", "EvictHints", "ResidentConfig", "launch_split",
     "launch_fwd_split", "launch_bwd_split", "launch_softmax_fwd_split", "launch_softmax_bwd_split",
-    "take_slots", "give_back_slots", "take_fwd_slots", "give_back_fwd_slots", "resident_applies",
-    "launch_softmax_fwd_resident",
+    "take_slots", "give_back_slots", "take_fwd_slots", "give_back_fwd_slots", "launch_softmax_fwd_resident",
 ]  # fmt: skip
+
+# Which rows take which of these paths: fly_norm.routing (route, split_route), from the thresholds and
+# configurations below.
 
 # On a GPU, the rows the default configs would send down a chunked (two-read) path take a split path:
 # Forward: rows up to 32K columns take the chunked paths, their width fixed at compile time (_row_plans.row_meta;
@@ -194,16 +197,6 @@ def _staged_opts(cfg: StagedConfig) -> dict:
     return opts
 
 
-def _fwd_slice(n: int) -> SliceConfig:
-    """The RMSNorm / softmax forward's slice config for rows of ``n`` columns."""
-    return FWD_SLICE_WIDE if n >= WIDE_MIN_N else FWD_SLICE
-
-
-def split_applies(n: int, min_n: int = SPLIT_MIN_N) -> bool:
-    """Whether rows of ``n`` columns take a split path: compiled GPU runs, rows of ``min_n``+ columns."""
-    return n >= min_n and not flyc.interpreting()
-
-
 def launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: int = 1,
                   programs: int | None = None, max_parts: int = SPLIT_MAX_PARTS, slots_of=None) -> int:
     """Allocate the rows' slots (zeroed), size one wave and launch. Returns the row groups
@@ -234,17 +227,33 @@ def launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: 
     return groups
 
 
+def norm_split_route(x2, y2, w, b, r2, s, is_rms, quantized: bool) -> Route:
+    """:func:`fly_norm.routing.split_route` of a norm forward's operands ([M, N] row views; None when absent;
+    ``quantized``: y2 holds the quantized codes)."""
+    vectors = () if is_rms else tuple(v for v in (w, b) if v is not None)  # LayerNorm's, held as words staged
+    op = "rms_norm" if is_rms else "layer_norm"
+    return split_route(
+        op, x2.dtype, x2.shape[1], flydsl.arch.current(x2.device), residual=r2 is not None,
+        quant=y2.dtype if quantized else None, smooth=s is not None, row_dtypes=(y2.dtype,),
+        vector_dtypes=tuple(v.dtype for v in vectors), aligned=word_aligned(x2, y2, *vectors),
+    )  # fmt: skip
+
+
 @flyc.jit(skip_empty=False)
 def launch_fwd_split(
-    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None
-) -> bool:
+    x2, r2, w, b, s, y2, h2, mean, rstd, qscale, eps, weight_offset, is_rms, quant: int, qmax: float, stream=None,
+    route: Route | None = None,
+) -> bool:  # fmt: skip
     """Forward of either norm on [M, N] row views through the split path (False: not launched, see
     :func:`launch_split`). Operands as :func:`fly_norm._norm_host.launch_fwd` (None when absent);
-    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value.
+    ``quant`` is its quantization code (0: float y), ``qmax`` the format's largest value. ``route``: the
+    call's :func:`fly_norm.routing.route` (staged or slices; by default :func:`norm_split_route`'s).
     """
-    if quant == 0 and r2 is None and s is None and _fwd_staged(x2, y2, None if is_rms else (w, b)):
-        return x2.shape[0] == 0 or _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms)
-    cfg = _fwd_slice(x2.shape[1]) if is_rms else LN_FWD_SLICE
+    route = route or norm_split_route(x2, y2, w, b, r2, s, is_rms, quant != 0)
+    if route.path is Path.STAGED:
+        staged = route.config
+        return x2.shape[0] == 0 or _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms, staged)
+    cfg = route.config
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
@@ -379,24 +388,8 @@ def give_back_fwd_slots(slots, launched: bool) -> None:
                     pair.dirty[i], pair.dirty[1 - i], pair.turn = slots.numel(), 0, 1 - i
 
 
-def _fwd_staged(x2, y2, packed=None) -> bool:
-    """Whether a plain norm forward's rows take the staged kernel: bf16, FWD_STAGED_MIN_N+ columns, word
-    aligned, where a program may take the stages' shared memory (FWD_STAGED None: never). ``packed``: the
-    per-column operands the kernel holds as words (LayerNorm's weight and bias), each None or bf16 and word
-    aligned."""
-    if FWD_STAGED is None or x2.shape[1] < FWD_STAGED_MIN_N:
-        return False
-    if not (x2.dtype == y2.dtype == torch.bfloat16 and word_aligned(x2, y2)):
-        return False
-    vectors = [v for v in packed or () if v is not None]
-    if not all(v.dtype == torch.bfloat16 for v in vectors) or not word_aligned(*vectors):
-        return False
-    return stages_fit(x2.device, FWD_STAGED.stages, 2 * FWD_STAGED.slice_cols)
-
-
-def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> bool:
-    """The staged norm forward through :func:`launch_split` (False: not launched)."""
-    cfg = FWD_STAGED
+def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms, cfg: StagedConfig) -> bool:
+    """The staged norm forward at ``cfg`` through :func:`launch_split` (False: not launched)."""
     # RMSNorm adds its offset always (as measured on the H200); LayerNorm only a nonzero one (an add an element less)
     offset = float(weight_offset) if is_rms or weight_offset else None
 
@@ -432,10 +425,16 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms) -> 
     return launched
 
 
-def launch_softmax_fwd_split(x2, y2) -> bool:
+def _softmax_slices(x2, backward: bool) -> SliceConfig:
+    """The softmax split path's slice config for these rows (:func:`fly_norm.routing.split_route`)."""
+    return split_route("softmax", x2.dtype, x2.shape[1], flydsl.arch.current(x2.device), backward=backward).config
+
+
+def launch_softmax_fwd_split(x2, y2, cfg: SliceConfig | None = None) -> bool:
     """Softmax forward on [M, N] row views through the split path (False: not launched). No checks. (Wide bf16
-    rows on NVIDIA take :mod:`fly_norm._kernels.resident` first.)"""
-    cfg = _fwd_slice(x2.shape[1])
+    rows on NVIDIA take :mod:`fly_norm._kernels.resident` first.) ``cfg``: the route's slices (by default
+    :func:`fly_norm.routing.split_route`'s)."""
+    cfg = cfg or _softmax_slices(x2, False)
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
@@ -445,10 +444,10 @@ def launch_softmax_fwd_split(x2, y2) -> bool:
     return x2.shape[0] == 0 or launch_split(softmax_fwd_split_kernel, x2, 2, build, cfg.slice_cols, x2.device) > 0
 
 
-def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
-    """Softmax backward on [M, N] row views through the split path (False: not launched). No checks."""
-
-    cfg = SOFTMAX_BWD_SLICE_WIDE if y2.shape[1] >= SOFTMAX_BWD_WIDE_MIN_N else SOFTMAX_BWD_SLICE
+def launch_softmax_bwd_split(dy2, y2, dx2, cfg: SliceConfig | None = None) -> bool:
+    """Softmax backward on [M, N] row views through the split path (False: not launched). No checks. ``cfg``:
+    the route's slices (by default :func:`fly_norm.routing.split_route`'s)."""
+    cfg = cfg or _softmax_slices(y2, True)
 
     def build(slots, parts, pp, groups):
         m, n = y2.shape
@@ -460,26 +459,33 @@ def launch_softmax_bwd_split(dy2, y2, dx2) -> bool:
                                              max_parts=SOFTMAX_BWD_MAX_PARTS) > 0  # fmt: skip
 
 
-def _staged(h2, dy2, dres2, dx2) -> bool:
-    """Whether the split backward runs staged (:func:`norm_bwd_staged_kernel`): bf16 rows (and residual
-    gradient) of even widths and strides on 4-byte boundaries, where a program may take the stages' shared
-    memory (BWD_STAGED None: never)."""
-    rows = [t for t in (h2, dy2, dres2, dx2) if t is not None]
-    if BWD_STAGED is None or not (all(t.dtype == torch.bfloat16 for t in rows) and word_aligned(*rows)):
-        return False
-    return stages_fit(h2.device, BWD_STAGED.stages, 2 * BWD_STAGED.slice_cols * (len(rows) - 1))  # the rows it loads
+def norm_bwd_rows(h2, dy2, dres2, dx2) -> tuple:
+    """The row operands of a norm backward (h2, dy2, the residual gradient when given, dx2)."""
+    return (h2, dy2, dx2) if dres2 is None else (h2, dy2, dres2, dx2)
+
+
+def norm_bwd_split_route(h2, dy2, dres2, dx2, is_rms) -> Route:
+    """:func:`fly_norm.routing.split_route` of a norm backward's rows ([M, N] views; ``dres2`` None when absent)."""
+    rows = norm_bwd_rows(h2, dy2, dres2, dx2)
+    return split_route(
+        "rms_norm" if is_rms else "layer_norm", h2.dtype, h2.shape[1], flydsl.arch.current(h2.device),
+        backward=True, residual=dres2 is not None, row_dtypes=tuple(t.dtype for t in rows[1:]),
+        aligned=word_aligned(*rows),
+    )  # fmt: skip
 
 
 @flyc.jit(skip_empty=False)
 def launch_bwd_split(
-    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None, pooled=False
+    h2, w, dy2, dres2, mean, rstd, dx2, need_dw, need_db, weight_offset, is_rms, stream=None, pooled=False,
+    route: Route | None = None,
 ):  # fmt: skip
     """Backward of either norm on [M, N] row views through the split path: writes dx2 and returns the
     [groups, N] fp32 weight-gradient partials (dw, db; None where not needed) for the caller's column sum,
     or None when nothing was launched (see :func:`launch_split`). ``M > 0``. ``pooled`` (the caller's
     column sum zeroes the slots): the staged kernel's slots from :func:`take_slots`, and a third value
     returned, that buffer (None: fresh slots), which the caller's column-sum launch zeroes before it calls
-    :func:`give_back_slots`.
+    :func:`give_back_slots`. ``route``: the call's :func:`fly_norm.routing.route` (staged, tiled or slices;
+    by default :func:`norm_bwd_split_route`'s).
     """
     partials: dict = {}
     lent: list = []
@@ -516,11 +522,9 @@ def launch_bwd_split(
         # fmt: on
         return args, meta
 
-    staged = _staged(h2, dy2, dres2, dx2)
-    tiled_cfg = BWD_TILED if is_rms else LN_BWD_TILED
-    tiled = tiled_cfg is not None and not staged
-    cfg = BWD_STAGED if staged else tiled_cfg if tiled else BWD_SLICE
-    tile_rows = tiled_cfg.tile_rows if tiled else (BWD_ROWS if is_rms and not staged else 1)
+    route = route or norm_bwd_split_route(h2, dy2, dres2, dx2, is_rms)
+    staged, tiled, cfg = route.path is Path.STAGED, route.path is Path.TILED, route.config
+    tile_rows = cfg.tile_rows if tiled else (BWD_ROWS if is_rms and not staged else 1)
     kernel = norm_bwd_staged_kernel if staged else norm_bwd_tiled_kernel if tiled else norm_bwd_split_kernel
     # the staged kernel's LayerNorm PAIR form only without a residual gradient (with one it spills: 69% of copy
     # against 92%); it and RMSNorm's staged kernel take one slot a slice, the rest two
@@ -535,36 +539,14 @@ def launch_bwd_split(
     return (*out, lent[0] if lent else None) if pooled else out
 
 
-def _config(device, n: int) -> ResidentConfig | None:
-    """The config for rows of ``n`` columns on ``device``: RESIDENT, else RESIDENT_WIDE
-    where RESIDENT's slices would be too many, the ring shrunk to the device's shared memory; None where the
-    kernel cannot run (not NVIDIA sm_80+, room for too few chunks, or more than SPLIT_MAX_PARTS slices)."""
-    arch = flydsl.arch.current(device)
-    if RESIDENT is None or arch.backend != "cuda" or (arch.capability or (0, 0)) < (8, 0):
-        return None
-    for cfg in (RESIDENT, RESIDENT_WIDE):
-        ring = min(cfg.ring, arch.smem_per_block // (4 * cfg.chunk))
-        if ring > cfg.left and flyc.cdiv(n, 2 * cfg.chunk * (ring - cfg.left)) <= SPLIT_MAX_PARTS:
-            return replace(cfg, ring=ring)
-    return None
-
-
-def resident_applies(x2, y2) -> bool:
-    """Whether softmax rows take the resident kernel: compiled GPU runs, bf16 rows of RESIDENT_MIN_N+ columns,
-    word aligned, on a GPU that can run it."""
-    n = x2.shape[1]
-    if softmax_fwd_resident_kernel is None:
-        return False
-    if n < RESIDENT_MIN_N or flyc.interpreting() or not (x2.dtype == y2.dtype == torch.bfloat16):
-        return False
-    return word_aligned(x2, y2) and _config(x2.device, n) is not None
-
-
-def launch_softmax_fwd_resident(x2, y2, spin_limit: int = SPIN_LIMIT, programs: int | None = None) -> bool:
-    """Softmax forward on [M, N] bf16 row views (:func:`resident_applies`) through the resident kernel, one
-    wave (False: not launched; :func:`launch_split`). ``programs`` (tests): launch
-    only the first programs of the wave (a row whose other slices never publish: its wait gives up)."""
-    cfg = _config(x2.device, x2.shape[1])
+def launch_softmax_fwd_resident(
+    x2, y2, spin_limit: int = SPIN_LIMIT, programs: int | None = None, cfg: ResidentConfig | None = None
+) -> bool:
+    """Softmax forward on [M, N] bf16 row views (routed to :attr:`fly_norm.routing.Path.RESIDENT`) through
+    the resident kernel, one wave (False: not launched; :func:`launch_split`). ``programs`` (tests): launch
+    only the first programs of the wave (a row whose other slices never publish: its wait gives up). ``cfg``:
+    the route's (by default :func:`fly_norm.routing.resident_config`'s for the device)."""
+    cfg = cfg or resident_config(flydsl.arch.current(x2.device), x2.shape[1])
     chunk, ring, warps, left = cfg.chunk, cfg.ring, cfg.warps, cfg.left
     per_slice = 2 * chunk * (ring - left)  # columns
     slot_cols = 1 if x2.shape[1] > per_slice else 0  # one slice a row: no exchange, no slots to zero

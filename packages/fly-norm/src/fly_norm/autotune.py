@@ -25,7 +25,8 @@ from flydsl_common.rows import RowConfig, default_row_config, row_config_valid
 
 from ._eager import general_path_only
 from ._row_plans import CHUNKED, PACKED_MIN_N
-from ._split_host import SOFTMAX_SPLIT_MIN_N_BWD, SPLIT_MIN_N, SPLIT_MIN_N_BWD
+from .routing import Path as RoutePath
+from .routing import route
 
 __all__ = [
     "OPS", "TUNABLES", "row_config_for", "clear_memo", "tuning_key", "candidates", "bwd_candidates",
@@ -40,11 +41,32 @@ OPS = (
 
 # Row widths the shipped artifacts cover (powers of two; a width is served by its bucket).
 TUNE_BUCKETS = tuple(1 << k for k in range(8, 19))  # 256 .. 262144
-# On a GPU, rows from these widths on take the split paths (fly_norm._split_host), which the
-# row config does not steer: `flydsl tune norm` skips those buckets there. (Softmax's backward splits only
-# past 16K: its space holds chunked configs, and its 16K bucket is searched.)
-_SPLIT_FROM = {"fwd": SPLIT_MIN_N, "quant": SPLIT_MIN_N, "bwd": SPLIT_MIN_N_BWD}
-_SPLIT_FROM["softmax_bwd"] = SOFTMAX_SPLIT_MIN_N_BWD
+# On a GPU, the buckets whose rows fly_norm.routing.route sends elsewhere than the row kernel (the split,
+# staged, resident and pipelined paths: the row config does not steer them) are not tuned: `flydsl tune norm`
+# skips them there. (Softmax's backward splits only past 16K: its space holds chunked configs, and its 16K
+# bucket is searched.) The tuner's rows: contiguous, of the key's dtype, with weight and bias (_run_op).
+_ROUTED = {  # tunable -> (routing op, backward, quantized output)
+    "rmsnorm_fwd": ("rms_norm", False, None), "layernorm_fwd": ("layer_norm", False, None),
+    "softmax_fwd": ("softmax", False, None), "rmsnorm_bwd": ("rms_norm", True, None),
+    "layernorm_bwd": ("layer_norm", True, None), "softmax_bwd": ("softmax", True, None),
+    "rmsnorm_quant": ("rms_norm", False, torch.int8), "layernorm_quant": ("layer_norm", False, torch.int8),
+}  # fmt: skip
+
+
+def _gpu_arch(name: str) -> flydsl.arch.Arch:
+    """A nominal description of the GPU named ``name`` (sm_90, gfx942, ...): Hopper's sizes, its backend."""
+    hip = name.startswith("gfx")
+    return dataclasses.replace(flydsl.arch.SM90, name=name, backend="hip" if hip else "cuda",
+                               capability=None if hip else flydsl.arch.SM90.capability)  # fmt: skip
+
+
+def _row_kernel_serves(name: str, n: int, dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
+    """Whether the tuned row config serves rows of ``n`` columns of tunable ``name`` (routing.route)."""
+    op, backward, quant = _ROUTED[name]
+    rows = (dtype,) if not backward else (dtype, dtype)  # y; dy and dx
+    vectors = () if op != "layer_norm" else (dtype, dtype)
+    path = route(op, dtype, 1, n, arch, backward=backward, quant=quant, row_dtypes=rows, vector_dtypes=vectors)
+    return path.path is RoutePath.ROWS
 # Shipped artifacts cover bf16 (what the benchmarks and most models run); fp16
 # and fp32 keys are served by the default ladder unless searched on the machine
 # or tuned with `flydsl tune norm --key '{"n_bucket": 4096, "dtype": "fp16"}'`.
@@ -203,13 +225,14 @@ def _valid(cfg: RowConfig, key, arch: str) -> bool:
 
 
 def _tune_keys_for(name: str):
-    split_from = _SPLIT_FROM.get(name) or _SPLIT_FROM[name.rsplit("_", 1)[1]]
-
     def tune_keys(arch: str) -> list[dict]:
-        gpu = arch != "cpu"
+        if arch == "cpu":  # the interpreter: every bucket runs the row kernels
+            return [{"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS]
+        gpu = _gpu_arch(arch)
         return [
-            {"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS if not (gpu and n >= split_from)
-        ]
+            {"n_bucket": n, "dtype": d} for d in TUNE_DTYPES for n in TUNE_BUCKETS
+            if _row_kernel_serves(name, n, parse_dtype("dtype", d), gpu)
+        ]  # fmt: skip
 
     return tune_keys
 

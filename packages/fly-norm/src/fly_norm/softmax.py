@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 import flydsl
+import flydsl.arch
 import flydsl.compiler as flyc
 from flydsl.autotune import SearchTask
 from flydsl.checks import (
@@ -58,18 +59,11 @@ from flydsl_common.rows import RowConfig, as_rows, row_config_valid
 
 from . import _eager as eager
 from ._kernels.softmax import softmax_bwd_kernel, softmax_fwd_kernel
-from ._row_plans import packed_plan, row_meta
-from ._split_host import (
-    SOFTMAX_SPLIT_MIN_N_BWD,
-    SPLIT_MIN_N,
-    launch_softmax_bwd_split,
-    launch_softmax_fwd_resident,
-    launch_softmax_fwd_split,
-    resident_applies,
-    split_applies,
-)
+from ._row_plans import packed_plan, row_meta, word_aligned
+from ._split_host import launch_softmax_bwd_split, launch_softmax_fwd_resident, launch_softmax_fwd_split
 from .autotune import row_config_for
 from .reference import softmax_bwd_ref, softmax_ref
+from .routing import ROW_KERNEL, Path, Route, route, row_kernels_below
 
 __all__ = [
     "softmax",
@@ -134,6 +128,25 @@ def softmax_bwd_config(n: int, dtype: torch.dtype, device, *, autotune: bool | N
 # --------------------------------------------------------------- host launch
 
 
+def fwd_route(x2: torch.Tensor, y2: torch.Tensor) -> Route:
+    """:func:`.routing.route` of a softmax forward's rows; narrower rows than :func:`.routing.row_kernels_below`
+    need no arch or alignment looked up: the row kernel."""
+    m, n = x2.shape
+    if n < row_kernels_below():
+        return ROW_KERNEL
+    arch = flydsl.arch.current(x2.device)
+    return route("softmax", x2.dtype, m, n, arch, row_dtypes=(y2.dtype,), aligned=word_aligned(x2, y2))
+
+
+def bwd_route(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor) -> Route:
+    """:func:`.routing.route` of a softmax backward's rows (as :func:`fwd_route`)."""
+    m, n = y2.shape
+    if n < row_kernels_below():
+        return ROW_KERNEL
+    arch = flydsl.arch.current(y2.device)
+    return route("softmax", y2.dtype, m, n, arch, backward=True, row_dtypes=(dy2.dtype, dx2.dtype))
+
+
 def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     """Launch the forward kernel on [M, N] rows; no checks (callers check).
 
@@ -142,10 +155,11 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
     bf16 rows through the resident kernel (:mod:`fly_norm._kernels.resident`).
     """
     m, n = x2.shape
-    if resident_applies(x2, y2) and launch_softmax_fwd_resident(x2, y2):
-        return
-    if split_applies(n):
-        if launch_softmax_fwd_split(x2, y2):
+    path = fwd_route(x2, y2)
+    for step in (path, *path.fallbacks):  # the resident kernel, the split slices: each until one launches
+        if step.path is Path.RESIDENT and launch_softmax_fwd_resident(x2, y2, cfg=step.config):
+            return
+        if step.path is Path.SPLIT and launch_softmax_fwd_split(x2, y2, step.config):
             return
     cfg, packed = packed_plan(cfg, True, x2, y2)
     flyc.launch(
@@ -163,7 +177,8 @@ def _launch_fwd(x2: torch.Tensor, y2: torch.Tensor, cfg: RowConfig) -> None:
 
 def _launch_bwd(dy2: torch.Tensor, y2: torch.Tensor, dx2: torch.Tensor, cfg: RowConfig) -> None:
     m, n = y2.shape
-    if split_applies(n, min_n=SOFTMAX_SPLIT_MIN_N_BWD) and launch_softmax_bwd_split(dy2, y2, dx2):
+    path = bwd_route(dy2, y2, dx2)
+    if path.path is Path.SPLIT and launch_softmax_bwd_split(dy2, y2, dx2, path.config):
         return
     flyc.launch(
         softmax_bwd_kernel, (flyc.cdiv(m, cfg.block_m),),
@@ -256,8 +271,8 @@ _EAGER_PLANS: dict = {}  # cheap key of a plain call -> launch plan or None (see
 def _eager_fwd_plan(x: torch.Tensor, m: int, n: int):
     """What :func:`._eager.make_plan` binds for :func:`_eager_fwd`'s key (what packed_plan reads: the
     dtype, the width, x's pointer's low bits), or None when no plan can serve it."""
-    if x.dtype not in SOFTMAX_DTYPES or n >= SPLIT_MIN_N:
-        return None
+    if x.dtype not in SOFTMAX_DTYPES or not route("softmax", x.dtype, m, n, flydsl.arch.current(x.device)).eager_plan:
+        return None  # the split widths
     x2, y2 = x.view(m, n), torch.empty_like(x).view(m, n)
     cfg, packed = packed_plan(softmax_config(n, x.dtype, x.device), True, x2, y2)
     layout = (eager.ARG_X, eager.ARG_Y, eager.ARG_M, eager.ARG_N, eager.ARG_N, eager.ARG_N)

@@ -51,8 +51,8 @@ exceeds one wave (:func:`flydsl.compiler.programs_per_sm`), and rows of more
 than SPLIT_MAX_PARTS slices are left to the chunked paths. A wait that does
 not end within SPIN_LIMIT polls poisons its row with NaN instead of hanging
 the GPU. The interpreter runs programs one at a time, so the public ops never
-take these paths there (:func:`fly_norm._split_host.split_applies`, which holds the configurations and
-launchers named here); tests run them through it with
+take these paths there (:func:`fly_norm.routing.route`; the configurations and launchers named here are
+in :mod:`fly_norm._split_host`); tests run them through it with
 one slice a row (no waiting) and with a tiny spin limit (the give-up path, and
 the last program of each row merging every slice: ``tests/test_split.py``).
 """
