@@ -239,7 +239,7 @@ def _grad_needed(*tensors) -> bool:
 
 # The op is defined through torch.library.Library rather than torch.library.custom_op: custom_op wraps its
 # kernel in torch._disable_dynamo, which imports torch._dynamo on the op's first eager call. That import took
-# 1.3-3.9 s of a FlyLinear's first forward (CPU, torch 2.13: 3.9 s against 0.07 s for the first call without
+# 1.3-3.9 s of a FlyLinear's first forward (CPU host: 3.9 s against 0.07 s for the first call without
 # autograd; 1.3-2.3 s on the H200 host); a Library kernel is called without it (first call: 8 ms).
 _LIB = torch.library.Library("fly_gemm", "DEF")
 _LIB.define(

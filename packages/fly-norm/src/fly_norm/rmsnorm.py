@@ -211,11 +211,11 @@ torch.library.register_autograd("fly_norm::rms_norm_fwd", _backward, setup_conte
 
 class _EagerRMSNorm(torch.autograd.Function):
     """The custom op's autograd outside tracing, without the dispatcher: torch wraps a custom op's
-    implementation so that its first call imports torch._dynamo (1.4 s on a CPU host, torch 2.13), which
+    implementation so that its first call imports torch._dynamo (1.4 s on a CPU host), which
     made the first differentiable call, and so every module's first call, take seconds."""
 
     # forward takes ctx itself (no separate setup_context): with one, Function.apply binds its arguments
-    # through inspect.signature every call, ~25 us of host time a call (CPU host, torch 2.13).
+    # through inspect.signature every call, ~25 us of host time a call on a CPU host.
     @staticmethod
     def forward(ctx, x, weight, residual, eps, weight_offset, store_stats):
         out = _rms_norm_fwd(x, weight, residual, eps, weight_offset, store_stats)

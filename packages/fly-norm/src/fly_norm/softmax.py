@@ -379,7 +379,7 @@ torch.library.register_autograd("fly_norm::softmax_fwd", _backward, setup_contex
 
 class _EagerSoftmax(torch.autograd.Function):
     """The custom op's autograd outside tracing, without the dispatcher: the first call of a custom op's
-    implementation imports torch._dynamo (1.4 s on a CPU host, torch 2.13; see rmsnorm._EagerRMSNorm)."""
+    implementation imports torch._dynamo (1.4 s on a CPU host; see rmsnorm._EagerRMSNorm)."""
 
     @staticmethod
     def forward(ctx, x, autotune):  # ctx here: see rmsnorm._EagerRMSNorm
