@@ -16,6 +16,7 @@ import numbers
 import torch
 
 import flydsl.arch
+import flydsl.compiler as flyc
 from flydsl.autotune import SearchTask
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
@@ -24,8 +25,9 @@ from flydsl_common.device import activation_code
 from flydsl_common.quant import quantize_per_token
 from flydsl_common.reference import torch_activation
 
+from . import _staging
 from ._kernels.gemv import launch_gemv
-from ._kernels.persistent import launch_persistent, tma_operand_a
+from ._kernels.persistent import launch_persistent, tma_capable, tma_operand_a
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_for, config_valid
 from .prepack import B_LAYOUTS, PackedWeight
@@ -122,8 +124,9 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
         def task():  # the search task of this call (FLYDSL_AUTOTUNE=1): its own operands, the fp64 reference
             return SearchTask(
                 run=lambda cfg: _gemm(a, b, bias, activation, dtype, scale_a, scale_b, out, b_layout, cfg),
-                reference=lambda: gemm_ref(a, b, bias=bias, activation=activation, scale_a=scale_a,
-                                           scale_b=scale_b, b_layout=b_layout),  # fmt: skip
+                reference=lambda: gemm_ref(
+                    a, b, bias=bias, activation=activation, scale_a=scale_a, scale_b=scale_b, b_layout=b_layout
+                ),
                 rtol=tolerance(dtype) if dtype.is_floating_point and dtype != torch.float32 else 1e-4,
             )
 
@@ -131,12 +134,26 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
     cfg = config
     if not config_valid(cfg, a.dtype, arch, out.element_size()):
         raise ArgumentError(f"config: {cfg} is not a valid launch config for {dtype_name(a.dtype)} on {arch.name}")
+    # Every operand is on one device (checked above): on the current one, the launchers' own checks are
+    # skipped (their __wrapped__), which is most of their host cost.
+    direct = flyc.on_current_device(out)
     if cfg.gemv:
-        launch_gemv(a, b_nk, out, bias, sa, sb, act, cfg)
-    elif cfg.tma and (tma_a := tma_operand_a(a, b, out)) is not None:
-        launch_persistent(*tma_a, b, out, bias, sa, sb, act, b_layout == "kn", cfg)
+        (launch_gemv.__wrapped__ if direct else launch_gemv)(a, b_nk, out, bias, sa, sb, act, cfg)
+        return out
+    c = out
+    staging = _staging.plan(a, b_nk, out, cfg.tma and tma_capable(arch))
+    if staging is not None:  # aligned copies of what the kernels would read slowly (see _staging)
+        a, b_nk, c = _staging.stage_operands(staging, a, b_nk, out)
+        if staging.copy_b:
+            b, b_layout = b_nk, "nk"
+    if cfg.tma and (tma_a := tma_operand_a(a, b, c, c_scratch=c is not out)) is not None:
+        (launch_persistent.__wrapped__ if direct else launch_persistent)(
+            *tma_a, b, c, bias, sa, sb, act, b_layout == "kn", cfg
+        )
     else:  # every other shape, stride and GPU: the pointer-based kernel
-        launch_tiled(a, b_nk, out, bias, sa, sb, act, cfg)
+        (launch_tiled.__wrapped__ if direct else launch_tiled)(a, b_nk, c, bias, sa, sb, act, cfg)
+    if c is not out:
+        out.copy_(c)
     return out
 
 
@@ -156,7 +173,10 @@ def gemm(
     """``C = act((A @ B^T) * scale_a * scale_b + bias)``, accumulated in fp32 (int32 for int8).
 
     Args:
-        a: ``[M, K]``, fp16 / bf16 / fp8 e4m3 / int8; any strides (read in place).
+        a: ``[M, K]``, fp16 / bf16 / fp8 e4m3 / int8; any strides. Operands (and an output) whose rows the
+            kernels cannot read in whole vectors (K or a row stride not a multiple of 16 elements, a
+            misaligned base, a strided last dim) are copied into aligned, zero-padded buffers first, when
+            the call is large enough for that to pay (``fly_gemm._staging``); others are read in place.
         b: same dtype as ``a``; ``[N, K]`` (``b_layout="nk"``, the default: C = A @ B^T) or ``[K, N]``
             (``b_layout="kn"``: C = A @ B); any strides. Or a :class:`~fly_gemm.PackedWeight` from
             :func:`~fly_gemm.prepack` (its scale is scale_b; a 16-bit ``a`` against a quantized weight is

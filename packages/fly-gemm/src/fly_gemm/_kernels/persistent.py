@@ -37,7 +37,7 @@ import flydsl.expr as fx
 from .epilogue import epilogue, epilogue_meta
 from .splitk import split_launch, store_split
 
-__all__ = ["tma_operand_a", "launch_persistent"]
+__all__ = ["tma_capable", "tma_rows", "tma_operand_a", "launch_persistent"]
 
 
 # fmt: off
@@ -129,29 +129,35 @@ def _store_tile(
         c_desc.store([m0, n0], out.to(c_desc.dtype))
 
 
-def _tma_rows(t: torch.Tensor) -> bool:
-    """A 2-D operand TMA can address: unit last stride, 16-byte aligned base, row stride and row bytes (the
-    last so that no descriptor store touches the bytes past a row's end)."""
+def tma_rows(t: torch.Tensor, whole_rows: bool = True) -> bool:
+    """A 2-D operand TMA can address: unit last stride, 16-byte aligned base and row stride, and (unless
+    ``whole_rows`` is False: a scratch buffer of ours, whose bytes between rows are free) row bytes a multiple
+    of 16, so that no descriptor store can touch a user's bytes past a row's end."""
     size = t.element_size()
     return (
         t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
-        and (t.shape[1] * size) % 16 == 0
+        and (not whole_rows or (t.shape[1] * size) % 16 == 0)
     )  # fmt: skip
 
 
-def tma_operand_a(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+def tma_capable(arch: flydsl.arch.Arch) -> bool:
+    """Whether ``arch`` runs the TMA kernel: a CUDA GPU with tensor-memory access (sm_90+), or the
+    interpreter."""
+    return arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))
+
+
+def tma_operand_a(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, c_scratch: bool = False):
     """``(a's storage, a_km)`` when the persistent TMA kernel may take these operands, else None: a CUDA GPU
     with tensor-memory access (sm_90+) or the interpreter; K > 0; ``b`` (as given, ``[N, K]`` or
-    ``[K, N]``) and ``c`` :func:`_tma_rows`; ``a`` too, or its transpose (a ``[K, M]`` row-major storage:
-    ``a_km``)."""
-    arch = flydsl.arch.current(a.device)
-    if not (arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))):
+    ``[K, N]``) and ``c`` :func:`tma_rows` (``c_scratch``: c is a buffer of ours, see ``whole_rows``);
+    ``a`` too, or its transpose (a ``[K, M]`` row-major storage: ``a_km``)."""
+    if not tma_capable(flydsl.arch.current(a.device)):
         return None
-    if a.shape[1] == 0 or not (_tma_rows(b) and _tma_rows(c)):
+    if a.shape[1] == 0 or not (tma_rows(b) and tma_rows(c, whole_rows=not c_scratch)):
         return None
-    if _tma_rows(a):
+    if tma_rows(a):
         return a, False
-    return (a.t(), True) if _tma_rows(a.t()) else None
+    return (a.t(), True) if tma_rows(a.t()) else None
 
 
 @flyc.jit(skip_empty=False)
