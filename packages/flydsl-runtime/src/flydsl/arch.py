@@ -105,9 +105,23 @@ def current(device: torch.device | str | int | None = None) -> Arch:
         if device.type == "cpu":
             return INTERPRETER
         device = device.index
-    if _backend.interpreting() or not torch.cuda.is_available():
+    if _backend.interpreting() or not _cuda_available():
         return INTERPRETER
-    return _query(torch.cuda.current_device() if device is None else int(device))
+    return _query(torch._C._cuda_getDevice() if device is None else int(device))
+
+
+_CUDA_SEEN: list = []  # non-empty once a GPU was found: a process's GPUs do not go away
+
+
+def _cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked until it first says yes (it queries NVML or the driver on every
+    call: ~5 us of a launch path's host time)."""
+    if _CUDA_SEEN:
+        return True
+    if torch.cuda.is_available():
+        _CUDA_SEEN.append(True)
+        return True
+    return False
 
 
 def name(device=None) -> str:
