@@ -95,6 +95,14 @@ def test_transposed_operands_are_read_in_place(stage_small):
     c = _t(32, 48)
     assert plan(a, b, c, tma=False) is None
     assert plan(a, b, c, tma=True) is None
+    # a ragged K along their strided dimension needs no mask inside a vector, no 16-byte K row: in place
+    # (the backward's dB = G^T A over an odd number of rows)
+    a = torch.empty(47, 32, dtype=torch.bfloat16).t()
+    b = torch.empty(47, 48, dtype=torch.bfloat16).t()
+    assert plan(a, b, c, tma=False) is None
+    assert plan(a, b, c, tma=True) is None
+    # one K-major operand with a ragged K: both copied, padded (the other would be read past its K rows)
+    assert plan(_t(32, 47), b, c, tma=True) == Staging(48, True, True, False)
 
 
 def test_small_calls_and_the_switch(monkeypatch):

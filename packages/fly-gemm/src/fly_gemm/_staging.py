@@ -80,17 +80,21 @@ def plan(a: torch.Tensor, b_nk: torch.Tensor, c: torch.Tensor, tma: bool) -> Sta
     if not ENABLED[0] or m == 0 or n == 0 or k == 0 or (m + n) * k < _MIN_ELEMENTS:
         return None
     kp = -(-k // _ALIGN) * _ALIGN
-    if tma:
-        ok_a = tma_rows(a) or tma_rows(a.t())
-        ok_b = tma_rows(b_nk) or tma_rows(b_nk.t())
+    if tma:  # a transposed operand is read as its [K, rows] storage: only K-major rows need 16-byte K
+        copy_a = not (tma_rows(a) or tma_rows(a.t()))
+        copy_b = not (tma_rows(b_nk) or tma_rows(b_nk.t()))
         copy_c = not tma_rows(c)
-        pad = (k * a.element_size()) % 16 != 0  # K-major rows of K elements can never be aligned
+        pad = (k * a.element_size()) % 16 != 0 and (copy_a or copy_b)
     else:
-        ok_a = _k_major_aligned(a) or _read_in_place(a)
-        ok_b = _k_major_aligned(b_nk) or _read_in_place(b_nk)
+        copy_a = not (_k_major_aligned(a) or _read_in_place(a))
+        copy_b = not (_k_major_aligned(b_nk) or _read_in_place(b_nk))
         copy_c = False  # the tiled kernel's masked stores are a small part of its time
-        pad = kp != k and (a.stride(1) == 1 or b_nk.stride(1) == 1)  # masks that vary along a vector
-    copy_a, copy_b = (True, True) if pad else (not ok_a, not ok_b)
+        # a ragged K masks every K step element by element along a K-major read
+        pad = kp != k and (copy_a or copy_b or a.stride(1) == 1 or b_nk.stride(1) == 1)
+    # A K-major copy of a ragged K is padded, and then the kernels run the padded K: the other operand must
+    # have its zero columns too (read in place, it would be read past its last row).
+    if pad:
+        copy_a = copy_b = True
     if not (copy_a or copy_b or copy_c):
         return None
     return Staging(kp if pad else k, copy_a, copy_b, copy_c)
