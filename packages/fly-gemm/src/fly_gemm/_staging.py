@@ -45,6 +45,12 @@ _ALIGN = 16  # elements: the divisibility Triton specializes ints on
 # Below this many elements of A and B the slow read costs a few microseconds at most, less than the copies'
 # own launches (a copy and a fill per operand).
 _MIN_ELEMENTS = 1 << 16
+# The tiled kernel at decode sizes (M up to 32: row tiles of at most 32) in 16 bits reads a misaligned weight
+# one element at a time at 0.2-1.0x cuBLAS, and the weight's copy costs more: on the H200 sweep, staged calls
+# of M 1-21 ran 1.9-3.3x slower than unstaged (10 x 15528 x 13981: 189 -> 620 us). Wider row tiles (M 37-57,
+# 64-row tiles) and 8-bit operands read unaligned are 10-100x slower than aligned (int8 6 x 29112 x 5560:
+# 6.1 ms unstaged, 0.4 ms staged; bf16 37 x 25107 x 23569: 11.6 ms, 1.7 ms), so they are staged.
+_TILED_SMALL_M = 32
 ENABLED = [True]  # tests switch staging off to reach the kernels' ragged paths through the public call
 
 
@@ -85,6 +91,8 @@ def plan(a: torch.Tensor, b_nk: torch.Tensor, c: torch.Tensor, tma: bool) -> Sta
         copy_b = not (tma_rows(b_nk) or tma_rows(b_nk.t()))
         copy_c = not tma_rows(c)
         pad = (k * a.element_size()) % 16 != 0 and (copy_a or copy_b)
+    elif a.element_size() == 2 and m <= _TILED_SMALL_M:
+        return None  # decode sizes in 16 bits: the tiled kernel's unvectorized read costs less than the copies
     else:
         copy_a = not (_k_major_aligned(a) or _read_in_place(a))
         copy_b = not (_k_major_aligned(b_nk) or _read_in_place(b_nk))
