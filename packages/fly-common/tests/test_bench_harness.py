@@ -850,3 +850,18 @@ def test_profile_writes_where_the_time_went(fake_timer, tmp_path):
     case_line = next(line for line in text.splitlines() if "(_run_case)" in line)
     assert case_line.split()[0] == "2"  # one quick case a bench, both benches profiled (not just the first)
     assert text.count("function calls") == 2  # the two sortings of one profile
+
+
+def test_profiled_benches_are_marked_in_the_results(fake_timer, tmp_path):
+    """A run under --profile says so in its JSON and markdown (its host-side timings carry cProfile's
+    overhead); a plain run does not, and merging keeps each bench's mark."""
+    specs = [_add_bench(PROVIDERS[:2]), _add_bench(PROVIDERS[:2], name="second")]
+    out = ["--no-ceilings", "--out", str(tmp_path)]
+    assert main_for(specs, [*out, "--only", "toy", "--profile", str(tmp_path / "prof.txt")]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert [b.profiled for b in Results.load(path).benches] == [True]
+    assert "Timed under cProfile" in path.with_suffix(".md").read_text()
+    assert main_for(specs, [*out, "--only", "second", "--merge"]) == 0
+    merged = Results.load(path)
+    assert {b.name: b.profiled for b in merged.benches} == {"toy": True, "second": False}
+    assert path.with_suffix(".md").read_text().count("Timed under cProfile") == 1

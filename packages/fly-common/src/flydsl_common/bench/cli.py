@@ -190,8 +190,14 @@ def main_for(
     # Each finished bench is written at once, so a run cut short keeps what it measured.
     profiler = cProfile.Profile() if args.profile else None
 
+    def mark_profiled(results: Results) -> Results:
+        if profiler is not None:
+            for b in results.benches:
+                b.profiled = True
+        return results
+
     def on_bench(partial: Results) -> None:
-        _write(partial, out_dir, args.stem, merge, quiet=True)
+        _write(mark_profiled(partial), out_dir, args.stem, merge, quiet=True)
         if profiler is not None:  # reading the stats stops the profiler: it is started again after
             profiler.disable()
             _write_profile(profiler, args.profile)
@@ -199,19 +205,21 @@ def main_for(
 
     common["on_bench"] = on_bench
     if profiler is not None:
+        print("--profile: cProfile inflates the call, step and host timings; the results mark these benches",
+              flush=True)  # fmt: skip
         profiler.enable()
     written: list[Results] = []
     if not args.sweep_only:
         print("tuned set:", flush=True)
         tuned = run(benches, quick=quick, **common)
         if tuned.rows():
-            _report(tuned, out_dir, args.stem, merge)
+            _report(mark_profiled(tuned), out_dir, args.stem, merge)
             written.append(tuned)
     if do_sweep:
         print(f"sweep (seed {seed}):", flush=True)
         swept = run_sweep(benches, seed=seed, count=count, **common)
         if swept.rows():
-            _report(swept, out_dir, args.stem, merge)
+            _report(mark_profiled(swept), out_dir, args.stem, merge)
             written.append(swept)
     if profiler is not None:
         profiler.disable()

@@ -97,6 +97,9 @@ class BenchResult:
     rows: list[Row]
     timings: list[str] = field(default_factory=lambda: ["gpu", "call", "step"])
     date: str = ""  # when the bench finished (UTC, ISO): benches merged from several runs keep their own
+    # Timed with the CLI's --profile on: cProfile was active, which inflates every host-side timing (call,
+    # step, host) by the profiler's per-call overhead; the report says so beside the bench.
+    profiled: bool = False
 
     def shown_timings(self) -> list[str]:
         """The measured timings in table order (:data:`TIMINGS`), those with no value in any row left out."""
@@ -387,6 +390,12 @@ class Results:
                 out += [b.description, ""]
             if b.date:
                 out += [f"Run finished {b.date}.", ""]
+            if b.profiled:
+                out += [
+                    "**Timed under cProfile** (`--profile`): call, step and host timings include the profiler's "
+                    "overhead on every Python call; compare them only with another profiled run.",
+                    "",
+                ]
             head = ["case", "provider"]
             for t in timings:
                 head += [f"{_LABEL[t]} (us)", "vs best"]
