@@ -31,14 +31,10 @@ def built():
     return m
 
 
-@pytest.fixture(params=["methods", "api"])
-def mod(built, request):
-    """The C module reading tensors through their Python methods, or through a tensor API (a ctypes stand-in
-    for flydsl.native.tensor_api's, reading the same stand-in tensors): every test runs both ways."""
-    api = FakeApi() if request.param == "api" else None
-    built.set_tensor_api(api.capsule if api else None)
-    yield built
-    built.set_tensor_api(None)
+@pytest.fixture
+def mod(built):
+    """The C module (each test installs its own stand-ins through ``setup``)."""
+    return built
 
 
 class FakeTensor:
@@ -64,53 +60,6 @@ class FakeTensor:
 
 class FakeParameter(FakeTensor):
     pass
-
-
-class _Info(ctypes.Structure):  # flydsl_tensor_info (flydsl/_native/tensor_api.h)
-    _fields_ = [("data_ptr", ctypes.c_ulonglong), ("sizes", ctypes.c_longlong * 8), ("ndim", ctypes.c_int),
-                ("device", ctypes.c_int), ("contiguous", ctypes.c_int), ("requires_grad", ctypes.c_int),
-                ("dtype", ctypes.c_void_p)]  # fmt: skip
-
-
-_INFO_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_Info))
-_EMPTY_FN = ctypes.CFUNCTYPE(ctypes.py_object, ctypes.py_object, ctypes.POINTER(ctypes.c_ulonglong))
-_GRAD_FN = ctypes.CFUNCTYPE(ctypes.c_int)
-
-
-class _Api(ctypes.Structure):  # flydsl_tensor_api
-    _fields_ = [("info", _INFO_FN), ("empty_like", _EMPTY_FN), ("grad_enabled", _GRAD_FN)]
-
-
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-
-class FakeApi:
-    """The tensor API over the stand-in tensors, for the Env installed last (its grad mode, its allocations)."""
-
-    env = None
-    _NAME = b"flydsl.tensor_api.v1"
-
-    def __init__(self):
-        def info(obj, out):
-            if not isinstance(obj, FakeTensor) or len(obj.shape) > 8:
-                return 0
-            o = out.contents
-            o.data_ptr, o.ndim = obj.ptr, len(obj.shape)
-            for i, d in enumerate(obj.shape):
-                o.sizes[i] = d
-            o.device = obj.device if obj.is_cuda else -1
-            o.contiguous, o.requires_grad, o.dtype = int(obj.contiguous), int(obj.requires_grad), id(obj.dtype)
-            return 1
-
-        def empty_like(obj, ptr):
-            y = FakeApi.env.empty_like(obj)
-            ptr[0] = y.ptr
-            return y
-
-        self.api = _Api(_INFO_FN(info), _EMPTY_FN(empty_like), _GRAD_FN(lambda: int(FakeApi.env.grad)))
-        self.capsule = _capsule_new(ctypes.addressof(self.api), self._NAME, None)
 
 
 class Hooks:
@@ -140,7 +89,6 @@ class Env:
         return y
 
     def install(self, mod):
-        FakeApi.env = self
         mod.setup(FakeTensor, FakeParameter, self.off, lambda: self.grad, lambda: self.device,
                   lambda dev: 1000 + dev, self.knobs, self.empty_like)  # fmt: skip
 
@@ -386,30 +334,3 @@ def test_driver_path_keeps_no_references(mod, driver_call):
     env.allocated.clear()
     after = [sys.getrefcount(o) for o in (x, w, plans, PREFIX, torch.bfloat16, x.shape, w.shape, SIG)]
     assert after == before
-
-
-def test_the_real_tensor_api_on_cpu_tensors_and_a_wrong_capsule(built):
-    """With flydsl's C++ tensor API (built here against this torch) and torch's own tensor types: CPU tensors
-    are left to Python (the API reads device -1), nothing leaks; a capsule of another name is refused."""
-    cap = native.tensor_api(wait=True)
-    if cap is None:
-        pytest.skip("the C++ tensor API cannot be built here")
-    x, w = torch.randn(4, 64), torch.randn(64)
-    built.setup(torch.Tensor, torch.nn.Parameter, [], torch.is_grad_enabled, lambda: 0, lambda dev: 0, Knobs(),
-                torch.empty_like)  # fmt: skip
-    try:
-        built.set_tensor_api(cap)
-        assert built.tensor_api_in_use()
-        plans = {}
-        for _ in range(10):
-            assert built.call(plans, PREFIX, x, w, None, 1e-6) is None
-        before = [sys.getrefcount(o) for o in (x, w, plans, torch.float32)]
-        for _ in range(1000):
-            built.call(plans, PREFIX, x, w, None, 1e-6)
-        assert [sys.getrefcount(o) for o in (x, w, plans, torch.float32)] == before
-        wrong = _capsule_new(ctypes.addressof(FakeApi().api), b"not.the.tensor.api", None)
-        with pytest.raises(ValueError):
-            built.set_tensor_api(wrong)
-    finally:
-        built.set_tensor_api(None)
-    assert not built.tensor_api_in_use()

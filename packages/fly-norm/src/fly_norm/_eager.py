@@ -21,11 +21,8 @@ which names what is wrong.
 Two implementations serve plans. :data:`fast` is ``eager_native.c``
 compiled at the first call on a GPU (:func:`flydsl.native.load`): the gate,
 the key and the launch of a call without a residual or weight offset in C,
-no Python bytecode between the caller and the launch. It reads the tensors
-and allocates the output through torch's Python methods until flydsl's C++
-tensor API (:func:`flydsl.native.tensor_api`, built in the background at
-that first call, or taken from the cache) is handed to it, then through
-torch's C++ API (~2 us less a call). The Python path
+no Python bytecode between the caller and the launch; it reads the tensors
+and allocates the output through torch's Python methods. The Python path
 (:func:`rows_device`, :func:`vector_key`, :func:`make_plan`, :func:`launch`;
 the callers :func:`fly_norm._norm_host.eager_forward` and
 :func:`fly_norm.softmax._eager_fwd`) serves everything else and makes the
@@ -142,7 +139,6 @@ def _first_fast(plans: dict, prefix, x, w, b, eps):
     mod.setup(torch.Tensor, torch.nn.Parameter, _OFF, grad_enabled, _current_device, _current_stream,
               triton.knobs.runtime, torch.empty_like)  # fmt: skip
     mod.driver()  # launches straight through libcuda's cuLaunchKernel where it is found
-    native.tensor_api(mod.set_tensor_api)  # tensors read through torch's C++ API once it is built
     fast = mod.call
     return fast(plans, prefix, x, w, b, eps)
 

@@ -52,7 +52,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flydsl import native
 from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, main_for, results_dir
 
 from . import reference as ref
@@ -485,8 +484,6 @@ def _host_bench() -> Bench:
 
     def setup(case, device):
         m, n = case.params["M"], case.params["N"]
-        if torch.device(device).type == "cuda":
-            native.tensor_api(wait=True)  # the steady state: the C path's C++ tensor API built (once a torch)
         _, _, _, n_params, residual = ops[case.params["op"]]
         args = [torch.randn(m, n, device=device, dtype=torch.bfloat16)]
         args += [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(n_params)]

@@ -18,9 +18,7 @@
  * context.
  *
  * The tensors' fields, grad mode and the output's allocation are read through torch's Python methods
- * until set_tensor_api hands over flydsl's C++ tensor API (flydsl/tensor_api.h, built against torch's
- * headers by flydsl.native.tensor_api in the background at the first GPU call), then through it: one
- * call a tensor and at::empty_like, ~2 us less a call.
+ * (this module builds with the compiler and Python headers Triton's launchers need, nothing of torch's).
  *
  * Errors raised by the objects it calls are cleared and the call falls back to Python, which raises
  * them properly; an error from the launch itself propagates.
@@ -31,8 +29,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <flydsl/tensor_api.h>
-
 enum { ARG_NONE, ARG_X, ARG_W, ARG_B, ARG_Y, ARG_M, ARG_N, ARG_EPS, ARG_ZERO };
 
 static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *current_device, *current_stream,
@@ -40,9 +36,6 @@ static PyObject *tensor_type, *parameter_type, *off_list, *grad_enabled, *curren
 static PyObject *s_is_cuda, *s_is_contiguous, *s_shape, *s_get_device, *s_requires_grad, *s_data_ptr, *s_dtype,
     *s_enter, *s_exit, *s_calls;
 static PyObject *zero, *one;
-/* flydsl's C++ tensor API once set_tensor_api gave it (flydsl.native.tensor_api): the tensors' fields,
- * grad mode and the output's allocation without torch's Python methods. NULL: those methods. */
-static const flydsl_tensor_api *api;
 
 /* The driver entry points (libcuda's, or a test's stand-ins: driver()). CUresult is an int enum; CUfunction,
  * CUstream and CUcontext are pointers. */
@@ -90,18 +83,6 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *set_tensor_api(PyObject *self, PyObject *cap) {
-    const flydsl_tensor_api *a = NULL;
-    if (cap != Py_None) {
-        a = (const flydsl_tensor_api *)PyCapsule_GetPointer(cap, FLYDSL_TENSOR_API_CAPSULE);
-        if (!a) return NULL;
-    }
-    api = a;
-    Py_RETURN_NONE;
-}
-
-static PyObject *tensor_api_in_use(PyObject *self, PyObject *unused) { return PyBool_FromLong(api != NULL); }
-
 /* 1 when r (a new reference, consumed) is True, 0 when anything else, -1 when NULL (an error is set). */
 static int is_true(PyObject *r) {
     if (!r) return -1;
@@ -147,8 +128,7 @@ static unsigned long long data_ptr(PyObject *o) {
     return v;
 }
 
-/* What the gate reads of a tensor. dtype and shape are new references (shape NULL where not asked for and
- * the C++ API read the sizes); fields_clear releases them. */
+/* What the gate reads of a tensor. dtype and shape are new references; fields_clear releases them. */
 typedef struct {
     unsigned long long ptr;
     long long numel, n; /* n: the last dimension (0 for a 0-d tensor) */
@@ -162,32 +142,10 @@ static void fields_clear(fields *f) {
 }
 
 /* t's fields when t is a contiguous CUDA tensor: 1; else 0 (or 0 with an error set, which the caller clears
- * before its Python path takes the call). requires_grad is read only when ``grad`` (else 0); the shape as an
- * object only when ``want_shape`` (the key of a weight or bias) or where torch's methods are read. Through
- * the C++ API when set (one call), else through the tensor's Python attributes and methods. */
-static int read_fields(PyObject *t, fields *f, int grad, int want_shape) {
+ * before its Python path takes the call). requires_grad is read only when ``grad`` (else 0). Through the
+ * tensor's Python attributes and methods. */
+static int read_fields(PyObject *t, fields *f, int grad) {
     memset(f, 0, sizeof *f);
-    if (api) {
-        flydsl_tensor_info info;
-        if (!api->info(t, &info) || info.device < 0 || !info.contiguous) return 0;
-        f->ptr = info.data_ptr;
-        f->ndim = info.ndim;
-        f->device = info.device;
-        f->requires_grad = grad && info.requires_grad;
-        f->numel = 1;
-        for (int i = 0; i < info.ndim; i++) f->numel *= info.sizes[i];
-        f->n = info.ndim ? info.sizes[info.ndim - 1] : 0;
-        f->dtype = Py_NewRef(info.dtype);
-        if (want_shape) {
-            if (!(f->shape = PyTuple_New(info.ndim))) return 0;
-            for (int i = 0; i < info.ndim; i++) {
-                PyObject *d = PyLong_FromLongLong(info.sizes[i]);
-                if (!d) return 0;
-                PyTuple_SET_ITEM(f->shape, i, d);
-            }
-        }
-        return 1;
-    }
     if (is_true(PyObject_GetAttr(t, s_is_cuda)) != 1 || is_true(PyObject_CallMethodNoArgs(t, s_is_contiguous)) != 1)
         return 0;
     f->shape = PyObject_GetAttr(t, s_shape);
@@ -219,7 +177,7 @@ static PyObject *vector_key(PyObject *v, long long dev, int grad, unsigned long 
     if (Py_TYPE(v) != (PyTypeObject *)tensor_type && Py_TYPE(v) != (PyTypeObject *)parameter_type) return NULL;
     fields f;
     PyObject *key = NULL;
-    if (read_fields(v, &f, grad, 1) && f.device == dev && !f.requires_grad) {
+    if (read_fields(v, &f, grad) && f.device == dev && !f.requires_grad) {
         PyObject *low = PyLong_FromUnsignedLongLong(f.ptr & 15);
         key = low ? PyTuple_Pack(3, f.dtype, f.shape, low) : NULL;
         Py_XDECREF(low);
@@ -404,8 +362,8 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     /* The caller has checked that no tracing is on (torch.compile cannot trace this function). */
     if (!tensor_type || !PyDict_Check(plans) || PyList_GET_SIZE(off_list)) goto fallback;
     if (Py_TYPE(x) != (PyTypeObject *)tensor_type) goto fallback;
-    int grad = api ? api->grad_enabled() : is_true(PyObject_CallNoArgs(grad_enabled));
-    if (grad < 0 || !read_fields(x, &xf, grad, 0) || xf.ndim == 0 || xf.n <= 0 || xf.requires_grad) FALLBACK();
+    int grad = is_true(PyObject_CallNoArgs(grad_enabled));
+    if (grad < 0 || !read_fields(x, &xf, grad) || xf.ndim == 0 || xf.n <= 0 || xf.requires_grad) FALLBACK();
     long long dev = xf.device, n = xf.n, m = xf.numel / xf.n;
     PyObject *cur = PyObject_CallNoArgs(current_device);
     long long cur_dev = cur ? PyLong_AsLongLong(cur) : -2;
@@ -429,8 +387,8 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_INCREF(plan); /* the dict may change under the calls below */
     eps = PyFloat_FromDouble(e);
     unsigned long long yp = 0;
-    y = !eps ? NULL : api ? api->empty_like(x, &yp) : PyObject_CallOneArg(empty_like, x);
-    if (y && !api) {
+    y = !eps ? NULL : PyObject_CallOneArg(empty_like, x);
+    if (y) {
         yp = data_ptr(y);
         if (PyErr_Occurred()) Py_CLEAR(y);
     }
@@ -463,8 +421,6 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "setup(tensor type, Parameter type, off list, is_grad_enabled, current device, "
                                    "current raw stream, triton.knobs.runtime, empty_like)"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(plans, prefix, x, w, b, eps) -> y or None"},
-    {"set_tensor_api", set_tensor_api, METH_O, "set_tensor_api(capsule of flydsl.native.tensor_api, or None)"},
-    {"tensor_api_in_use", tensor_api_in_use, METH_NOARGS, "whether tensors are read through the tensor API"},
     {"driver", driver, METH_VARARGS, "driver() finds libcuda's launch; driver(launch address, current-context "
                                      "address) takes stand-ins (0, 0: none). True when the driver path is on"},
     {NULL, NULL, 0, NULL},

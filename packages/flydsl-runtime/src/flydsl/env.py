@@ -93,13 +93,6 @@ VARS: dict[str, Var] = {
             "0 hides the progress bar of tuning searches.",
         ),
         Var(
-            "FLYDSL_NATIVE_TORCH",
-            _parse_bool,
-            lambda: True,
-            "0 keeps the C fast paths on torch's Python methods: no C++ build against torch's headers "
-            "(flydsl.native.tensor_api, ~15-20 s in the background once per torch version).",
-        ),
-        Var(
             "FLYDSL_LOG_LEVEL",
             _parse_level,
             lambda: "WARNING",
@@ -142,12 +135,11 @@ def describe() -> list[tuple[str, str, str, str]]:
 # Variables of other tools that FlyDSL reads or writes. Listed so the one place
 # touching the environment is this module.
 _EXTERNAL = {"TRITON_INTERPRET", "TRITON_CACHE_DIR"}
-_READ_ONLY = {"CXX"}  # the C++ compiler flydsl.native.tensor_api builds with, as the toolchains read it
 
 
 def read_external(name: str) -> str | None:
-    """Read one of the non-FlyDSL variables FlyDSL coordinates with (Triton's, and ``CXX``)."""
-    if name not in _EXTERNAL | _READ_ONLY:
+    """Read one of the non-FlyDSL variables FlyDSL coordinates with (Triton's)."""
+    if name not in _EXTERNAL:
         raise KeyError(f"{name} is not a variable FlyDSL coordinates with")
     return os.environ.get(name)
 
