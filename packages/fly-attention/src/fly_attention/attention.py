@@ -1,0 +1,346 @@
+"""``flash_attn`` and ``flash_attn_varlen``: the flash attention forward for fp16 / bf16.
+
+In the order of the family's files: the kernel lives in :mod:`._kernels.flash_fwd`, the config choice in
+:mod:`.autotune`, then the host API below: argument checks (every bad input is named before anything
+launches), allocation and dispatch; then the ``torch.library`` custom ops (with fake implementations, so
+``torch.compile(fullgraph=True)`` traces them) and the public functions. There is no backward yet: a call
+whose inputs need a gradient is refused rather than answered with a result autograd cannot follow.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
+from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError, UnsupportedError
+
+from ._kernels.flash_fwd import launch_flash_fwd
+from .autotune import AttnConfig, config_valid, default_config
+
+__all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "MAX_HEAD_DIM"]
+
+IN_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256  # registers and shared memory of one program: the Q tile, the output tile and K / V tiles
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _options(causal, softmax_scale, window, softcap) -> tuple[int, int]:
+    """Check the options; the window as (left, right) with causal folded in (right = 0)."""
+    if not isinstance(causal, bool):
+        raise ArgumentError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
+    if softmax_scale is not None and (
+        not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
+        or not math.isfinite(softmax_scale)
+    ):  # fmt: skip
+        raise ArgumentError(f"softmax_scale: expected None or a finite number, got {softmax_scale!r}")
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):  # fmt: skip
+        raise ArgumentError(f"window: expected a pair of ints (left, right), -1 for unbounded, got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ArgumentError(f"window: each side must be >= -1 (-1: unbounded), got {tuple(window)!r}")
+    if (not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap)
+            or softcap < 0):  # fmt: skip
+        raise ArgumentError(f"softcap: expected a finite number >= 0 (0: off), got {softcap!r}")
+    if causal:  # flash-attention 2's rule: causal is the window with right = 0
+        right = 0
+    return left, right
+
+
+def _check_qkv(q, k, v, varlen: bool) -> None:
+    """dtype, rank, device, strides, and the batch / sequence / head / head-dim agreement of q, k, v."""
+    ndim = 3 if varlen else 4
+    layout = "[total_tokens, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"{name}: expected a torch.Tensor {layout}, got {type(t).__name__}")
+        check_tensor(name, t, dtypes=IN_DTYPES)
+        if t.dim() != ndim:
+            raise ShapeError(f"{name}: expected a {ndim}-D tensor {layout}, got {describe(t)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise DTypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (q's), got {describe(t)}")
+    check_same_device(q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise LayoutError(f"{name}: expected a unit stride in the last (head_dim) dimension, got {describe(t)}")
+    if not varlen and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ShapeError(f"k, v: expected batch {q.shape[0]} (q's), got k {describe(k)} and v {describe(v)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ShapeError(f"v: expected the sequence and heads of k {tuple(k.shape[:-1])}, got {describe(v)}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv < 1 or hq % hkv:
+        raise ShapeError(f"k: expected a number of heads that divides q's {hq} (GQA / MQA), got {describe(k)}")
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ShapeError(f"k: expected head_dim {d} (q's), got {describe(k)}")
+    for name, t in (("q", q), ("v", v)):
+        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise ShapeError(f"{name}: expected a head_dim in 1..{MAX_HEAD_DIM}, got {describe(t)}")
+
+
+def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> int:
+    """cu_seqlens int32 ``[batch + 1]`` on q's device, non-decreasing, inside the packed tokens, and no
+    sequence longer than its max_seqlen; returns the batch. One host sync for every value check."""
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
+        if t.device != q.device:
+            raise DeviceError(f"{name}: expected a tensor on {q.device} (q's device), got {describe(t)}")
+        if t.numel() < 1:
+            raise ShapeError(f"{name}: expected [batch + 1] offsets (at least one), got {describe(t)}")
+    if cu_q.numel() != cu_k.numel():
+        raise ShapeError(f"cu_seqlens_k: expected {cu_q.numel()} offsets (batch + 1, as cu_seqlens_q), got "
+                         f"{describe(cu_k)}")  # fmt: skip
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 0:
+            raise ArgumentError(f"{name}: expected an int >= 0, got {m!r}")
+    batch = cu_q.numel() - 1
+    if q.is_meta or torch.compiler.is_compiling():
+        return batch  # values unknown while tracing or on meta tensors
+    rows = []
+    for cu in (cu_q, cu_k):
+        steps = cu.diff() if batch else cu.new_zeros(1)
+        rows.append(torch.stack([cu[0], cu[-1], steps.min(), steps.max()]))
+    (q_first, q_last, q_min, q_max), (k_first, k_last, k_min, k_max) = torch.stack(rows).tolist()
+    for name, cu, first, last, lo, hi, total, mx, mname in (
+        ("cu_seqlens_q", cu_q, q_first, q_last, q_min, q_max, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_k, k_first, k_last, k_min, k_max, k.shape[0], max_seqlen_k, "max_seqlen_k"),
+    ):
+        if lo < 0:
+            raise ArgumentError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
+        if first < 0 or last > total:
+            raise ArgumentError(f"{name}: expected offsets within the {total} packed tokens, got first {first}, "
+                                f"last {last}")  # fmt: skip
+        if hi > mx:
+            raise ArgumentError(f"{mname}: a sequence of {name} has {hi} tokens, more than {mname} = {mx}")
+    return batch
+
+
+# ------------------------------------------------------------------ config and launch
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnConfig:
+    return default_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
+
+
+def _config(q, d, dv, sq, sk, causal, config) -> AttnConfig:
+    arch = flydsl.arch.current(q.device)
+    if config is None:
+        config = _config_for(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)), causal,
+                             q.dtype, arch)  # fmt: skip
+    elif not isinstance(config, AttnConfig):
+        raise ArgumentError(f"config: expected None or a fly_attention.AttnConfig, got {type(config).__name__}")
+    if not config_valid(config, d, dv, q.dtype, arch):
+        raise ArgumentError(f"config: {config} is not a valid launch config for head dims {d} / {dv}, "
+                            f"{dtype_name(q.dtype)} on {arch.name}")  # fmt: skip
+    return config
+
+
+def _scale(softmax_scale, d) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse, config=None):
+    """Check, allocate and launch the dense forward: (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` fp32, or
+    an empty ``[0]`` tensor without ``return_lse``)."""
+    _check_qkv(q, k, v, varlen=False)
+    b, sq, hq, d = q.shape
+    sk, dv = k.shape[1], v.shape[-1]
+    out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, sq if return_lse else 0, dtype=torch.float32, device=q.device)
+    if q.is_meta:
+        return out, (lse if return_lse else lse.new_empty(0))
+    cfg = _config(q, d, dv, sq, sk, causal, config)
+    launch_flash_fwd(q, k, v, out, lse if return_lse else None, None, None, sq, sk, b, left, right,
+                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    return out, (lse if return_lse else lse.new_empty(0))
+
+
+def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, left, right, softcap, return_lse,
+                       config=None):  # fmt: skip
+    """Check, allocate and launch the packed forward: (out ``[total_q, Hq, Dv]``, lse ``[Hq, total_q]`` fp32,
+    or an empty ``[0]`` tensor without ``return_lse``)."""
+    _check_qkv(q, k, v, varlen=True)
+    batch = _check_cu_seqlens(cu_q, cu_k, q, k, max_q, max_k)
+    total_q, hq, d = q.shape
+    dv = v.shape[-1]
+    out = torch.zeros(total_q, hq, dv, dtype=q.dtype, device=q.device)  # tokens of no sequence read 0
+    lse = torch.full((hq, total_q if return_lse else 0), float("-inf"), dtype=torch.float32, device=q.device)
+    if q.is_meta:
+        return out, (lse if return_lse else lse.new_empty(0))
+    cfg = _config(q, d, dv, max_q, max_k, causal, config)
+    launch_flash_fwd(q, k, v, out, lse if return_lse else None, cu_q, cu_k, max_q, max_k, batch, left, right,
+                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    return out, (lse if return_lse else lse.new_empty(0))
+
+
+# ------------------------------------------------------------------ custom ops
+
+# Defined through torch.library.Library (not custom_op), as fly-gemm does: custom_op's kernel imports
+# torch._dynamo on its first eager call (seconds).
+_LIB = torch.library.Library("fly_attention", "DEF")
+_LIB.define(
+    "flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, int window_left, "
+    "int window_right, float softcap, bool return_lse) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_LIB.define(
+    "flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "int max_seqlen_q, int max_seqlen_k, bool causal, float? softmax_scale, int window_left, int window_right, "
+    "float softcap, bool return_lse) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _fwd_op(q, k, v, causal, softmax_scale, window_left, window_right, softcap, return_lse):
+    return _flash_attn(q, k, v, causal, softmax_scale, window_left, window_right, softcap, return_lse)
+
+
+def _varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap,
+               return_lse):  # fmt: skip
+    return _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right,
+                              softcap, return_lse)  # fmt: skip
+
+
+_LIB.impl("flash_attn_fwd", _fwd_op, "CompositeExplicitAutograd")
+_LIB.impl("flash_attn_varlen_fwd", _varlen_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fly_attention::flash_attn_fwd", lib=_LIB)
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, return_lse):
+    b, sq, hq, _ = q.shape
+    out = q.new_empty(b, sq, hq, v.shape[-1])
+    lse = q.new_empty(b, hq, sq, dtype=torch.float32) if return_lse else q.new_empty(0, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("fly_attention::flash_attn_varlen_fwd", lib=_LIB)
+def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap, return_lse):
+    total, hq, _ = q.shape
+    out = q.new_empty(total, hq, v.shape[-1])
+    lse = q.new_empty(hq, total, dtype=torch.float32) if return_lse else q.new_empty(0, dtype=torch.float32)
+    return out, lse
+
+
+def _refuse_grad(fn: str, **tensors) -> None:
+    """No backward is built yet: a result autograd cannot follow must not pass for a differentiable one."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if needing:
+        raise UnsupportedError(
+            f"{fn}: {', '.join(needing)} require(s) grad, but the attention backward is not built yet (forward "
+            "only); call under torch.no_grad() or pass detached tensors"
+        )
+
+
+# ------------------------------------------------------------------ public functions
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """Flash attention forward: ``softmax(mask(softcap(q k^T * softmax_scale))) v``, accumulated in fp32.
+
+    Args:
+        q: ``[batch, seqlen_q, heads_q, head_dim]``, fp16 or bf16; any strides with a unit last one (a
+            ``[batch, heads, seqlen, head_dim]`` tensor's ``.transpose(1, 2)`` is read in place, no copy).
+        k: ``[batch, seqlen_k, heads_kv, head_dim]``, q's dtype; ``heads_q % heads_kv == 0`` (GQA / MQA:
+            query head h reads KV head ``h // (heads_q // heads_kv)``).
+        v: ``[batch, seqlen_k, heads_kv, head_dim_v]``; head_dim_v may differ from head_dim (e.g. 192 / 128).
+            Head dims 1..256 (64, 80, 96, 128, 192, 256 the intended ones; others padded to a power of two).
+        causal: row i sees keys ``j <= i + seqlen_k - seqlen_q`` (aligned to the bottom-right corner).
+        softmax_scale: default ``1 / sqrt(head_dim)``.
+        window: ``(left, right)`` sliding window: row i sees ``i + off - left <= j <= i + off + right`` with
+            ``off = seqlen_k - seqlen_q``; -1 leaves a side unbounded. With causal, right is 0.
+        softcap: ``> 0`` caps the scores: ``softcap * tanh(s / softcap)`` before masking; 0 is off.
+        return_lse: also return the log-sum-exp of the scaled scores, natural log, fp32 ``[batch, heads_q,
+            seqlen_q]``.
+
+    Returns:
+        ``out [batch, seqlen_q, heads_q, head_dim_v]`` (contiguous, q's dtype), and ``lse`` with
+        ``return_lse``. A row that sees no key (seqlen_q > seqlen_k under causal, or a window) gives 0
+        and lse -inf. Meta tensors give meta outputs.
+
+    Raises:
+        flydsl.errors.ArgumentError / ShapeError / DTypeError / LayoutError / DeviceError naming the
+        argument; UnsupportedError when an input requires grad (no backward yet).
+
+    Example::
+
+        out = flash_attn(q, k, v, causal=True)   # q [2, 1024, 32, 128], k / v [2, 1024, 8, 128] bf16
+    """
+    left, right = _options(causal, softmax_scale, window, softcap)
+    _refuse_grad("flash_attn", q=q, k=k, v=v)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.fly_attention.flash_attn_fwd(q, k, v, causal, softmax_scale, left, right,
+                                                          float(softcap), return_lse)  # fmt: skip
+    else:  # the direct route: no dispatcher
+        out, lse = _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """Flash attention forward over packed sequences of different lengths.
+
+    Args:
+        q: ``[total_q, heads_q, head_dim]``; k ``[total_k, heads_kv, head_dim]``; v ``[total_k, heads_kv,
+            head_dim_v]`` (dtypes, strides and heads as :func:`flash_attn`).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` on q's device, non-decreasing: sequence b is
+            tokens ``cu[b]:cu[b + 1]`` (empty sequences allowed).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence of each (the grid's size).
+        causal, softmax_scale, window, softcap: as :func:`flash_attn`, the causal / window alignment taken
+            per sequence (its own seqlen_k - seqlen_q).
+        return_lse: also return the fp32 lse ``[heads_q, total_q]`` (natural log).
+
+    Returns:
+        ``out [total_q, heads_q, head_dim_v]`` (and ``lse``). Tokens outside every sequence read 0 (lse -inf).
+        The value checks of cu_seqlens take one host synchronization.
+
+    Example::
+
+        cu = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen(q, k, v, cu, cu, 12, 12, causal=True)
+    """
+    left, right = _options(causal, softmax_scale, window, softcap)
+    _refuse_grad("flash_attn_varlen", q=q, k=k, v=v)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.fly_attention.flash_attn_varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
+            float(softcap), return_lse,
+        )  # fmt: skip
+    else:
+        out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                      softmax_scale, left, right, softcap, return_lse)  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -1,0 +1,85 @@
+"""Launch configurations of the flash attention forward: :class:`AttnConfig`, its pure default
+(:func:`default_config`) and its validity predicate (:func:`config_valid`).
+
+Nothing here is measured yet: the GPU defaults are the published Hopper practice for a pointer-based
+Triton flash forward (the Triton tutorial's fused attention and flash-attention 2's Triton kernel:
+128-row query blocks, 64-128 key blocks by head dim, 4-8 warps, 2-3 pipeline stages), to be replaced by
+a tuning adopter and shipped artifacts once the H200 has searched them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.arch
+import flydsl.compiler as flyc
+
+__all__ = ["AttnConfig", "default_config", "config_valid", "smem_bytes"]
+
+_DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
+# fp32 accumulator elements a thread may hold (output tile + score tile) before the registers spill: the
+# register file is 255 a thread, and Q's fragment and the pointers need the rest.
+_ACC_PER_THREAD = 192
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Launch configuration of the forward: the query rows of a program, the key step, warps and stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2  # software-pipeline depth of the key loop (K and V tiles in shared memory)
+
+
+def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
+    """Shared memory a config takes: the Q tile once, a K and a V tile per pipeline stage (padded dims)."""
+    d, dv = flyc.next_power_of_2(head_dim), flyc.next_power_of_2(head_dim_v)
+    return (cfg.block_m * d + cfg.num_stages * cfg.block_n * (d + dv)) * dtype.itemsize
+
+
+def config_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
+    """The one validity predicate: power-of-two blocks of at least 16 (the dot's minimum), a warp count
+    Triton takes, at least one stage, shared memory within the arch's, and on a GPU the fp32 output and
+    score tiles within a thread's registers."""
+    blocks = (cfg.block_m, cfg.block_n)
+    if any(b < _DOT_MIN or b & (b - 1) for b in blocks):
+        return False
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        return False
+    if head_dim < 1 or head_dim_v < 1:
+        return False
+    if smem_bytes(cfg, head_dim, head_dim_v, dtype) > arch.smem_per_block:
+        return False
+    if arch.is_interpreter:
+        return True
+    threads = 32 * cfg.num_warps
+    per_thread = cfg.block_m * (flyc.next_power_of_2(head_dim_v) + cfg.block_n) // threads
+    return per_thread <= _ACC_PER_THREAD
+
+
+def default_config(
+    head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool, dtype: torch.dtype,
+    arch: flydsl.arch.Arch,
+) -> AttnConfig:  # fmt: skip
+    """The default launch config (pure: shapes, dtype and arch only)."""
+    if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
+        return AttnConfig(16 if seqlen_q <= 16 else 32, 16 if seqlen_k <= 16 else 32, num_warps=4, num_stages=1)
+    d = max(head_dim, head_dim_v)
+    if d <= 64:
+        cfg = AttnConfig(128, 128, num_warps=8, num_stages=3)
+    elif d <= 128:
+        cfg = AttnConfig(128, 64, num_warps=8, num_stages=3)
+    else:  # 192 / 256: a 128 x 256 fp32 accumulator is all of 8 warps' registers; half the rows a program
+        cfg = AttnConfig(64, 64, num_warps=4, num_stages=2)
+    if seqlen_q <= 64:  # decode-like queries: no program of mostly padded rows
+        cfg = dataclasses.replace(cfg, block_m=max(_DOT_MIN, flyc.next_power_of_2(max(seqlen_q, 1))))
+    # seqlen_k and causal take no part yet: nothing has been measured that would choose by them
+    while not config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    while not config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.block_n > _DOT_MIN:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
