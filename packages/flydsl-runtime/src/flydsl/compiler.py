@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -350,6 +351,16 @@ def _lean(kernel) -> _Lean:
     return lean
 
 
+class _Recording(threading.local):
+    """The launches :func:`launch` makes on this thread while :mod:`flydsl.direct` records a call (None when
+    it does not)."""
+
+    launches: list | None = None
+
+
+_RECORDING = _Recording()
+
+
 def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with Triton's per-call host work skipped once compiled.
 
@@ -367,6 +378,9 @@ def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None
     (Triton 3.6's CUDA launcher); the first launch of a specialization, launches under a profiler hook and
     other launchers are plain.
     """
+    recorder = _RECORDING.launches
+    if recorder is not None:  # flydsl.direct is recording a call's launches (to replay them)
+        recorder.append((kernel, grid, args, meta, launch_pdl))
     if interpreting():
         if getattr(kernel, "_flydsl_gluon", False):
             raise RuntimeError(f"{kernel.__name__} is a gluon_kernel: it compiles for a GPU only, and this process "
