@@ -218,3 +218,17 @@ def test_tensor_key():
     t = torch.randn(4, 6)[:, 1:]
     assert direct.tensor_key(t) == (t.dtype, t.shape, (6, 1), t.device, t.data_ptr() & 15)
     assert direct.tensor_key(None) is None
+
+
+def test_a_declined_call_keeps_the_general_path_at_once(stand_ins):
+    def pooled(a, b):
+        direct.decline()  # e.g. a pooled buffer lent for this call only
+        return axpy(a, b, 1.0)
+
+    replays = direct.Replays("pooled")
+    a, b = torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(replays.call(("k",), pooled, a, b), a + 2 * b)
+    assert replays.plans[("k",)] is None and not stand_ins
+    direct.decline()  # outside a recording: nothing happens
+    replays.call(("j",), axpy, a, b, 1.0)
+    assert type(replays.plans[("j",)]).__name__ == "_Plan"

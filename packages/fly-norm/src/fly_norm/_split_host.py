@@ -13,6 +13,7 @@ import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import direct
 from flydsl_common.device import slot_lanes
 from flydsl_common.rows import MAX_SINGLE_PASS
 
@@ -343,6 +344,7 @@ def take_slots(words: int, device):
     lent: see above). The caller launches a kernel that zeroes the words it dirtied, then
     :func:`give_back_slots`."""
     device = torch.device(device)
+    direct.decline()  # lent for this call only: a replay of it would not take and give back
     with _POOL_LOCK:
         entry = _lendable(_POOLS, device, _Slots)
         if entry is None:
@@ -365,6 +367,7 @@ def take_fwd_slots(words: int, device):
     words, ``clear`` the other buffer's dirtied words, which the launch must zero; or None (not lent: see
     above). Then :func:`give_back_fwd_slots`."""
     device = torch.device(device)
+    direct.decline()  # lent for this call only, the pair's turn kept on the host: not replayable
     with _POOL_LOCK:
         pair = _lendable(_FWD_POOLS, device, _SlotPair)
         if pair is None:

@@ -17,8 +17,10 @@ import functools
 import torch
 
 import flydsl.compiler as flyc
+from flydsl import direct
 from flydsl_common.rows import RowConfig
 
+from . import _eager as eager
 from . import _norm_host as shared
 from .autotune import row_config_for
 from .reference import layer_norm_quant_ref, layer_norm_ref
@@ -206,11 +208,12 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     need_w = need_w and weight is not None
     fused = ctx.residual_dtype is not None
     grad_dtype = torch.promote_types(ctx.x_dtype, ctx.residual_dtype) if fused else ctx.x_dtype
-    bwd = _layer_norm_bwd if ctx.eager else torch.ops.fly_norm.layer_norm_bwd
-    dx, dw, db = bwd(
-        dy, dh if fused else None, h, weight, mean, rstd, ctx.weight_offset, need_w, need_b, grad_dtype,
-        ctx.param_dtype,
-    )  # fmt: skip
+    args = (dy, dh if fused else None, h, weight, mean, rstd, ctx.weight_offset, need_w, need_b, grad_dtype,
+            ctx.param_dtype)  # fmt: skip
+    if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
+        dx, dw, db = eager.direct_call(_BWD_REPLAYS, _layer_norm_bwd, *args)
+    else:
+        dx, dw, db = torch.ops.fly_norm.layer_norm_bwd(*args)
     grads_w_b = (dw if need_w else None, db.to(ctx.bias_dtype) if need_b else None)
     # One gradient serves x and the residual (the residual's is dh plus the normalization's).
     dres = dx.to(ctx.residual_dtype) if fused and need_r else None
@@ -219,6 +222,10 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
 
 torch.library.register_autograd("fly_norm::layer_norm_fwd", _backward, setup_context=_setup_context)
 
+# The eager autograd path's recorded calls (flydsl.direct), one table a direction.
+_FWD_REPLAYS = direct.Replays("fly_norm.layer_norm forward")
+_BWD_REPLAYS = direct.Replays("fly_norm.layer_norm backward")
+
 
 class _EagerLayerNorm(torch.autograd.Function):
     """The custom op's autograd outside tracing, without the dispatcher: the first call of a custom op's
@@ -226,7 +233,8 @@ class _EagerLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, weight_offset, store_stats):  # ctx here: see _EagerRMSNorm
-        out = _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_stats, None)
+        out = eager.direct_call(_FWD_REPLAYS, _layer_norm_forward, x, weight, bias, residual, eps, weight_offset,
+                                store_stats, None)  # fmt: skip
         _setup_context(ctx, (x, weight, bias, residual, eps, weight_offset, store_stats), out)
         ctx.eager = True
         return out

@@ -43,6 +43,7 @@ import torch
 import flydsl
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import direct
 from flydsl.autotune import SearchTask
 from flydsl.checks import (
     check_last_dim_contiguous,
@@ -370,11 +371,17 @@ def _backward(ctx, grad):
     grad = grad.to(y.dtype)
     if ctx.eager:
         _check_bwd(grad, y)
-        return _bwd_rows(grad, y, ctx.autotune), None
+        if ctx.autotune:
+            return _bwd_rows(grad, y, ctx.autotune), None
+        return eager.direct_call(_BWD_REPLAYS, _bwd_rows, grad, y, None), None  # replayed where it can be
     return torch.ops.fly_norm.softmax_bwd(grad, y, ctx.autotune), None
 
 
 torch.library.register_autograd("fly_norm::softmax_fwd", _backward, setup_context=_setup_context)
+
+# The eager autograd path's recorded calls (flydsl.direct), one table a direction.
+_FWD_REPLAYS = direct.Replays("fly_norm.softmax forward")
+_BWD_REPLAYS = direct.Replays("fly_norm.softmax backward")
 
 
 class _EagerSoftmax(torch.autograd.Function):
@@ -383,7 +390,7 @@ class _EagerSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, autotune):  # ctx here: see rmsnorm._EagerRMSNorm
-        out = _fwd_rows(x, autotune)
+        out = _fwd_rows(x, autotune) if autotune else eager.direct_call(_FWD_REPLAYS, _fwd_rows, x, None)
         _setup_context(ctx, (x, autotune), out)
         ctx.eager = True
         return out

@@ -356,6 +356,7 @@ class _Recording(threading.local):
     it does not)."""
 
     launches: list | None = None
+    declined: bool = False  # the family's path did something a replay cannot redo (flydsl.direct.decline)
 
 
 _RECORDING = _Recording()

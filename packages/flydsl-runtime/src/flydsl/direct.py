@@ -41,9 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import compiler as _compiler
 from . import env
 
-__all__ = ["Replays", "usable", "tensor_key", "general_path_only"]
+__all__ = ["Replays", "usable", "tensor_key", "general_path_only", "decline"]
 
 _MISSING = object()
+_DECLINED = object()  # a recording the family declined (decline()): the key keeps the general path at once
 _TRIES = 3  # recordings of one key before it stays on the general path
 _OFF: list = []  # non-empty inside general_path_only()
 
@@ -77,6 +78,14 @@ def general_path_only():
         yield
     finally:
         _OFF.pop()
+
+
+def decline() -> None:
+    """Called by a family's path when it does what a replay would not redo (it takes a pooled buffer lent
+    for this call only, say): the call being recorded, if any, gets no plan, and its key keeps the general
+    path. A no-op when nothing is being recorded."""
+    if _compiler._RECORDING.launches is not None:
+        _compiler._RECORDING.declined = True
 
 
 _compiling = torch.compiler.is_compiling
@@ -127,7 +136,9 @@ class Replays:
         if plan is None or _compiler._RECORDING.launches is not None:  # no plan, or inside another recording
             return fn(*args)
         result, made = _record(fn, args)
-        if made is None:
+        if made is _DECLINED:  # never replayable
+            made = None
+        elif made is None:
             tries = 1 if plan is _MISSING else plan + 1
             made = None if tries >= _TRIES else tries
         elif len(self.plans) >= self.limit:
@@ -177,6 +188,7 @@ def _record(fn: Callable, args: tuple):
     launches: list = []
     watch, count = _Watch(launches), _Count()
     _compiler._RECORDING.launches = launches
+    _compiler._RECORDING.declined = False
     hooks.add(count)  # also keeps every launch on Triton's path while recording (hooks_idle() is False)
     try:
         with watch:
@@ -184,6 +196,9 @@ def _record(fn: Callable, args: tuple):
     finally:
         hooks.remove(count)
         _compiler._RECORDING.launches = None
+    if _compiler._RECORDING.declined:
+        _compiler._RECORDING.declined = False
+        return result, _DECLINED
     if watch.foreign or count.n != len(launches) or not launches:
         return result, None
     return result, _plan(args, result, watch.allocations, launches)

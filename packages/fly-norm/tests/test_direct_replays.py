@@ -1,0 +1,84 @@
+"""Training steps whose forward-with-grad and backward are replayed from their first call's recording
+(flydsl.direct), on a GPU: every step against fp64 autograd with fresh inputs, at widths the row kernels
+serve (replayed) and at a width the split paths serve (which decline replays: general path, still right).
+
+(The recording and replay machinery itself is tested on the CPU in flydsl-runtime's test_direct.py.)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fly_norm
+from flydsl.testing import assert_rel_close
+
+pytestmark = pytest.mark.gpu
+
+# the modules (fly_norm.softmax is the function)
+_MODULES = {op: importlib.import_module(f"fly_norm.{name}") for op, name in
+            (("rms_norm", "rmsnorm"), ("layer_norm", "layernorm"), ("softmax", "softmax"))}  # fmt: skip
+
+
+def _step(op, m, n, device, seed, residual=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_()
+
+    x, w, b = rand(m, n), rand(n), rand(n)
+    r = rand(m, n) if residual else None
+    dy = torch.randn(m, n, generator=g).to(device=device, dtype=torch.bfloat16)
+    leaves = {"x": x, "w": w, "b": b, "r": r}
+    if op == "rms_norm":
+        out = fly_norm.rms_norm(x, w, 1e-6, residual=r)
+        y = out[0] if residual else out
+        used = ["x", "w"] + (["r"] if residual else [])
+    elif op == "layer_norm":
+        y = fly_norm.layer_norm(x, w, b, 1e-5)
+        used = ["x", "w", "b"]
+    else:
+        y = fly_norm.softmax(x)
+        used = ["x"]
+    grads = torch.autograd.grad(y, [leaves[k] for k in used], dy)
+
+    d = {k: v.detach().double().requires_grad_() for k, v in leaves.items() if v is not None}
+    if op == "rms_norm":
+        h = d["x"] + d["r"] if residual else d["x"]
+        ref = F.rms_norm(h, (n,), d["w"], 1e-6)
+    elif op == "layer_norm":
+        ref = F.layer_norm(d["x"], (n,), d["w"], d["b"], 1e-5)
+    else:
+        ref = torch.softmax(d["x"], -1)
+    ref_grads = torch.autograd.grad(ref, [d[k] for k in used], dy.double())
+    assert_rel_close(y, ref.detach())
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert_rel_close(got, want)
+
+
+def _replayed(op) -> int:
+    mod = _MODULES[op]
+    return sum(type(p).__name__ == "_Plan" for t in (mod._FWD_REPLAYS, mod._BWD_REPLAYS) for p in t.plans.values())
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax"])
+@pytest.mark.parametrize("m,n", [(4, 4096), (300, 1000), (1, 128), (64, 8192)])
+def test_replayed_steps_match_fp64(device, op, m, n):
+    for seed in range(4):  # the first step records, the next ones replay
+        _step(op, m, n, device, seed)
+    assert _replayed(op) >= 2, "neither direction was replayed"
+
+
+def test_fused_residual_steps(device):
+    for seed in range(3):
+        _step("rms_norm", 8, 2048, device, seed, residual=True)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax"])
+def test_wide_rows_stay_right(device, op):
+    """Rows wide enough for the split paths (pooled buffers: no replay) give the same answers every step."""
+    for seed in range(3):
+        _step(op, 2, 131072, device, seed)
