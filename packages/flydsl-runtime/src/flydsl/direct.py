@@ -90,13 +90,15 @@ def decline() -> None:
 
 _compiling = torch.compiler.is_compiling
 _capturing = torch.cuda.is_current_stream_capturing
+_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 def usable() -> bool:
-    """Whether a direct launch may serve a call now (see the module docstring); the caller checks that its
-    tensors are CUDA tensors on the current device."""
+    """Whether a direct launch may serve a call now (see the module docstring; also: no torch dispatch mode
+    of the caller's is active, which a replay would bypass); the caller checks that its tensors are CUDA
+    tensors on the current device."""
     return not (
-        _OFF or _compiling() or _compiler.interpreting() or not _compiler.hooks_idle() or _capturing()
+        _OFF or _compiling() or _compiler.interpreting() or not _compiler.hooks_idle() or _capturing() or _modes()
         or env.get("FLYDSL_AUTOTUNE")
     )  # fmt: skip
 
