@@ -232,3 +232,34 @@ def test_a_declined_call_keeps_the_general_path_at_once(stand_ins):
     direct.decline()  # outside a recording: nothing happens
     replays.call(("j",), axpy, a, b, 1.0)
     assert type(replays.plans[("j",)]).__name__ == "_Plan"
+
+
+def test_usable_gates(monkeypatch):
+    """Each condition alone turns direct launches off: a dispatch mode of the caller's, general_path_only,
+    a tuning search, graph capture, a profiler hook, tracing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(direct._compiler, "interpreting", lambda: False)
+    monkeypatch.setattr(direct, "_capturing", lambda: False)
+    monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
+    assert direct.usable()
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert not direct.usable()
+    with direct.general_path_only():
+        assert not direct.usable()
+    monkeypatch.setenv("FLYDSL_AUTOTUNE", "1")
+    assert not direct.usable()
+    monkeypatch.delenv("FLYDSL_AUTOTUNE")
+    monkeypatch.setattr(direct, "_capturing", lambda: True)
+    assert not direct.usable()
+    monkeypatch.setattr(direct, "_capturing", lambda: False)
+    monkeypatch.setattr(direct._compiler, "hooks_idle", lambda: False)
+    assert not direct.usable()
+    monkeypatch.setattr(direct._compiler, "hooks_idle", lambda: True)
+    monkeypatch.setattr(direct, "_compiling", lambda: True)
+    assert not direct.usable()
