@@ -39,6 +39,9 @@ CASES = [
     (5, 3000, 1000, torch.float16, {"bias": True}),
     (32, 4096, 4096, torch.float8_e4m3fn, {"scales": True}),
     (16, 2048, 1024, torch.int8, {"out_dtype": torch.int32}),
+    # the persistent TMA kernel (device-side descriptors: the replay allocates their scratch memory)
+    (256, 4096, 4096, torch.bfloat16, {"bias": True, "activation": "gelu"}),
+    (300, 1024, 1000, torch.float16, {}),
 ]
 
 

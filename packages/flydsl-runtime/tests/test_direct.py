@@ -50,17 +50,22 @@ class AxpyKernel:
 AXPY = AxpyKernel()
 
 
+SCRATCH = {"bytes a program": 0}  # what the stand-in specializations say they need of global scratch
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Bind stand-in kernels to stand-in C launch functions; a stream of 0. Records every replayed launch."""
+    """Bind stand-in kernels to stand-in C launch functions; a stream of 0. Records every replayed launch
+    (grid, global scratch pointer, values)."""
     replayed = []
+    SCRATCH["bytes a program"] = 0
 
     def bind_direct(kernel, args, meta):
-        def c_launch(g0, g1, g2, stream, function, coop, pdl, _a, _b, packed, _c, _d, _e, *values):
-            replayed.append((g0, g1, g2, values))
+        def c_launch(g0, g1, g2, stream, function, coop, pdl, scratch, _b, packed, _c, _d, _e, *values):
+            replayed.append((g0, g1, g2, scratch, values))
             kernel.body(*values[: len(values) - 1])  # the tail (BLOCK) last
 
-        return c_launch, "function", 0, False, "packed", (meta.get("BLOCK", 64),), 0
+        return c_launch, "function", 0, False, "packed", (meta.get("BLOCK", 64),), 0, SCRATCH["bytes a program"]
 
     monkeypatch.setattr(direct, "_bind_direct", bind_direct)
     monkeypatch.setattr(direct, "_stream", lambda device: 0)
@@ -90,7 +95,7 @@ def test_a_recorded_call_replays_on_new_inputs(stand_ins):
         torch.testing.assert_close(out, 3 * a2 + 2 * b2)
         assert out.shape == a2.shape and out.data_ptr() != first.data_ptr()
     assert len(stand_ins) == 6  # two launches a replay
-    assert stand_ins[0][:3] == (1, 1, 1)
+    assert stand_ins[0][:4] == (1, 1, 1, None)  # no global scratch
 
 
 def test_offsets_into_inputs_and_allocations(stand_ins):
@@ -263,3 +268,24 @@ def test_usable_gates(monkeypatch):
     monkeypatch.setattr(direct._compiler, "hooks_idle", lambda: True)
     monkeypatch.setattr(direct, "_compiling", lambda: True)
     assert not direct.usable()
+
+
+def test_global_scratch_is_allocated_for_each_launch(stand_ins, monkeypatch):
+    """A kernel needing global scratch (device-side descriptors) gets grid x bytes of its own at each replay."""
+    SCRATCH["bytes a program"] = 128
+    sizes = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **{**kw, "device": "cpu"})  # a stand-in device: the host
+        if kw.get("dtype") is torch.int8:
+            sizes.append(t.numel())
+        return t
+
+    replays = direct.Replays("scratch")
+    a, b = torch.randn(8), torch.randn(8)
+    replays.call(("k",), axpy, a, b, 1.0)
+    monkeypatch.setattr(direct.torch, "empty", empty)
+    torch.testing.assert_close(replays.call(("k",), axpy, a, b, 1.0), a + 2 * b)
+    assert sizes == [128, 128]  # one program a launch, two launches
+    assert all(isinstance(r[3], int) and r[3] for r in stand_ins)

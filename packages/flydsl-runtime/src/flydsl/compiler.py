@@ -457,7 +457,7 @@ def _fire(entry: tuple, g0: int, g1: int, g2: int, stream: int, args: tuple, pdl
 _DIRECT_LAUNCH_TRITON = "3.6."  # the Triton whose CUDA launcher's C arguments _fire passes
 
 
-def _direct_launch(run):
+def _direct_launch(run, scratch: bool = False):
     """(C launch function, cooperative flag, PDL flag) of a compiled kernel's launcher when calling the C
     function directly is what its Python ``__call__`` would do (Triton 3.6's CUDA launcher, no scratch
     buffers to allocate per launch); None otherwise (other versions and backends: call ``run``). The
@@ -466,7 +466,9 @@ def _direct_launch(run):
     if type(run).__name__ != "CudaLauncher" or not triton.__version__.startswith(_DIRECT_LAUNCH_TRITON):
         return None  # the C function's argument layout is that version's: others go through ``run``
     c = getattr(run, "launch", None)
-    if not callable(c) or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+    if not callable(c) or getattr(run, "profile_scratch_size", 1):
+        return None
+    if not scratch and getattr(run, "global_scratch_size", 1):  # the caller would have to allocate it
         return None
     return c, run.launch_cooperative_grid, run.launch_pdl
 
@@ -498,6 +500,19 @@ class Bound:
             return None
         c_launch, coop, pdl = direct
         return c_launch, function, coop, pdl, packed, tail, self.device
+
+    def direct_scratch(self) -> tuple | None:
+        """:meth:`direct`'s tuple and the global scratch memory a launch needs, in bytes a program (0: none),
+        also for kernels that need it (device-side tensor descriptors), where :meth:`direct` gives None: the
+        caller then passes a device pointer to ``programs x bytes`` of memory as the C function's global
+        scratch argument (the 8th), as Triton's launcher does. None where Triton's launcher must be called."""
+        run, function, packed, tail, _, _ = self.entry
+        direct = _direct_launch(run, scratch=True)
+        if direct is None:
+            return None
+        c_launch, coop, pdl = direct
+        per_program = int(getattr(run, "global_scratch_size", 0) or 0) * int(getattr(run, "num_ctas", 1) or 1)
+        return c_launch, function, coop, pdl, packed, tail, self.device, per_program
 
     def driver_signature(self) -> str | None:
         """The kernel's arguments in launch order (the runtime ones, then the constexpr tail), one letter

@@ -19,8 +19,9 @@ A call is replayed only when its path did nothing else on the device: a torch op
 allocation or a view (a fill, a copy, a reduction), or a kernel launched other than through
 :func:`flydsl.compiler.launch` (Triton's launch hook counts every launch while recording), leaves its key
 to the general path (after a few tries, so that a first call that fills a family's cache is recorded
-again). Kernels whose launch needs Triton's own launcher (scratch memory, cluster or cooperative launches,
-another Triton version) are not replayed either.
+again). Kernels whose launch needs Triton's own launcher (profiling scratch, another Triton version) are
+not replayed either; a kernel's global scratch memory (device-side tensor descriptors) is allocated by the
+replay, as Triton's launcher does.
 
 The key is the family's and must determine everything its path reads on the host: every tensor's dtype,
 shape, strides, device and 16-byte alignment (:func:`tensor_key`), every other argument, and the stream
@@ -116,9 +117,10 @@ def _stream(device: int) -> int:
 
 
 def _bind_direct(kernel, args: tuple, meta: dict):
-    """(C launch, function, cooperative, PDL, packed metadata, constexpr tail, device) of the compiled
-    specialization these arguments launch, or None where it cannot be launched directly."""
-    return _compiler.bind(kernel, *args, **meta).direct()
+    """(C launch, function, cooperative, PDL, packed metadata, constexpr tail, device, global scratch bytes a
+    program) of the compiled specialization these arguments launch, or None where it cannot be launched
+    directly."""
+    return _compiler.bind(kernel, *args, **meta).direct_scratch()
 
 
 class Replays:
@@ -248,7 +250,11 @@ class _Plan:
     def replay(self, args: tuple):
         made = [torch.empty_strided(size, stride, dtype=dtype, device=device)
                 for size, stride, dtype, device in self.allocations]  # fmt: skip
-        for c_launch, grid, stream_device, head, recipe, tail in self.launches:
+        for c_launch, grid, stream_device, head, recipe, tail, scratch in self.launches:
+            if scratch:  # device-side descriptors' memory, a launch's own (as Triton's launcher allocates it)
+                buf = torch.empty(scratch, dtype=torch.int8, device=torch.device("cuda", stream_device))
+                made.append(buf)  # alive until the replay returns; the allocator orders its reuse on the stream
+                head = (*head[:3], buf.data_ptr(), *head[4:])
             values = []
             for code, what, offset in recipe:
                 if code == 0:
@@ -269,7 +275,7 @@ def _plan(args: tuple, result, allocations: list, launches: list) -> _Plan | Non
         direct = _bind_direct(kernel, kargs, meta)
         if direct is None:
             return None
-        c_launch, function, coop, pdl, packed, tail, device = direct
+        c_launch, function, coop, pdl, packed, tail, device, per_program = direct
         recipe = []
         for a in kargs:
             if isinstance(a, torch.Tensor):
@@ -284,7 +290,7 @@ def _plan(args: tuple, result, allocations: list, launches: list) -> _Plan | Non
                 recipe.append((0, a, 0))
         g = tuple(grid) + (1,) * (3 - len(grid))
         head = (function, coop, bool(pdl or launch_pdl), None, None, packed, None, None, None)
-        planned.append((c_launch, g, device, head, tuple(recipe), tail))
+        planned.append((c_launch, g, device, head, tuple(recipe), tail, per_program * g[0] * g[1] * g[2]))
     shapes = [(t.shape, t.stride(), t.dtype, t.device) for _, t in allocations]
     recipe = _recipe(result, args, sources, len(launches))
     if recipe is None:
