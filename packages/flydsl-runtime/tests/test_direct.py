@@ -289,3 +289,21 @@ def test_global_scratch_is_allocated_for_each_launch(stand_ins, monkeypatch):
     torch.testing.assert_close(replays.call(("k",), axpy, a, b, 1.0), a + 2 * b)
     assert sizes == [128, 128]  # one program a launch, two launches
     assert all(isinstance(r[3], int) and r[3] for r in stand_ins)
+
+
+def test_empty_placeholders_and_views_in_results(stand_ins):
+    """Empty placeholder outputs (a custom op's unused results) are made afresh with their dtype; a result
+    that views its allocation is rebuilt as the same view."""
+
+    def with_placeholders(a, b):
+        buf = torch.empty(2 * a.numel(), dtype=torch.float32)
+        flyc.launch(AXPY, (1,), a, b, buf[a.numel() :], a.numel(), 1.0, BLOCK=64)
+        return buf[a.numel() :].view(a.shape), torch.empty(0, dtype=torch.int8), torch.empty(0)
+
+    replays = direct.Replays("placeholders")
+    replays.call(("k",), with_placeholders, torch.randn(2, 3), torch.randn(2, 3))
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    y, p8, p32 = replays.call(("k",), with_placeholders, a, b)
+    torch.testing.assert_close(y, a + b)
+    assert (p8.dtype, p8.numel(), p32.dtype, p32.numel()) == (torch.int8, 0, torch.float32, 0)
+    assert len(stand_ins) == 1

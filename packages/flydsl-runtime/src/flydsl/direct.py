@@ -303,18 +303,21 @@ _CONSTANTS = (type(None), bool, int, float, str, torch.dtype)
 
 def _recipe(value, args: tuple, sources: _Sources, end: int):
     """How to rebuild the call's result: ("t", code, index, view) for a tensor (an input as it is, or an
-    allocation, through ``view`` = (offset, size, stride) when it is not the allocation itself), ("seq",
-    type, items), ("c", value) for constants; None when the result cannot be rebuilt."""
+    allocation, through ``view`` = (offset, size, stride) when it is not the allocation itself), ("z",
+    size, stride, dtype, device) for an empty tensor, ("seq", type, items), ("c", value) for constants;
+    None when the result cannot be rebuilt."""
     if isinstance(value, torch.Tensor):
         for i, a in enumerate(args):
             if a is value:
                 return ("t", 1, i, None)
+        if not value.numel():  # no memory to point into (placeholders): made afresh
+            return ("z", tuple(value.shape), value.stride(), value.dtype, value.device)
         found = sources.find(value, end)
         if found is None or found[0] != 2:
             return None  # a view of an input, or a buffer older than the call: not made again by a replay
         _, j, offset = found
         itemsize = value.element_size()
-        if offset % itemsize:
+        if offset % itemsize or sources.layouts[j][3] != value.dtype:  # as_strided keeps the allocation's dtype
             return None
         if sources.layouts[j] == (value.data_ptr(), tuple(value.shape), value.stride(), value.dtype):
             return ("t", 2, j, None)  # the allocation itself
@@ -335,4 +338,6 @@ def _build(recipe, args: tuple, made: list):
         return t if view is None else t.as_strided(view[1], view[2], view[0])
     if kind == "seq":
         return recipe[1](_build(r, args, made) for r in recipe[2])
+    if kind == "z":
+        return torch.empty_strided(recipe[1], recipe[2], dtype=recipe[3], device=recipe[4])
     return recipe[1]
