@@ -87,9 +87,10 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
             raise ShapeError(f"{name}: expected a head_dim in 1..{MAX_HEAD_DIM}, got {describe(t)}")
 
 
-def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> int:
+def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int, tuple[int, int] | None]:
     """cu_seqlens int32 ``[batch + 1]`` on q's device, non-decreasing, inside the packed tokens, and no
-    sequence longer than its max_seqlen; returns the batch. One host sync for every value check."""
+    sequence longer than its max_seqlen. Returns the batch and the query tokens the sequences cover
+    (``(cu_q[0], cu_q[-1])``; None while tracing or on meta tensors). One host sync for every value check."""
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
         if t.device != q.device:
@@ -104,7 +105,7 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> int:
             raise ArgumentError(f"{name}: expected an int >= 0, got {m!r}")
     batch = cu_q.numel() - 1
     if q.is_meta or torch.compiler.is_compiling():
-        return batch  # values unknown while tracing or on meta tensors
+        return batch, None  # values unknown while tracing or on meta tensors
     rows = []
     for cu in (cu_q, cu_k):
         steps = cu.diff() if batch else cu.new_zeros(1)
@@ -121,7 +122,7 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> int:
                                 f"last {last}")  # fmt: skip
         if hi > mx:
             raise ArgumentError(f"{mname}: a sequence of {name} has {hi} tokens, more than {mname} = {mx}")
-    return batch
+    return batch, (int(q_first), int(q_last))
 
 
 # ------------------------------------------------------------------ config and launch
@@ -145,6 +146,11 @@ def _config(q, d, dv, sq, sk, causal, config) -> AttnConfig:
     return config
 
 
+# The outputs' allocation, one name for tests to poison (an element the kernel should write and did not
+# then fails the comparison as NaN).
+_empty = torch.empty
+
+
 def _scale(softmax_scale, d) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
@@ -155,8 +161,8 @@ def _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse
     _check_qkv(q, k, v, varlen=False)
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[-1]
-    out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, sq if return_lse else 0, dtype=torch.float32, device=q.device)
+    out = _empty(b, sq, hq, dv, dtype=q.dtype, device=q.device)
+    lse = _empty(b, hq, sq if return_lse else 0, dtype=torch.float32, device=q.device)
     if q.is_meta:
         return out, (lse if return_lse else lse.new_empty(0))
     cfg = _config(q, d, dv, sq, sk, causal, config)
@@ -170,11 +176,19 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
     """Check, allocate and launch the packed forward: (out ``[total_q, Hq, Dv]``, lse ``[Hq, total_q]`` fp32,
     or an empty ``[0]`` tensor without ``return_lse``)."""
     _check_qkv(q, k, v, varlen=True)
-    batch = _check_cu_seqlens(cu_q, cu_k, q, k, max_q, max_k)
+    batch, span = _check_cu_seqlens(cu_q, cu_k, q, k, max_q, max_k)
     total_q, hq, d = q.shape
     dv = v.shape[-1]
-    out = torch.zeros(total_q, hq, dv, dtype=q.dtype, device=q.device)  # tokens of no sequence read 0
-    lse = torch.full((hq, total_q if return_lse else 0), float("-inf"), dtype=torch.float32, device=q.device)
+    out = _empty(total_q, hq, dv, dtype=q.dtype, device=q.device)
+    lse = _empty(hq, total_q if return_lse else 0, dtype=torch.float32, device=q.device)
+    # Tokens before the first sequence and after the last belong to none: they read 0 and lse -inf (the
+    # sequences are consecutive, so nothing lies between them).
+    first, last = span if span is not None else (0, 0)
+    if span is None or first > 0 or last < total_q:
+        for lo, hi in ((0, first), (last, total_q)) if span is not None else ((0, total_q),):
+            out[lo:hi] = 0
+            if return_lse:
+                lse[:, lo:hi] = float("-inf")
     if q.is_meta:
         return out, (lse if return_lse else lse.new_empty(0))
     cfg = _config(q, d, dv, max_q, max_k, causal, config)

@@ -180,7 +180,8 @@ def _flash_fwd_kernel(
 
 @flyc.jit(skip_empty=False)
 def launch_flash_fwd(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, batch: int,
-                     win_left: int, win_right: int, softmax_scale: float, softcap: float, cfg, stream=None):  # fmt: skip
+                     win_left: int, win_right: int, softmax_scale: float, softcap: float, cfg,
+                     stream=None):  # fmt: skip
     """Launch the forward over ``batch`` sequences.
 
     Dense (``cu_q`` None): ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]``, ``out
