@@ -352,12 +352,21 @@ def test_default_configs_are_valid():
     assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.tma) == (128, 128, 128, True)
     small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
     assert small.block_m == 16 and not small.tma
-    # decode sizes: column tiles narrow enough for two programs an SM, one kernel (no split-K) where N allows
-    assert (small.block_n, small.split_k) == (16, 1)  # 256 tiles of 16 columns
+    # decode sizes: the searched winners' shapes (fly_gemm/artifacts, H200): 16 x 32 x 128 tiles split in 2,
+    # reduced by the last split, at M <= 16 and N = 4096
+    assert (small.block_n, small.block_k, small.split_k, small.reduce_last) == (32, 128, 2, True)
     wide = default_config(1, 14336, 4096, torch.bfloat16, flydsl.arch.SM90)
-    assert (wide.block_n, wide.split_k) == (64, 1)  # 224 tiles
+    assert (wide.block_n, wide.split_k) == (64, 1)  # 224 tiles: the winner's 16 x 64
+    assert default_config(16, 8192, 8192, torch.bfloat16, flydsl.arch.SM90).block_n == 32  # 256 tiles, no split
+    assert default_config(16, 28672, 8192, torch.bfloat16, flydsl.arch.SM90).block_n == 128
+    m64 = default_config(64, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)  # the winner: 64 x 64, K split in 2
+    assert (m64.block_m, m64.block_n, m64.block_k, m64.split_k) == (64, 64, 128, 2)
+    assert (default_config(64, 14336, 4096, torch.bfloat16, flydsl.arch.SM90).block_n,
+            default_config(64, 8192, 8192, torch.bfloat16, flydsl.arch.SM90).split_k) == (128, 1)  # fmt: skip
+    fp8_small = default_config(16, 4096, 4096, torch.float8_e4m3fn, flydsl.arch.SM90)  # the winner: 16 x 32 x 512
+    assert (fp8_small.block_n, fp8_small.block_k, fp8_small.split_k) == (32, 512, 1)
     narrow = default_config(1, 1024, 4096, torch.bfloat16, flydsl.arch.SM90)
-    assert narrow.block_n == 16 and narrow.split_k == 4  # 64 tiles: K split in 4
+    assert narrow.block_n == 32 and narrow.split_k == 4  # 32 tiles: K split in 4 (8 K steps a split)
     assert default_config(1, 1024, 256, torch.bfloat16, flydsl.arch.SM90).split_k == 1  # too few K steps
     assert default_config(2048, 4096, 4096, torch.bfloat16, flydsl.arch.SM90).split_k == 1
     # the CUDA-core decode kernel: rows of A up to 8, per-lane accumulators within 64 registers a thread

@@ -127,29 +127,47 @@ def config_valid(cfg: GemmConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch,
     return smem <= arch.smem_per_block
 
 
-# Programs a decode-size GEMM aims for, an SM: enough bytes of the weights in flight on every SM. From the
-# bandwidth-latency product, not a sweep: 1.5 programs x 3 stages x 16 KB is ~70 KB an SM in flight, over the
-# ~32 KB an SM that the H200's 4.2 TB/s at ~1 us memory latency needs across 132 SMs (see default_config).
+# Programs a decode-size candidate aims for, an SM, when the search space splits K: enough bytes of the
+# weights in flight on every SM (1.5 programs x 3 stages x 16 KB is ~70 KB an SM, over the ~32 KB that the
+# H200's 4.2 TB/s at ~1 us memory latency needs across 132 SMs).
 _DECODE_PROGRAMS_PER_SM = 1.5
 
 
-def _decode_block_n(row_tiles: int, n: int, arch: flydsl.arch.Arch) -> int:
-    """The widest column tile (128 down to 16) that still gives the decode target of programs without
-    splitting K: one kernel, no partial sums (split-K adds a second launch, a few us against an 8-30 us
-    read of the weights). Narrow N falls through to 16 and to split-K."""
-    for block_n in (128, 64, 32, 16):
-        if row_tiles * flyc.cdiv(n, block_n) >= _DECODE_PROGRAMS_PER_SM * arch.sm_count:
-            return block_n
-    return 16
-
-
 def _split_k(tiles: int, k_steps: int, arch: flydsl.arch.Arch) -> int:
-    """Splits of K that reach the decode target of programs, each split keeping at least 4 K steps (so
+    """Splits of K that reach the candidates' target of programs, each split keeping at least 4 K steps (so
     the pipeline fills and the partial sums stay small against the weights read)."""
     split = 1
     while tiles * split < _DECODE_PROGRAMS_PER_SM * arch.sm_count and k_steps // (2 * split) >= 4:
         split *= 2
     return split
+
+
+# The decode-size default, fitted to the searched winners of the shipped sm_90 artifact (the LLM projections at
+# M = 1-64, H200). Column tiles of at least 32 (M <= 16) or 64 (wider row tiles) columns, as wide as still
+# gives the target of programs (1.5 an SM for 16-row tiles, 0.8 for the heavier 32-64-row ones), then K split
+# (reduced by the tile's last split: one launch) until the target is met. The rule it replaces narrowed the
+# column tiles down to 16 before splitting: at M = 64 that ran 1.2-2x slower than the winners (4096 x 4096:
+# 22.6 against 11.2 us; 4096 x 14336: 64.5 against 35.3 us; the winners take 64 x 64 tiles split in 2), at
+# M <= 16 up to 1.25x (4096 x 4096: 14.4 against 11.5 us for 16 x 32 tiles split in 2). K steps of 128
+# (16-bit) and 512 (8-bit, 256 for the wider row tiles, whose stages must still fit) as the winners take.
+_DECODE_TARGET_16 = 1.5
+_DECODE_TARGET_WIDE = 0.8
+
+
+def _decode_default(m: int, n: int, k: int, wide: bool, arch: flydsl.arch.Arch, stages: int) -> GemmConfig:
+    block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
+    small = block_m <= _DOT_MIN
+    block_k = (512 if small else 256) if wide else 128
+    floor_n = 32 if small else 64
+    target = (_DECODE_TARGET_16 if small else _DECODE_TARGET_WIDE) * arch.sm_count
+    row_tiles = flyc.cdiv(m, block_m)
+    block_n = next((bn for bn in (128, 64, 32) if bn >= floor_n and row_tiles * flyc.cdiv(n, bn) >= target), floor_n)
+    tiles = row_tiles * flyc.cdiv(n, block_n)
+    k_steps, split = flyc.cdiv(k, block_k), 1
+    while tiles * split < target and k_steps // (2 * split) >= 8:  # each split keeps >= 8 K steps (the fp8
+        split *= 2  # winner at K = 4096, 8 steps of 512, is not split)
+    return GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=stages, split_k=split,
+                      reduce_last=split > 1)  # fmt: skip
 
 
 def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> GemmConfig:
@@ -160,15 +178,8 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     wide = in_dtype.itemsize == 1  # fp8 / int8: twice the K per byte
     block_k = 128 if wide else 64
     stages = 4 if arch.backend == "cuda" else 2
-    if m <= 64:  # decode-size batches: a tile of M rows; the weights stream through narrow column tiles
-        # 16 KB of weights a stage (256 columns of 16 bits, 512 of 8): with three stages in flight and
-        # 1.5 programs an SM, ~70 KB an SM, past the ~32 KB that 4.2 TB/s at ~1 us latency needs over 132 SMs
-        block_m = max(_DOT_MIN, flyc.next_power_of_2(max(m, 1)))
-        block_k = block_k * 4
-        block_n = _decode_block_n(flyc.cdiv(m, block_m), n, arch)
-        tiles = flyc.cdiv(m, block_m) * flyc.cdiv(n, block_n)
-        cfg = GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=stages,
-                         split_k=_split_k(tiles, flyc.cdiv(k, block_k), arch))  # fmt: skip
+    if m <= 64:  # decode-size batches: a tile of M rows; the weights stream through the column tiles
+        cfg = _decode_default(m, n, k, wide, arch, stages)
     elif arch.is_hopper and not wide and flyc.cdiv(m, 128) * flyc.cdiv(n, 256) >= 2 * arch.sm_count:
         # many tiles: 128 x 256 (a third less operand traffic a flop than 128 x 128), the epilogue stored in
         # two halves so 4 stages fit; on the H200 1.03-1.04x cuBLAS at 4096^3 and 8192^3, 128 x 128 0.95-0.98x
