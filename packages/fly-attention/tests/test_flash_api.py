@@ -207,3 +207,18 @@ def test_config_valid_rejects_what_cannot_launch():
     ):
         assert not config_valid(bad, 256, 256, torch.bfloat16, sm90), bad
     assert smem_bytes(good, 80, 80, torch.bfloat16) == (128 * 128 + 3 * 64 * 256) * 2  # 80 pads to 128
+
+
+# ---------------------------------------------------------------- the reference itself
+
+
+def test_reference_in_row_blocks_matches_whole(monkeypatch):
+    """Long sequences are referenced in blocks of query rows (the benchmark's 16K cases): the same result."""
+    from fly_attention import reference
+
+    q, k, v = rand_qkv(2, 37, 29, 4, 2, 64)
+    opts = {"causal": True, "window": (5, -1), "softcap": 3.0}
+    whole, whole_lse = flash_attn_ref(q, k, v, return_lse=True, **opts)
+    monkeypatch.setattr(reference, "_CHUNK_SCORES", 4 * 29 * 8)  # 8 rows a block
+    parts, parts_lse = flash_attn_ref(q, k, v, return_lse=True, **opts)
+    assert torch.equal(whole, parts) and torch.equal(whole_lse, parts_lse)

@@ -13,8 +13,11 @@ import torch
 __all__ = ["attention_mask", "flash_attn_ref", "flash_attn_varlen_ref"]
 
 
-def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-1, -1), device=None) -> torch.Tensor:
-    """``[seqlen_q, seqlen_k]`` bool, True where query row i sees key j.
+def attention_mask(
+    seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-1, -1), device=None, rows: range | None = None
+) -> torch.Tensor:
+    """``[seqlen_q, seqlen_k]`` bool, True where query row i sees key j (only the query rows of ``rows``
+    when given: ``[len(rows), seqlen_k]``).
 
     The diagonal is aligned to the bottom-right corner (``off = seqlen_k - seqlen_q``): causal keeps
     ``j <= i + off``; a window ``(left, right)`` keeps ``i + off - left <= j <= i + off + right`` (-1: that
@@ -23,10 +26,11 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-
     left, right = window
     if causal:
         right = 0
-    i = torch.arange(seqlen_q, device=device)[:, None]
+    rows = rows if rows is not None else range(seqlen_q)
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     off = seqlen_k - seqlen_q
-    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    ok = torch.ones(len(rows), seqlen_k, dtype=torch.bool, device=device)
     if right >= 0:
         ok &= j <= i + off + right
     if left >= 0:
@@ -34,10 +38,26 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-
     return ok
 
 
+# Scores held at once (elements): longer sequences are computed in blocks of query rows, so a 16K x 16K
+# benchmark case is checked in ~1 GB instead of tens.
+_CHUNK_SCORES = 1 << 28
+
+
 def _attend(q, k, v, causal, softmax_scale, window, softcap, dtype):
     """One sequence: q ``[Sq, Hq, D]``, k ``[Sk, Hkv, D]``, v ``[Sk, Hkv, Dv]`` -> (out ``[Sq, Hq, Dv]``,
     lse ``[Hq, Sq]``) in ``dtype``."""
-    sq, hq, d = q.shape
+    sq, hq = q.shape[0], q.shape[1]
+    step = max(1, _CHUNK_SCORES // max(1, hq * k.shape[0]))
+    if sq <= step:
+        return _attend_rows(q, k, v, causal, softmax_scale, window, softcap, dtype, range(sq), sq)
+    parts = [_attend_rows(q[r0 : r0 + step], k, v, causal, softmax_scale, window, softcap, dtype,
+                          range(r0, min(sq, r0 + step)), sq) for r0 in range(0, sq, step)]  # fmt: skip
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def _attend_rows(q, k, v, causal, softmax_scale, window, softcap, dtype, rows, seqlen_q):
+    """Query rows ``rows`` (q holds just them) of a sequence of ``seqlen_q`` queries."""
+    hq, d = q.shape[1], q.shape[2]
     sk, hkv = k.shape[0], k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
@@ -47,7 +67,7 @@ def _attend(q, k, v, causal, softmax_scale, window, softcap, dtype):
     s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    ok = attention_mask(sq, sk, causal, window, device=q.device)
+    ok = attention_mask(seqlen_q, sk, causal, window, device=q.device, rows=rows)
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees no key
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
