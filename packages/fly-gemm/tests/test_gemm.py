@@ -7,17 +7,21 @@ CPU runs go through Triton's interpreter (small shapes; fp16, fp8 and int8 here,
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fly_gemm
 import flydsl.arch
 from fly_gemm import GemmConfig, gemm, gemm_ref
 from fly_gemm._kernels.persistent import tma_operand_a
 from fly_gemm._kernels.splitk import tile_counters
 from fly_gemm.autotune import config_valid, default_config
+from flydsl.checks import parse_dtype
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 
@@ -335,6 +339,25 @@ def test_gemv_kernel(device, m, dtype):
         assert torch.equal(raw.cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+def test_default_takes_the_searched_winners_tiles():
+    """On the keys of the shipped sm_90 artifact (searched on the H200), the pure default picks the winner's
+    tile (rows x columns) on every bf16 key but one and on most 8-bit ones: the default was fitted to them
+    (fly_gemm.autotune), so a change that loses them is a change to measure first."""
+    entries = json.loads((Path(fly_gemm.__file__).parent / "artifacts" / "gemm.json").read_text())["entries"]
+    hits: dict = {}
+    for e in entries:
+        key, won = e["key"], e["config"]
+        if key["epilogue"] != "none":
+            continue
+        dtype = parse_dtype("dtype", key["dtype"])
+        cfg = default_config(key["m_bucket"], key["n"], key["k"], dtype, flydsl.arch.SM90)
+        same = (cfg.block_m, cfg.block_n) == (won["block_m"], won["block_n"])
+        hits.setdefault(key["dtype"], []).append(same)
+    assert len(hits["bf16"]) == 48 and sum(hits["bf16"]) >= 47
+    eight = hits["fp8_e4m3"] + hits["int8"]
+    assert sum(eight) >= 0.8 * len(eight)
+
+
 def test_default_configs_are_valid():
     """The heuristic's configs pass the validity predicate for every regime and dtype (sm_90 and CPU)."""
     for arch in (flydsl.arch.SM90, flydsl.arch.INTERPRETER):
@@ -346,10 +369,14 @@ def test_default_configs_are_valid():
     big = default_config(8192, 8192, 8192, torch.bfloat16, flydsl.arch.SM90)
     assert (big.block_m, big.block_n, big.block_k, big.group_m) == (128, 256, 64, 8)  # many tiles: 128 x 256
     assert big.tma and big.epilogue_subtile  # Hopper: the persistent TMA kernel for every M past the decode sizes
-    mid = default_config(1024, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)  # 128 tiles of 128 x 256: too few
-    assert (mid.block_m, mid.block_n, mid.tma) == (128, 128, True)
+    mid = default_config(1024, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)  # one wave of 128 x 256, not two
+    assert (mid.block_m, mid.block_n, mid.tma) == (128, 256, True)
+    few = default_config(256, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)  # 64 tiles of 128 x 128: K split
+    assert (few.block_n, few.split_k, few.reduce_last, few.tma) == (128, 2, True, True)
     fp8 = default_config(8192, 8192, 8192, torch.float8_e4m3fn, flydsl.arch.SM90)
-    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.tma) == (128, 128, 128, True)
+    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.tma) == (128, 256, 128, True)  # the artifact's winner
+    int8 = default_config(8192, 8192, 8192, torch.int8, flydsl.arch.SM90)  # int32 tiles: 128 x 128
+    assert (int8.block_m, int8.block_n, int8.block_k) == (128, 128, 128)
     small = default_config(1, 4096, 4096, torch.bfloat16, flydsl.arch.SM90)
     assert small.block_m == 16 and not small.tma
     # decode sizes: the searched winners' shapes (fly_gemm/artifacts, H200): 16 x 32 x 128 tiles split in 2,

@@ -170,6 +170,24 @@ def _decode_default(m: int, n: int, k: int, wide: bool, arch: flydsl.arch.Arch, 
                       reduce_last=split > 1)  # fmt: skip
 
 
+# Past the decode sizes, 128 x 256 tiles against 128 x 128 ones by the waves each needs: a 128 x 256 tile does
+# twice the work in ~1.8x the time (H200: 1.03-1.04x cuBLAS at 4096^3 and 8192^3 against 0.95-0.98x for
+# 128 x 128), but a grid of few waves loses its last wave's idle SMs. This picks the searched winners' width
+# on every bf16 key of the shipped artifact from M = 256 up (e.g. 256 x 14336 x 4096: 2 waves of 128 x 128
+# against 1 of 128 x 256, which won; 1024 x 14336 x 4096: 7 against 4, where 128 x 128 won). Grids of
+# 128 x 128 tiles under _FEW_TILES programs an SM split K, as the winners at M = 256 and N = 4096 do. Not for
+# int8, whose raw int32 tile of 128 x 256 leaves 3 stages (the int8 winners at M = 256 keep 128 x 128).
+_WIDE_TILE_COST = 1.8
+_FEW_TILES = 0.8
+
+
+def _wide_tiles_win(m: int, n: int, arch: flydsl.arch.Arch) -> bool:
+    sms = arch.sm_count
+    narrow = flyc.cdiv(flyc.cdiv(m, 128) * flyc.cdiv(n, 128), sms)
+    wide = flyc.cdiv(flyc.cdiv(m, 128) * flyc.cdiv(n, 256), sms)
+    return _WIDE_TILE_COST * wide < narrow
+
+
 def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> GemmConfig:
     """The default launch config of C[M, N] = A[M, K] @ B[N, K]^T (pure: shape, dtype and arch only)."""
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
@@ -180,14 +198,17 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
     stages = 4 if arch.backend == "cuda" else 2
     if m <= 64:  # decode-size batches: a tile of M rows; the weights stream through the column tiles
         cfg = _decode_default(m, n, k, wide, arch, stages)
-    elif arch.is_hopper and not wide and flyc.cdiv(m, 128) * flyc.cdiv(n, 256) >= 2 * arch.sm_count:
-        # many tiles: 128 x 256 (a third less operand traffic a flop than 128 x 128), the epilogue stored in
-        # two halves so 4 stages fit; on the H200 1.03-1.04x cuBLAS at 4096^3 and 8192^3, 128 x 128 0.95-0.98x
+    elif arch.is_hopper and n > 128 and in_dtype != torch.int8 and _wide_tiles_win(m, n, arch):
+        # 128 x 256 (a third less operand traffic a flop than 128 x 128), the epilogue stored in two halves
         cfg = GemmConfig(128, 256, block_k, group_m=8, num_warps=8, num_stages=stages, tma=True,
                          epilogue_subtile=True, flatten=True)  # fmt: skip
     else:
+        tiles = flyc.cdiv(m, 128) * flyc.cdiv(n, 128)
+        split, k_steps = 1, flyc.cdiv(k, block_k)
+        while arch.is_hopper and tiles * split < _FEW_TILES * arch.sm_count and k_steps // (2 * split) >= 8:
+            split *= 2  # too few tiles for the SMs (256 x 4096 x 4096: 64): K split, reduced by the last split
         cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
-                         tma=arch.is_hopper)  # fmt: skip
+                         tma=arch.is_hopper, split_k=split, reduce_last=split > 1)  # fmt: skip
     while not config_valid(cfg, in_dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
