@@ -14,9 +14,9 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 from flydsl import direct
-from flydsl_common.device import slot_lanes
 from flydsl_common.rows import MAX_SINGLE_PASS
 
+from ._exchange_host import slot_lanes
 from ._kernels.split import (
     norm_bwd_split_kernel,
     norm_bwd_staged_kernel,

@@ -44,20 +44,19 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import (
+from flydsl_common.device import pdl_wait, row_offset
+
+from .affine import load_bwd_rows, load_weight
+from .pairs import (
     as_words,
     bf16_pairs,
     bf16_pairs_again,
     bf16_pairs_third,
     bf16_words,
     offsets_after,
-    pdl_wait,
-    row_offset,
     sum2_f32,
     sum_absmax_f32,
 )
-
-from .affine import load_bwd_rows, load_weight
 from .passes import (
     clear_share,
     inverse_scale,

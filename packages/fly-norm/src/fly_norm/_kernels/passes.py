@@ -31,16 +31,10 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import (
-    cast_sat_fp8e4m3,
-    cast_sat_int8,
-    row_offset,
-    sat_fp8e4m3_pairs,
-    sat_int8_pairs,
-    sum_absmax_f32,
-)
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset
 
 from .affine import load_weight
+from .pairs import sat_fp8e4m3_pairs, sat_int8_pairs, sum_absmax_f32
 
 __all__ = [
     "LOG2E", "NEG_INF", "clear_share", "finite_or_zero", "row_ptrs", "load_h",

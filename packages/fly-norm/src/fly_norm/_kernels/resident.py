@@ -11,7 +11,7 @@ chunk). For each row it
 1. reads each chunk of its slice as soon as it lands, every thread keeping the max of its own columns and
    their sum of exponentials (rescaled when its max grows), then merges the threads' pairs;
 2. when ``parts > 1``, publishes the slice's (max, sum) in the row's slot and awaits the other slices'
-   (:func:`flydsl_common.device.publish_pair`, :func:`~flydsl_common.device.collect_pairs_from`);
+   (:func:`.exchange.publish_pair`, :func:`~.exchange.collect_pairs_from`);
 3. reads the slice again from shared memory, writes y = e / sum, and refills each chunk's slot with the
    chunk RING places later in its sequence as soon as every thread has read it.
 
@@ -38,15 +38,9 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.gexpr as gx
-from flydsl_common.device import (
-    NEG_INF_BF16_PAIR,
-    bf16_pairs,
-    bf16_words,
-    collect_pairs_from,
-    max_bf16_halves,
-    publish_pair,
-)
 
+from .exchange import collect_pairs_from, publish_pair
+from .pairs import NEG_INF_BF16_PAIR, bf16_pairs, bf16_words, max_bf16_halves
 from .passes import LOG2E
 
 BIG = gx.constexpr(65536.0)  # a thread max this large in magnitude: the slice taken again, exactly
@@ -140,7 +134,7 @@ def _slice_sum_exact(ring, base, col0, W, cols, m, layout: gx.constexpr, CHUNK: 
 def _row_stats(slot_ptr, row, P, k, PP: gx.constexpr, SPIN_LIMIT: gx.constexpr):
     """The row's (max, sum) from its P slices' slots: each slice's sum rescaled to the row's max (from the
     slices' shifts as rounded there, or exactly at BIG and past it); NaN where a wait gave up. The wait starts
-    from words read as unpublished, not from a :func:`~flydsl_common.device.peek` just after this program's
+    from words read as unpublished, not from a :func:`~.exchange.peek` just after this program's
     publish: that first read measured 6-9 us a call slower at 128K-256K (H200, bf16)."""
     slots = slot_ptr + row.to(gx.int64) * PP + k
     kmask = k < P

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
 
+from .pairs import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words
 from .passes import LOG2E, NEG_INF, finite_or_zero, softmax_lane_stats, softmax_write
 
 __all__ = ["softmax_fwd_kernel", "softmax_bwd_kernel"]

@@ -16,7 +16,7 @@ program
    (norms: the sum of squares, or the slice's mean and M2; softmax forward:
    the slice's max and sum of exponentials; softmax backward: the slice's
    sum of dy * y) and publishes it in the row's slot for this slice (a
-   tagged word: :func:`flydsl_common.device.publish`, no fence);
+   tagged word: :func:`.exchange.publish`, no fence);
 2. loads the slice of its next row (a prefetch: those loads are in flight
    while it waits);
 3. waits until every slot of the row is published, merges the partial
@@ -42,8 +42,8 @@ columns, ``FWD_STAGED``) hold only int32 words of a row (two columns each) and l
 stage the next rows in shared memory
 (``fx.range(..., num_stages=)``). Pass 1 runs a row ahead: the next row's partial result is
 published before this row's are awaited. The wait starts
-from the slots as read before pass 1 (:func:`flydsl_common.device.peek` /
-:func:`~flydsl_common.device.collect_from`), inside one asm statement, since the pipeliner refuses
+from the slots as read before pass 1 (:func:`.exchange.peek` /
+:func:`~.exchange.collect_from`), inside one asm statement, since the pipeliner refuses
 loops with nested loops (Triton 3.6: a loop holding a nested loop is left unpipelined).
 
 The waits need every program of a row to be running at once: the grid never
@@ -61,28 +61,11 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import (
-    as_words,
-    bf16_pairs,
-    bf16_pairs_again,
-    bf16_pairs_third,
-    bf16_words,
-    cast_sat_fp8e4m3,
-    cast_sat_int8,
-    collect,
-    collect_from,
-    collect_pairs_from,
-    collect_sum,
-    pdl_launch_dependents,
-    pdl_wait,
-    peek,
-    publish,
-    publish_pair,
-    row_offset,
-    sum2_f32,
-)
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, pdl_launch_dependents, pdl_wait, row_offset
 
 from .affine import load_bwd_rows, load_weight
+from .exchange import collect, collect_from, collect_pairs_from, collect_sum, peek, publish, publish_pair
+from .pairs import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words, sum2_f32
 from .passes import LOG2E, NEG_INF, clear_share
 
 __all__ = [
@@ -109,7 +92,7 @@ def _unpair(v):
 def _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS: fx.constexpr, SPIN_LIMIT: fx.constexpr):
     """A norm row's (mean, var, ok) from every slice's published statistics at ``base``: RMSNorm's sums of
     squares (slots 0, 2, ...), or LayerNorm's (mean, M2) pairs merged with Chan's formula (``p_count``:
-    each slice's columns). ``ok``: see :func:`flydsl_common.device.collect`."""
+    each slice's columns). ``ok``: see :func:`.exchange.collect`."""
     if IS_RMS:
         a, ok = collect(base + 2 * p_idx, p_ok, SPIN_LIMIT)  # masked-off slots read 0
         return 0.0, fx.sum(a, axis=0) / N, ok
