@@ -29,10 +29,10 @@ from triton.compiler import ASTSource  # noqa: E402
 import flydsl  # noqa: E402, F401 - backend choice before triton
 from fly_norm import _split_host as split_host  # noqa: E402
 from fly_norm import routing  # noqa: E402
+from fly_norm._exchange_host import slot_lanes  # noqa: E402
 from fly_norm._kernels import norm, resident, split  # noqa: E402
 from fly_norm._kernels import softmax as softmax_kernels  # noqa: E402
 from fly_norm.autotune import bwd_default_row_config  # noqa: E402
-from fly_norm._exchange_host import slot_lanes  # noqa: E402
 
 softmax = importlib.import_module("fly_norm.softmax")  # the module (the package exports the function)
 

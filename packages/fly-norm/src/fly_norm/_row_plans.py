@@ -55,7 +55,8 @@ def pdl_options(device) -> dict:
 
 def word_aligned(*tensors) -> bool:
     """Whether every row of each tensor ([M, N] row views, or [N] vectors) starts on a 4-byte boundary, with
-    an even width: a 16-bit row read and written as int32 words (two columns each; :func:`fly_norm._kernels.pairs.as_words`)."""
+    an even width: a 16-bit row read and written as int32 words (two columns each;
+    :func:`fly_norm._kernels.pairs.as_words`)."""
     return all(
         t.shape[-1] % 2 == 0 and t.data_ptr() % 4 == 0 and (t.dim() == 1 or t.stride(0) % 2 == 0) for t in tensors
     )
