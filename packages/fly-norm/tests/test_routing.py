@@ -335,3 +335,57 @@ def test_backward_launches_follow_the_route(fake_h200, fits, dtype, aligned):
             kernel, taken = _expect(r_, op, True, fits)
             assert launched and launched[0][0] == kernel, (op, dres, n, r_, launched)
             _check_config(launched[0][1], taken)
+
+
+# ---------------------------------------------------------------- the split configs' validity predicate
+
+SHIPPED = ("FWD_SLICE", "FWD_SLICE_WIDE", "LN_FWD_SLICE", "BWD_SLICE", "BWD_TILED", "LN_BWD_TILED", "SOFTMAX_BWD_SLICE",
+           "SOFTMAX_BWD_SLICE_WIDE", "FWD_STAGED", "BWD_STAGED", "RESIDENT", "RESIDENT_WIDE")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_split_configs_are_valid(name):
+    assert S.split_config_valid(getattr(S, name), H200)
+
+
+def test_every_route_names_a_valid_config():
+    """Over the widths, dtypes and directions of every op, on each arch: a split, tiled, staged or resident
+    route's config passes the predicate (the row kernels' is the tuner's: RowConfig or None)."""
+    for arch in (H200, AMPERE, MI300):
+        for op in routing.OPS:
+            for dtype in (BF16, F16, F32):
+                for n in (S.SPLIT_MIN_N, 65536, 131072, 262144, 1 << 20, 3 << 19):
+                    for backward in (False, True):
+                        for r in (route(op, dtype, 64, n, arch, backward=backward),):
+                            for step in (r, *r.fallbacks):
+                                if step.path in (Path.ROWS, Path.PIPELINED):
+                                    continue
+                                assert S.split_config_valid(step.config, arch), (arch.name, op, dtype, n, step)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        S.SliceConfig(slice_cols=3000, warps=4),  # not a power of two
+        S.SliceConfig(slice_cols=4096, warps=3),  # a warp count Triton does not take
+        S.SliceConfig(slice_cols=64, warps=4),  # fewer columns than lanes
+        S.SliceConfig(slice_cols=4096, warps=4, maxnreg=100),  # not a multiple of 8
+        S.SliceConfig(slice_cols=4096, warps=4, maxnreg=264),  # past ptxas's 255
+        S.TiledConfig(slice_cols=2048, warps=4, maxnreg=168, tile_rows=3),
+        S.TiledConfig(slice_cols=2048, warps=4, maxnreg=168, tile_rows=4, lead=3),
+        S.StagedConfig(slice_cols=16384, warps=16, stages=0),
+        S.StagedConfig(slice_cols=512, warps=16, stages=3),  # fewer words than lanes
+        S.ResidentConfig(chunk=1000, ring=10, warps=4, left=2),
+        S.ResidentConfig(chunk=1024, ring=2, warps=4, left=2),  # nothing left for a slice
+        S.ResidentConfig(chunk=8192, ring=12, warps=16, left=4),  # a 384 KB ring
+        S.ResidentConfig(chunk=64, ring=10, warps=4, left=2),  # fewer words than lanes
+        routing.PIPELINED_BWD,  # not a split config
+    ],
+    ids=lambda c: repr(c)[:60],
+)
+def test_invalid_split_configs_are_refused(cfg):
+    assert not S.split_config_valid(cfg, H200)
+
+
+def test_a_ring_that_fits_sm90_may_not_fit_an_older_gpu():
+    assert S.split_config_valid(S.RESIDENT_WIDE, H200) and not S.split_config_valid(S.RESIDENT_WIDE, AMPERE)

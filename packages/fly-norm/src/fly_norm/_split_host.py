@@ -36,7 +36,7 @@ except ImportError:  # a Triton whose Gluon lacks what the resident kernel uses:
 
 __all__ = [
     "SPLIT_MIN_N", "SPLIT_MIN_N_BWD", "SOFTMAX_SPLIT_MIN_N_BWD", "SPLIT_MAX_PARTS", "SPIN_LIMIT", "SliceConfig",
-    "TiledConfig", "StagedConfig", "EvictHints", "ResidentConfig", "launch_split",
+    "TiledConfig", "StagedConfig", "EvictHints", "ResidentConfig", "split_config_valid", "launch_split",
     "launch_fwd_split", "launch_bwd_split", "launch_softmax_fwd_split", "launch_softmax_bwd_split",
     "take_slots", "give_back_slots", "take_fwd_slots", "give_back_fwd_slots", "launch_softmax_fwd_resident",
 ]  # fmt: skip
@@ -154,6 +154,49 @@ BWD_STAGED = StagedConfig(slice_cols=8192, warps=16, stages=3)
 # evict_last in the chunked quant and layer_norm forward gained nothing either. None shipped.
 SPLIT_EVICT = EvictHints(rows="", cols="")
 SPIN_LIMIT = 1 << 20  # polls of a slot (~1 us each: about a second) before a row is given up, poisoned
+
+
+
+# ---------------------------------------------------------------- validity
+
+_WARPS = (1, 2, 4, 8, 16)
+
+
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+def _maxnreg_ok(maxnreg) -> bool:
+    """A register cap ptxas takes and the launches use: None, or a multiple of 8 in 24..255."""
+    return maxnreg is None or (isinstance(maxnreg, int) and 24 <= maxnreg <= 255 and maxnreg % 8 == 0)
+
+
+def split_config_valid(cfg, arch: flydsl.arch.Arch | None = None) -> bool:
+    """The one validity predicate of the split paths' configs (the shipped ones and every route's pass it):
+
+    - :class:`SliceConfig` / :class:`TiledConfig` / :class:`StagedConfig`: a power-of-two slice (the kernels'
+      ``arange``; staged rows are int32 words, two columns each) of at least one column a lane, a warp
+      count Triton takes, a register cap ptxas takes; tiles of a power of two rows (at most 16) and a lead
+      of 0-2 tiles (the tiled kernel's pass 1 runs at most two ahead); 1-8 pipeline stages;
+    - :class:`ResidentConfig`: a power-of-two chunk of at least one word a lane, a ring of more slots than
+      it leaves beyond a slice, and the ring's int32 words within the arch's shared memory (sm_90's 227 KB
+      when ``arch`` is None).
+    """
+    if isinstance(cfg, ResidentConfig):
+        smem = arch.smem_per_block if arch is not None else 227 * 1024
+        return (_pow2(cfg.chunk) and cfg.warps in _WARPS and cfg.chunk >= 32 * cfg.warps
+                and 0 <= cfg.left < cfg.ring and cfg.ring * cfg.chunk * 4 <= smem)  # fmt: skip
+    if not isinstance(cfg, (SliceConfig, TiledConfig, StagedConfig)):
+        return False
+    if not (_pow2(cfg.slice_cols) and cfg.warps in _WARPS and cfg.slice_cols >= 32 * cfg.warps):
+        return False
+    if not _maxnreg_ok(cfg.maxnreg):
+        return False
+    if isinstance(cfg, TiledConfig):
+        return _pow2(cfg.tile_rows) and cfg.tile_rows <= 16 and cfg.lead in (0, 1, 2)
+    if isinstance(cfg, StagedConfig):
+        return 1 <= cfg.stages <= 8 and cfg.slice_cols >= 2 * 32 * cfg.warps  # two columns a word
+    return True
 
 
 # ---------------------------------------------------------------- resident softmax
