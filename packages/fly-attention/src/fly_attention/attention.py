@@ -90,7 +90,8 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
 def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int, tuple[int, int] | None]:
     """cu_seqlens int32 ``[batch + 1]`` on q's device, non-decreasing, inside the packed tokens, and no
     sequence longer than its max_seqlen. Returns the batch and the query tokens the sequences cover
-    (``(cu_q[0], cu_q[-1])``; None while tracing or on meta tensors). One host sync for every value check."""
+    (``(cu_q[0], cu_q[-1])``; None while tracing, capturing a CUDA graph or on meta tensors, where the values
+    go unchecked). One host sync for every value check."""
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
         if t.device != q.device:
@@ -104,8 +105,8 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int
         if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 0:
             raise ArgumentError(f"{name}: expected an int >= 0, got {m!r}")
     batch = cu_q.numel() - 1
-    if q.is_meta or torch.compiler.is_compiling():
-        return batch, None  # values unknown while tracing or on meta tensors
+    if q.is_meta or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return batch, None  # values unknown while tracing or on meta tensors; no host sync inside a CUDA graph
     rows = []
     for cu in (cu_q, cu_k):
         steps = cu.diff() if batch else cu.new_zeros(1)

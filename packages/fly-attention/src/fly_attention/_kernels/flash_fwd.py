@@ -38,7 +38,7 @@ __all__ = ["launch_flash_fwd", "UNBOUNDED"]
 # sequences up to 2^30 tokens.
 UNBOUNDED = 1 << 30
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+_LN2 = fx.constexpr(0.6931471805599453)  # a kernel reads module globals only as constexpr
 
 
 @flyc.func

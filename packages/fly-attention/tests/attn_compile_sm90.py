@@ -1,0 +1,64 @@
+"""Compile the forward kernel for sm_90 without a GPU (Triton's compiler and its bundled ptxas), in a process
+of its own: ``FLYDSL_INTERPRET=0 python attn_compile_sm90.py``. The interpreter accepts code the compiler
+rejects (module globals that are not constexpr, type changes across a loop), so the CPU suite compiles the
+kernel's variants too. Prints one line a variant: ``ok <shared bytes>`` or ``FAIL <error>``."""
+
+from __future__ import annotations
+
+# flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
+from fly_attention._kernels.flash_fwd import _flash_fwd_kernel
+
+_PTRS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
+_FLOATS = ("qk_scale", "cap_in", "cap_out")
+
+
+def compile_variant(d, dv, block_m, block_n, warps, stages, windowed, softcap, varlen, lse, dtype="bf16"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _flash_fwd_kernel
+    names = fn.arg_names
+    const = {
+        "HEAD_DIM": d, "HEAD_DIM_V": dv, "BLOCK_D": triton.next_power_of_2(d), "BLOCK_DV": triton.next_power_of_2(dv),
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "WINDOWED": windowed, "SOFTCAP": softcap, "VARLEN": varlen,
+        "STORE_LSE": lse,
+    }  # fmt: skip
+    if not lse:
+        const["lse_ptr"] = None
+    if not varlen:
+        const["cu_q_ptr"] = const["cu_k_ptr"] = None
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in _PTRS:
+            sig[n] = "*" + dtype
+        elif n == "lse_ptr":
+            sig[n] = "*fp32"
+        elif n in ("cu_q_ptr", "cu_k_ptr"):
+            sig[n] = "*i32"
+        elif n in _FLOATS:
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+# (d, dv, block_m, block_n, warps, stages, windowed, softcap, varlen, lse, dtype): the defaults of each head-dim
+# class with every option off, and with every option on (and fp16, a value head dim of its own)
+VARIANTS = [
+    (64, 64, 128, 64, 8, 3, False, False, False, False, "bf16"),
+    (128, 128, 128, 64, 8, 3, True, True, True, True, "bf16"),
+    (80, 80, 16, 64, 8, 3, True, False, False, True, "fp16"),
+    (192, 128, 64, 64, 8, 2, True, True, False, True, "bf16"),
+    (256, 256, 64, 64, 8, 2, False, False, True, False, "fp16"),
+]
+
+if __name__ == "__main__":
+    for v in VARIANTS:
+        try:
+            print("ok", compile_variant(*v).metadata.shared, flush=True)
+        except Exception as e:  # report every variant, then let the test name the failures
+            print("FAIL", v, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)
