@@ -245,3 +245,22 @@ def test_kernel_compiles_for_sm90():
             pytest.skip(f"cannot compile for sm_90 here: {first}")
         raise AssertionError(res.stderr[-2000:])
     assert len(lines) == 5 and all(line.startswith("ok") for line in lines), "\n".join(lines) + res.stderr[-1000:]
+
+
+def test_grad_refused_under_torch_compile_too():
+    torch._dynamo.reset()
+    q, k, v = _good()
+    fn = torch.compile(lambda q, k, v: flash_attn(q, k, v, softmax_scale=1), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="backward is not built yet"):
+        fn(q.requires_grad_(), k, v)
+    q.requires_grad_(False)
+    assert_rel_close(fn(q, k, v), flash_attn_ref(q, k, v, softmax_scale=1), tol=tolerance(q.dtype))
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 8), (2, 0, 8), (2, 0, 0)])
+def test_empty_shapes(shape):
+    """batch 0, seqlen_q 0 (with and without keys): empty outputs of the right shape, nothing launched."""
+    b, sq, sk = shape
+    q, k, v = rand_qkv(b, sq, sk, 4, 2, 64, 48)
+    out, lse = flash_attn(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (b, sq, 4, 48) and lse.shape == (b, 4, sq)

@@ -305,8 +305,9 @@ def flash_attn(
     left, right = _options(causal, softmax_scale, window, softcap)
     _refuse_grad("flash_attn", q=q, k=k, v=v)
     if torch.compiler.is_compiling():
-        out, lse = torch.ops.fly_attention.flash_attn_fwd(q, k, v, causal, softmax_scale, left, right,
-                                                          float(softcap), return_lse)  # fmt: skip
+        scale = None if softmax_scale is None else float(softmax_scale)  # the schema's float?, not an int
+        out, lse = torch.ops.fly_attention.flash_attn_fwd(q, k, v, causal, scale, left, right, float(softcap),
+                                                          return_lse)  # fmt: skip
     else:  # the direct route: no dispatcher
         out, lse = _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
     return (out, lse) if return_lse else out
@@ -351,8 +352,9 @@ def flash_attn_varlen(
     left, right = _options(causal, softmax_scale, window, softcap)
     _refuse_grad("flash_attn_varlen", q=q, k=k, v=v)
     if torch.compiler.is_compiling():
+        scale = None if softmax_scale is None else float(softmax_scale)
         out, lse = torch.ops.fly_attention.flash_attn_varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale, left, right,
             float(softcap), return_lse,
         )  # fmt: skip
     else:
