@@ -69,15 +69,16 @@ def default_config(
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return AttnConfig(16 if seqlen_q <= 16 else 32, 16 if seqlen_k <= 16 else 32, num_warps=4, num_stages=1)
     d = max(head_dim, head_dim_v)
-    # Register pressure decides within the published range: sm_90 compiles of the kernel (ptxas -v, triton
-    # 3.6, bf16, every option on and off) gave no spills at d 64 with 128 x 64 / 8 warps (188-210
-    # registers; 128 x 128 sat at 249-255 and spilled with every option on), 0-172 bytes at d 128 with
-    # 128 x 64 / 8 warps (128 x 32: none, at the cost of a narrow QK^T), and spills at d 192 / 256 with every
-    # tile tried (64 x 64 / 8 warps: 576 bytes; 128 x 32: 92-844; 128 x 64: 1132-6232). To be searched on
-    # the H200: none of this is a timing.
-    if d <= 128:
+    # Within the published range, registers decide: sm_90 compiles of this kernel (triton 3.6, ptxas -v, bf16,
+    # aligned operands as real launches specialize them, every option off and on) use 217-241 registers at
+    # d 64 with 128 x 128 / 8 warps, 170-211 at d 128 with 128 x 64 / 8 warps / 3 stages, and at d 256
+    # 254-255 with 128 x 64 (no spill yet, 192 KB of shared memory) against 207-212 with 64 x 64 / 8 warps;
+    # 4 warps spill at d 256. None of this is a timing: the H200 search replaces it.
+    if d <= 64:
+        cfg = AttnConfig(128, 128, num_warps=8, num_stages=2)
+    elif d <= 128:
         cfg = AttnConfig(128, 64, num_warps=8, num_stages=3)
-    else:  # 192 / 256: half the query rows a program
+    else:  # 192 / 256: half the query rows a program keeps the registers clear of spilling
         cfg = AttnConfig(64, 64, num_warps=8, num_stages=2)
     if seqlen_q <= 64:  # decode-like queries: no program of mostly padded rows
         cfg = dataclasses.replace(cfg, block_m=max(_DOT_MIN, flyc.next_power_of_2(max(seqlen_q, 1))))
