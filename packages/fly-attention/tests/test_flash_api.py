@@ -264,3 +264,36 @@ def test_empty_shapes(shape):
     q, k, v = rand_qkv(b, sq, sk, 4, 2, 64, 48)
     out, lse = flash_attn(q, k, v, causal=True, return_lse=True)
     assert out.shape == (b, sq, 4, 48) and lse.shape == (b, 4, sq)
+
+
+# ---------------------------------------------------------------- GPU: graphs and inductor
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay(device):
+    """Dense and varlen forwards captured in one CUDA graph (no host sync inside), replayed on new inputs."""
+    q, k, v = rand_qkv(2, 300, 300, 8, 2, 128, dtype=torch.bfloat16, device=device)
+    qv, kv, vv = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    cu = torch.tensor([0, 1, 250, 600], dtype=torch.int32, device=device)
+    flash_attn(q, k, v, causal=True)  # compile outside the capture
+    flash_attn_varlen(qv, kv, vv, cu, cu, 350, 350, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn(q, k, v, causal=True)
+        out_v = flash_attn_varlen(qv, kv, vv, cu, cu, 350, 350, causal=True)
+    for seed in (1, 2):
+        for dst, src in zip((q, k, v), rand_qkv(2, 300, 300, 8, 2, 128, dtype=torch.bfloat16, device=device,
+                                                seed=seed), strict=True):  # fmt: skip
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rel_close(out, flash_attn_ref(q, k, v, causal=True), tol=tolerance(q.dtype))
+        assert_rel_close(out_v, flash_attn_varlen_ref(qv, kv, vv, cu, cu, causal=True), tol=tolerance(q.dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_inductor(device):
+    torch._dynamo.reset()
+    q, k, v = rand_qkv(2, 500, 700, 8, 8, 64, dtype=torch.bfloat16, device=device)
+    fn = torch.compile(lambda q, k, v: flash_attn(q, k, v, causal=True, softcap=20.0) * 2, fullgraph=True)
+    assert_rel_close(fn(q, k, v) / 2, flash_attn_ref(q, k, v, causal=True, softcap=20.0), tol=tolerance(q.dtype))
