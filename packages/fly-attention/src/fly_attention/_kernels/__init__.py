@@ -1,0 +1,1 @@
+"""Device code of fly-attention: one kernel kind a file (``flash_fwd``: the forward, dense and varlen)."""
