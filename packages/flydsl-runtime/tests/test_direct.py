@@ -307,3 +307,20 @@ def test_empty_placeholders_and_views_in_results(stand_ins):
     torch.testing.assert_close(y, a + b)
     assert (p8.dtype, p8.numel(), p32.dtype, p32.numel()) == (torch.int8, 0, torch.float32, 0)
     assert len(stand_ins) == 1
+
+
+def test_pointers_outside_an_inputs_elements_are_not_replayed(stand_ins):
+    """A launch reading an input's storage past the input's own elements (a replay's input of the same layout
+    may have no such bytes): the key keeps the general path."""
+
+    def beyond(a, b):
+        out = torch.empty_like(b)
+        past = a.as_strided((3,), (1,), a.storage_offset() + a.numel() + 1)  # after a's last element
+        flyc.launch(AXPY, (1,), past, b, out, 3, 1.0, BLOCK=64)
+        return out
+
+    replays = direct.Replays("beyond")
+    big = torch.randn(12)
+    for _ in range(3):
+        replays.call(("k",), beyond, big[:8], torch.randn(3))
+    assert replays.plans[("k",)] is None and not stand_ins

@@ -216,25 +216,32 @@ class _Sources:
         self.inputs = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                s = a.untyped_storage()
-                self.inputs.append((i, a.data_ptr(), s.data_ptr(), s.data_ptr() + s.nbytes()))
+                # the bytes the input itself spans (not its whole storage: a replay's input of the same layout
+                # may sit in a storage of its own, so nothing before or past its own elements may be used)
+                span = (sum((d - 1) * st for d, st in zip(a.shape, a.stride(), strict=True)) + 1) * a.element_size()
+                start, storage = a.data_ptr(), a.untyped_storage()
+                self.inputs.append((i, start, start + (span if a.numel() else 0), storage.data_ptr(),
+                                    storage.data_ptr() + storage.nbytes()))
         self.allocations = [(when, t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for when, t in
                             allocations]  # fmt: skip
         self.layouts = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for _, t in allocations]
 
     def find(self, t: torch.Tensor, before: int):
         """(1, input index, offset) or (2, allocation index, offset); (0, t) for a buffer older than the call;
-        None when the pointer is ambiguous (two inputs share it)."""
+        None when the pointer is ambiguous (two inputs span it) or lies in an input's storage outside the
+        input's own elements."""
         p = t.data_ptr()
         for j in range(len(self.allocations) - 1, -1, -1):
             when, start, end = self.allocations[j]
             if when <= before and (start <= p < end or p == start):
                 return 2, j, p - start
-        hits = [(i, p - base) for i, base, start, end in self.inputs if start <= p < end or p == start]
+        hits = [(i, p - start) for i, start, end, _, _ in self.inputs if start <= p < end or p == start]
         if len(hits) > 1:
             return None
         if hits:
             return 1, hits[0][0], hits[0][1]
+        if any(lo <= p < hi for _, _, _, lo, hi in self.inputs):
+            return None  # in an input's storage but outside its elements: nothing a replay could point at
         return 0, t
 
 
