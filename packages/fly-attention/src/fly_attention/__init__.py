@@ -3,13 +3,20 @@
 ``flash_attn(q, k, v, ...)``: the flash attention forward on ``[batch, seqlen, heads, head_dim]`` fp16 /
 bf16 tensors (MHA / GQA / MQA, bottom-right causal, sliding window, softcap, lse);
 ``flash_attn_varlen(...)``: the same over packed sequences. :class:`AttnConfig` is the launch
-configuration; ``flash_attn_ref`` / ``flash_attn_varlen_ref`` the fp32 / fp64 references. Forward only:
-no backward yet. See the package README for the API table and status.
+configuration; ``flash_attn_ref`` / ``flash_attn_varlen_ref`` the fp32 / fp64 references.
+``scaled_dot_product_attention(...)``: a drop-in for torch's SDPA on ``[B, H, S, D]`` served by flash_attn
+(masks and other dtypes fall back to torch); ``build_flash_attn_func_module(...)``: the seed's builder.
+See the package README for the API table and status.
 """
 
 from ._version import __version__
 from .attention import flash_attn, flash_attn_varlen
 from .autotune import AttnConfig
+from .builders import build_flash_attn_func_module
 from .reference import flash_attn_ref, flash_attn_varlen_ref
+from .sdpa import scaled_dot_product_attention
 
-__all__ = ["__version__", "flash_attn", "flash_attn_varlen", "AttnConfig", "flash_attn_ref", "flash_attn_varlen_ref"]
+__all__ = [
+    "__version__", "flash_attn", "flash_attn_varlen", "AttnConfig", "flash_attn_ref", "flash_attn_varlen_ref",
+    "scaled_dot_product_attention", "build_flash_attn_func_module",
+]  # fmt: skip
