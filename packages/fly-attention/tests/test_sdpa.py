@@ -127,6 +127,31 @@ def test_empty_and_keyless():
     assert sdpa(rand(1, 2, 0, 16), rand(1, 2, 4, 16), rand(1, 2, 4, 16)).shape == (1, 2, 0, 16)
 
 
+def test_meta_tensors_give_meta_outputs():
+    meta = torch.device("meta")
+    q = torch.empty(2, 8, 9, 192, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(2, 2, 5, 192, dtype=torch.bfloat16, device=meta)
+    v = torch.empty(2, 2, 5, 128, dtype=torch.bfloat16, device=meta)
+    out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.device == meta and out.shape == (2, 8, 9, 128) and out.dtype == torch.bfloat16
+
+
+def test_traces_under_torch_compile_fullgraph():
+    """The translation is plain tensor views around flash_attn's custom op: one graph, eager's result."""
+    torch._dynamo.reset()
+    q, k, v = rand(1, 4, 13, 32), rand(1, 2, 21, 32, seed=1), rand(1, 2, 21, 32, seed=2)
+
+    def f(q, k, v):
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True, scale=0.2) * 2
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(got, f(q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True,
+                                             scale=0.2)  # fmt: skip
+    assert_rel_close(got / 2, ref, tol=tolerance(q.dtype))
+
+
 # ------------------------------------------------------------------ fallbacks
 
 
