@@ -220,6 +220,7 @@ def test_dropout_raises_on_the_flash_path():
         (lambda q: (q, q, q, {"dropout_p": 1.5}), ArgumentError, "dropout_p"),
         (lambda q: (q, q, q, {"enable_gqa": "yes"}), ArgumentError, "enable_gqa"),
         (lambda q: (q[0, 0, 0], q, q, {}), ShapeError, "query"),
+        (lambda q: (q, q[:, :0], q[:, :0], {"enable_gqa": True}), ShapeError, "key.*one head"),
     ],
 )
 def test_bad_input_named(make, err, match):

@@ -150,6 +150,8 @@ def scaled_dot_product_attention(
         raise ShapeError(f"value: expected key's seqlen {key.shape[-2]}, got {describe(value)}")
     if query.shape[-1] != key.shape[-1]:
         raise ShapeError(f"key: expected query's head_dim {query.shape[-1]}, got {describe(key)}")
+    if hk < 1:
+        raise ShapeError(f"key: expected at least one head, got {describe(key)}")
     if enable_gqa:
         if hq % hk:
             raise ShapeError(f"key: with enable_gqa, heads_kv must divide query's {hq} heads, got {describe(key)}")
