@@ -26,6 +26,7 @@ def test_demo_cases_pass_and_the_bench_is_registered():
 def test_public_api():
     assert set(fly_attention.__all__) == {
         "__version__", "flash_attn", "flash_attn_varlen", "AttnConfig", "flash_attn_ref", "flash_attn_varlen_ref",
+        "scaled_dot_product_attention", "build_flash_attn_func_module",
     }  # fmt: skip
     for name in fly_attention.__all__:
         assert getattr(fly_attention, name) is not None
