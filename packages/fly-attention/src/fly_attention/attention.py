@@ -1,10 +1,12 @@
-"""``flash_attn`` and ``flash_attn_varlen``: the flash attention forward for fp16 / bf16.
+"""``flash_attn`` and ``flash_attn_varlen``: flash attention for fp16 / bf16, forward and backward.
 
-In the order of the family's files: the kernel lives in :mod:`._kernels.flash_fwd`, the config choice in
-:mod:`.autotune`, then the host API below: argument checks (every bad input is named before anything
-launches), allocation and dispatch; then the ``torch.library`` custom ops (with fake implementations, so
-``torch.compile(fullgraph=True)`` traces them) and the public functions. There is no backward yet: a call
-whose inputs need a gradient is refused rather than answered with a result autograd cannot follow.
+In the order of the family's files: the kernels live in :mod:`._kernels.flash_fwd` and
+:mod:`._kernels.flash_bwd`, the config choice in :mod:`.autotune`, then the host API below: argument checks
+(every bad input is named before anything launches), allocation and dispatch; then the ``torch.library``
+custom ops (with fake implementations, so ``torch.compile(fullgraph=True)`` traces them) with their
+registered autograd, an eager ``autograd.Function`` for calls outside tracing, and the public functions.
+The backward recomputes the probabilities from the forward's log-sum-exp, which a differentiable call
+always writes; it uses no atomics, so its result is deterministic.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import flydsl.compiler as flyc
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError, UnsupportedError
 
+from ._kernels.flash_bwd import launch_flash_bwd
 from ._kernels.flash_fwd import launch_flash_fwd
-from .autotune import AttnConfig, config_valid, default_config
+from .autotune import AttnBwdConfig, AttnConfig, bwd_config_valid, config_valid, default_bwd_config, default_config
 
 __all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "MAX_HEAD_DIM"]
 
@@ -53,6 +56,11 @@ def _options(causal, softmax_scale, window, softcap) -> tuple[int, int]:
     if causal:  # flash-attention 2's rule: causal is the window with right = 0
         right = 0
     return left, right
+
+
+def _check_deterministic(deterministic) -> None:
+    if not isinstance(deterministic, bool):
+        raise ArgumentError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
 
 
 def _check_qkv(q, k, v, varlen: bool) -> None:
@@ -198,6 +206,95 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
     return out, (lse if return_lse else lse.new_empty(0))
 
 
+@functools.lru_cache(maxsize=1024)
+def _bwd_config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnBwdConfig:
+    return default_bwd_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
+
+
+def _bwd_config(q, d, dv, sq, sk, causal, config) -> AttnBwdConfig:
+    arch = flydsl.arch.current(q.device)
+    if config is None:
+        config = _bwd_config_for(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)),
+                                 causal, q.dtype, arch)  # fmt: skip
+    elif not isinstance(config, AttnBwdConfig):
+        raise ArgumentError(f"config: expected None or a fly_attention.autotune.AttnBwdConfig, got "
+                            f"{type(config).__name__}")  # fmt: skip
+    if not bwd_config_valid(config, d, dv, q.dtype, arch):
+        raise ArgumentError(f"config: {config} is not a valid backward launch config for head dims {d} / {dv}, "
+                            f"{dtype_name(q.dtype)} on {arch.name}")  # fmt: skip
+    return config
+
+
+def _grad_out(dout, out):
+    """The output's gradient as the kernels read it: out's shape and dtype, a unit last stride (autograd may
+    hand an expanded or strided one)."""
+    if dout.shape != out.shape:
+        raise ShapeError(f"dout: expected the output's shape {tuple(out.shape)}, got {describe(dout)}")
+    if dout.dtype != out.dtype:
+        dout = dout.to(out.dtype)
+    if dout.stride(-1) != 1 and dout.shape[-1] > 1:
+        dout = dout.contiguous()
+    return dout
+
+
+def _flash_attn_bwd(dout, q, k, v, out, lse, causal, softmax_scale, left, right, softcap, config=None):
+    """The dense backward: (dq, dk, dv) shaped as q, k, v (contiguous), from the forward's out and lse
+    ``[B, Hq, Sq]``."""
+    dout = _grad_out(dout, out)
+    b, sq, hq, d = q.shape
+    sk, dv_ = k.shape[1], v.shape[-1]
+    dq = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    dk = _empty(*k.shape, dtype=k.dtype, device=q.device)
+    dv = _empty(*v.shape, dtype=v.dtype, device=q.device)
+    if q.is_meta:
+        return dq, dk, dv
+    if sq == 0 or b == 0:  # no query row: no gradient reaches the keys
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    delta = torch.empty_like(lse)
+    cfg = _bwd_config(q, d, dv_, sq, sk, causal, config)
+    launch_flash_bwd(dout, q, k, v, out, lse, delta, dq, dk, dv, None, None, sq, sk, b, left, right,
+                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    return dq, dk, dv
+
+
+def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, left, right,
+                           softcap, config=None):  # fmt: skip
+    """The packed backward: (dq, dk, dv) shaped as q, k, v, from the forward's out and lse ``[Hq, total_q]``.
+    Tokens outside every sequence get 0."""
+    dout = _grad_out(dout, out)
+    d, dv_ = q.shape[-1], v.shape[-1]
+    batch = cu_q.numel() - 1
+    dq = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    dk = _empty(*k.shape, dtype=k.dtype, device=q.device)
+    dv = _empty(*v.shape, dtype=v.dtype, device=q.device)
+    if q.is_meta:
+        return dq, dk, dv
+    # Tokens before the first sequence and after the last are zeroed here (the sequences are consecutive);
+    # without the offsets' values (inside a CUDA graph capture: no host sync) everything is zeroed first.
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        spans = None
+    else:
+        spans = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
+    for t, span in ((dq, spans[:2] if spans else None), (dk, spans[2:] if spans else None),
+                    (dv, spans[2:] if spans else None)):  # fmt: skip
+        if span is None:
+            t.zero_()
+        else:
+            t[: span[0]] = 0
+            t[span[1] :] = 0
+    if batch == 0 or max_q == 0:  # no query row in any sequence: no gradient reaches the keys
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    delta = torch.empty_like(lse)
+    cfg = _bwd_config(q, d, dv_, max_q, max_k, causal, config)
+    launch_flash_bwd(dout, q, k, v, out, lse, delta, dq, dk, dv, cu_q, cu_k, max_q, max_k, batch, left, right,
+                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    return dq, dk, dv
+
+
 # ------------------------------------------------------------------ custom ops
 
 # Defined through torch.library.Library (not custom_op), as fly-gemm does: custom_op's kernel imports
@@ -226,8 +323,22 @@ def _varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_
                               softcap, return_lse)  # fmt: skip
 
 
+_LIB.define(
+    "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+    "float? softmax_scale, int window_left, int window_right, float softcap) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_LIB.define(
+    "flash_attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
+    "float? softmax_scale, int window_left, int window_right, float softcap) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
 _LIB.impl("flash_attn_fwd", _fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("flash_attn_varlen_fwd", _varlen_op, "CompositeExplicitAutograd")
+_LIB.impl("flash_attn_bwd", _flash_attn_bwd, "CompositeExplicitAutograd")
+_LIB.impl("flash_attn_varlen_bwd", _flash_attn_varlen_bwd, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fly_attention::flash_attn_fwd", lib=_LIB)
@@ -246,16 +357,99 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, win
     return out, lse
 
 
-def _refuse_grad(fn: str, **tensors) -> None:
-    """No backward is built yet: a result autograd cannot follow must not pass for a differentiable one."""
-    if not torch.is_grad_enabled():
-        return
-    needing = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-    if needing:
-        raise UnsupportedError(
-            f"{fn}: {', '.join(needing)} require(s) grad, but the attention backward is not built yet (forward "
-            "only); call under torch.no_grad() or pass detached tensors"
-        )
+@torch.library.register_fake("fly_attention::flash_attn_bwd", lib=_LIB)
+def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("fly_attention::flash_attn_varlen_bwd", lib=_LIB)
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------ autograd
+
+
+def _grad_needed(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _setup_context(ctx, inputs, output):
+    """Save what the backward reads: q, k, v, the output and its lse (the probabilities are recomputed
+    from them); the lse output is not differentiable."""
+    out, lse = output
+    return_lse = inputs[-1]
+    if not return_lse:  # the public functions always ask for it when a gradient is needed
+        raise UnsupportedError("flash attention backward: the forward must write its lse for the backward; "
+                               "call the op with return_lse=True")  # fmt: skip
+    ctx.mark_non_differentiable(lse)
+    ctx.varlen = len(inputs) == 13
+    if ctx.varlen:
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, _ = inputs
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.max_seqlens = (max_q, max_k)
+    else:
+        q, k, v, causal, scale, left, right, softcap, _ = inputs
+        ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (causal, scale, left, right, softcap)
+    ctx.eager = False  # through the op (traced, meta): its backward goes through the op too
+
+
+def _backward(ctx, dout, dlse):
+    """dq, dk, dv through the backward kernels (the lse's gradient, if any, is ignored: it is marked not
+    differentiable); none for the options or cu_seqlens."""
+    del dlse
+    if ctx.varlen:
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        args = (dout, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, *ctx.options)
+        # traced: the op, not its body (the backward is traced too); eager: the body, no dispatcher
+        fn = _flash_attn_varlen_bwd if ctx.eager else torch.ops.fly_attention.flash_attn_varlen_bwd
+        dq, dk, dv = fn(*args)
+        return dq, dk, dv, *(None,) * 10
+    q, k, v, out, lse = ctx.saved_tensors
+    fn = _flash_attn_bwd if ctx.eager else torch.ops.fly_attention.flash_attn_bwd
+    dq, dk, dv = fn(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, *(None,) * 6
+
+
+torch.library.register_autograd("fly_attention::flash_attn_fwd", _backward, setup_context=_setup_context, lib=_LIB)
+torch.library.register_autograd("fly_attention::flash_attn_varlen_fwd", _backward, setup_context=_setup_context,
+                                lib=_LIB)  # fmt: skip
+
+
+class _EagerFlashAttn(torch.autograd.Function):
+    """The dense op's autograd outside tracing, without the dispatcher (the op's generated autograd
+    redispatches and rebuilds its arguments on every call)."""
+
+    # forward takes ctx itself (no separate setup_context): with one, Function.apply binds its arguments
+    # through inspect.signature on every call.
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, left, right, softcap, return_lse):
+        inputs = (q, k, v, causal, scale, left, right, softcap, return_lse)
+        output = _flash_attn(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
+
+
+class _EagerFlashAttnVarlen(torch.autograd.Function):
+    """The packed op's autograd outside tracing (as :class:`_EagerFlashAttn`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, return_lse):
+        inputs = (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, return_lse)
+        output = _flash_attn_varlen(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
 
 
 # ------------------------------------------------------------------ public functions
@@ -271,8 +465,10 @@ def flash_attn(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
-    """Flash attention forward: ``softmax(mask(softcap(q k^T * softmax_scale))) v``, accumulated in fp32.
+    """Flash attention: ``softmax(mask(softcap(q k^T * softmax_scale))) v``, accumulated in fp32, and
+    differentiable in q, k and v.
 
     Args:
         q: ``[batch, seqlen_q, heads_q, head_dim]``, fp16 or bf16; any strides with a unit last one (a
@@ -287,7 +483,10 @@ def flash_attn(
             ``off = seqlen_k - seqlen_q``; -1 leaves a side unbounded. With causal, right is 0.
         softcap: ``> 0`` caps the scores: ``softcap * tanh(s / softcap)`` before masking; 0 is off.
         return_lse: also return the log-sum-exp of the scaled scores, natural log, fp32 ``[batch, heads_q,
-            seqlen_q]``.
+            seqlen_q]``. It is not differentiable (marked so: a gradient through it does not reach q, k, v).
+        deterministic: accepted for flash-attention's API; the backward uses no atomics (dK / dV summed over
+            a GQA group in registers, dQ by a program per query block), so both values give the same bits
+            run to run.
 
     Returns:
         ``out [batch, seqlen_q, heads_q, head_dim_v]`` (contiguous, q's dtype), and ``lse`` with
@@ -296,18 +495,28 @@ def flash_attn(
 
     Raises:
         flydsl.errors.ArgumentError / ShapeError / DTypeError / LayoutError / DeviceError naming the
-        argument; UnsupportedError when an input requires grad (no backward yet).
+        argument.
+
+    Gradients (fp16 / bf16, fp32 accumulation): ``dq``, ``dk``, ``dv`` (GQA / MQA: summed over the group),
+    through the ``fly_attention::flash_attn_fwd`` custom op's registered autograd, so
+    ``torch.compile(fullgraph=True)`` traces forward and backward. A differentiable call always writes the
+    lse (the backward recomputes the probabilities from it). Rows that see no key get dq 0.
 
     Example::
 
         out = flash_attn(q, k, v, causal=True)   # q [2, 1024, 32, 128], k / v [2, 1024, 8, 128] bf16
+        out.backward(grad)                       # q.grad, k.grad, v.grad
     """
     left, right = _options(causal, softmax_scale, window, softcap)
-    _refuse_grad("flash_attn", q=q, k=k, v=v)
+    _check_deterministic(deterministic)
+    grad = _grad_needed(q, k, v)
+    want_lse = return_lse or grad  # the backward reads it
     if torch.compiler.is_compiling():
         scale = None if softmax_scale is None else float(softmax_scale)  # the schema's float?, not an int
         out, lse = torch.ops.fly_attention.flash_attn_fwd(q, k, v, causal, scale, left, right, float(softcap),
-                                                          return_lse)  # fmt: skip
+                                                          want_lse)  # fmt: skip
+    elif grad:
+        out, lse = _EagerFlashAttn.apply(q, k, v, causal, softmax_scale, left, right, float(softcap), True)
     else:  # the direct route: no dispatcher
         out, lse = _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
     return (out, lse) if return_lse else out
@@ -327,8 +536,9 @@ def flash_attn_varlen(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
-    """Flash attention forward over packed sequences of different lengths.
+    """Flash attention over packed sequences of different lengths, differentiable in q, k and v.
 
     Args:
         q: ``[total_q, heads_q, head_dim]``; k ``[total_k, heads_kv, head_dim]``; v ``[total_k, heads_kv,
@@ -338,11 +548,14 @@ def flash_attn_varlen(
         max_seqlen_q, max_seqlen_k: at least the longest sequence of each (the grid's size).
         causal, softmax_scale, window, softcap: as :func:`flash_attn`, the causal / window alignment taken
             per sequence (its own seqlen_k - seqlen_q).
-        return_lse: also return the fp32 lse ``[heads_q, total_q]`` (natural log).
+        return_lse: also return the fp32 lse ``[heads_q, total_q]`` (natural log; not differentiable).
+        deterministic: as :func:`flash_attn`: the backward uses no atomics, both values give the same bits.
 
     Returns:
         ``out [total_q, heads_q, head_dim_v]`` (and ``lse``). Tokens outside every sequence read 0 (lse -inf).
-        The value checks of cu_seqlens take one host synchronization.
+        The value checks of cu_seqlens take one host synchronization (the backward takes one more, for the
+        tokens outside every sequence, whose gradients are 0). Gradients as :func:`flash_attn`'s, none for
+        cu_seqlens.
 
     Example::
 
@@ -350,13 +563,17 @@ def flash_attn_varlen(
         out = flash_attn_varlen(q, k, v, cu, cu, 12, 12, causal=True)
     """
     left, right = _options(causal, softmax_scale, window, softcap)
-    _refuse_grad("flash_attn_varlen", q=q, k=k, v=v)
+    _check_deterministic(deterministic)
+    grad = _grad_needed(q, k, v)
     if torch.compiler.is_compiling():
         scale = None if softmax_scale is None else float(softmax_scale)
         out, lse = torch.ops.fly_attention.flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale, left, right,
-            float(softcap), return_lse,
+            float(softcap), return_lse or grad,
         )  # fmt: skip
+    elif grad:
+        out, lse = _EagerFlashAttnVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               causal, softmax_scale, left, right, float(softcap), True)  # fmt: skip
     else:
         out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       softmax_scale, left, right, softcap, return_lse)  # fmt: skip

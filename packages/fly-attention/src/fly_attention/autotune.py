@@ -1,5 +1,6 @@
 """Launch configurations of the flash attention forward: :class:`AttnConfig`, its pure default
-(:func:`default_config`) and its validity predicate (:func:`config_valid`).
+(:func:`default_config`) and its validity predicate (:func:`config_valid`); the backward's the same way:
+:class:`AttnBwdConfig`, :func:`default_bwd_config`, :func:`bwd_config_valid`.
 
 Nothing here is measured yet: the GPU defaults are the published Hopper practice for a pointer-based
 Triton flash forward (the Triton tutorial's fused attention and flash-attention 2's Triton kernel:
@@ -17,7 +18,10 @@ import torch
 import flydsl.arch
 import flydsl.compiler as flyc
 
-__all__ = ["AttnConfig", "default_config", "config_valid", "smem_bytes"]
+__all__ = [
+    "AttnConfig", "default_config", "config_valid", "smem_bytes", "AttnBwdConfig", "default_bwd_config",
+    "bwd_config_valid", "bwd_smem_bytes",
+]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 # fp32 accumulator elements a thread may hold (output tile + score tile) before the registers spill: the
@@ -87,4 +91,79 @@ def default_config(
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     while not config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.block_n > _DOT_MIN:
         cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+# ------------------------------------------------------------------ backward
+
+
+@dataclass(frozen=True)
+class AttnBwdConfig:
+    """Launch configuration of the backward. The dK / dV kernel holds ``dkdv_block_n`` keys a program and
+    steps the queries ``dkdv_block_m`` at a time; the dQ kernel (and the delta pass) holds ``dq_block_m``
+    query rows and steps the keys ``dq_block_n`` at a time."""
+
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dq_block_m: int
+    dq_block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def bwd_smem_bytes(cfg: AttnBwdConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
+    """Shared memory of the larger of the two kernels: the held tiles once, the streamed ones per stage."""
+    d, dv = flyc.next_power_of_2(head_dim), flyc.next_power_of_2(head_dim_v)
+    dkdv = (cfg.dkdv_block_n * (d + dv) + cfg.num_stages * cfg.dkdv_block_m * (d + dv)) * dtype.itemsize
+    dq = (cfg.dq_block_m * (d + dv) + cfg.num_stages * cfg.dq_block_n * (d + dv)) * dtype.itemsize
+    return max(dkdv, dq)
+
+
+def bwd_config_valid(
+    cfg: AttnBwdConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype, arch: flydsl.arch.Arch
+) -> bool:
+    """The backward's validity predicate: power-of-two blocks of at least 16, a warp count Triton takes, at
+    least one stage, shared memory within the arch's, and on a GPU each kernel's fp32 accumulators and score
+    tiles within a thread's registers (dK + dV + two score tiles; dQ + two score tiles)."""
+    blocks = (cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n)
+    if any(b < _DOT_MIN or b & (b - 1) for b in blocks):
+        return False
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        return False
+    if head_dim < 1 or head_dim_v < 1:
+        return False
+    if bwd_smem_bytes(cfg, head_dim, head_dim_v, dtype) > arch.smem_per_block:
+        return False
+    if arch.is_interpreter:
+        return True
+    threads = 32 * cfg.num_warps
+    d, dv = flyc.next_power_of_2(head_dim), flyc.next_power_of_2(head_dim_v)
+    dkdv = cfg.dkdv_block_n * (d + dv + 2 * cfg.dkdv_block_m) // threads
+    dq = cfg.dq_block_m * (d + 2 * cfg.dq_block_n) // threads
+    return max(dkdv, dq) <= _ACC_PER_THREAD
+
+
+def default_bwd_config(
+    head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool, dtype: torch.dtype,
+    arch: flydsl.arch.Arch,
+) -> AttnBwdConfig:  # fmt: skip
+    """The backward's default launch config (pure: shapes, dtype and arch only). Not measured yet: the
+    published shape of a Triton flash backward (the Triton tutorial's: 128 keys a dK / dV program stepping
+    32 queries, 128 query rows a dQ program stepping 32 keys), halved at large head dims so the registers
+    hold the accumulators, then shrunk until :func:`bwd_config_valid` takes it."""
+    if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
+        return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
+                             num_stages=1)  # fmt: skip
+    d = max(head_dim, head_dim_v)
+    if d <= 128:
+        cfg = AttnBwdConfig(32, 128, 128, 32, num_warps=8, num_stages=2)
+    else:
+        cfg = AttnBwdConfig(32, 64, 64, 32, num_warps=8, num_stages=2)
+    # seqlen and causal take no part yet: nothing has been measured that would choose by them
+    while not bwd_config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    while not bwd_config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.dkdv_block_n > _DOT_MIN:
+        cfg = dataclasses.replace(
+            cfg, dkdv_block_n=cfg.dkdv_block_n // 2, dq_block_m=max(_DOT_MIN, cfg.dq_block_m // 2)
+        )
     return cfg
