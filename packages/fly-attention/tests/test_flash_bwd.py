@@ -281,6 +281,32 @@ def test_backward_ops_have_fake_implementations():
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.device == meta
 
 
+# ---------------------------------------------------------------- the kernels compile for the H200
+
+
+def test_backward_kernels_compile_for_sm90():
+    """Triton's compiler (not the interpreter) takes the three kernels at each head-dim class's default for
+    sm_90, options off and on, in a process of its own (the interpreter is chosen once per process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("attn_bwd_compile_sm90.py")
+    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 and not lines:
+        first = (res.stderr.strip().splitlines() or ["?"])[-1]
+        if "ptxas" in res.stderr or "CUDA" in first:  # no toolchain on this machine: nothing to learn here
+            pytest.skip(f"cannot compile for sm_90 here: {first}")
+        raise AssertionError(res.stderr[-2000:])
+    assert len(lines) == 15 and all(line.startswith("ok") for line in lines), "\n".join(lines) + res.stderr[-1000:]
+    # the dQ and delta kernels keep their registers (no stack); the dK / dV kernel's spills are known (see
+    # autotune.default_bwd_config) and reported, not asserted
+    assert all(line.endswith("STACK:0") for line in lines if " dkdv " not in line), "\n".join(lines)
+
+
 # ---------------------------------------------------------------- GPU: the sizes the issue names
 
 

@@ -149,16 +149,22 @@ def default_bwd_config(
 ) -> AttnBwdConfig:  # fmt: skip
     """The backward's default launch config (pure: shapes, dtype and arch only). Not measured yet: the
     published shape of a Triton flash backward (the Triton tutorial's: 128 keys a dK / dV program stepping
-    32 queries, 128 query rows a dQ program stepping 32 keys), halved at large head dims so the registers
-    hold the accumulators, then shrunk until :func:`bwd_config_valid` takes it."""
+    32 queries, 128 query rows a dQ program stepping 32 keys), with fewer keys a dK / dV program at larger
+    head dims, then shrunk until :func:`bwd_config_valid` takes it."""
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
                              num_stages=1)  # fmt: skip
     d = max(head_dim, head_dim_v)
-    if d <= 128:
+    # sm_90 compiles (triton 3.6, bf16, aligned operands; cuobjdump -res-usage): the dQ kernel fits its
+    # registers at every size below (112-245, no stack); the dK / dV kernel fits at d 64 with 128 keys
+    # (244-254), but spills at d 128 and up whatever the tile (stack 40-320 bytes at the sizes chosen
+    # here, 440-1056 at larger ones): the streamed Q / dO tiles' pointers take the registers. Not a timing.
+    if d <= 64:
         cfg = AttnBwdConfig(32, 128, 128, 32, num_warps=8, num_stages=2)
+    elif d <= 128:
+        cfg = AttnBwdConfig(32, 64, 128, 32, num_warps=8, num_stages=2)
     else:
-        cfg = AttnBwdConfig(32, 64, 64, 32, num_warps=8, num_stages=2)
+        cfg = AttnBwdConfig(32, 32, 64, 32, num_warps=8, num_stages=2)
     # seqlen and causal take no part yet: nothing has been measured that would choose by them
     while not bwd_config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)

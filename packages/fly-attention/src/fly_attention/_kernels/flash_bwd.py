@@ -77,7 +77,7 @@ def _bwd_delta_kernel(
 
 @flyc.func
 def _dkdv_step(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, m0, seqlen_q, seqlen_k, rn,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, m0, seqlen_q, rn,
     lo_off, hi_off, qk_scale, cap_in, cap_out,
     HEAD_DIM: fx.constexpr, HEAD_DIM_V: fx.constexpr, BLOCK_D: fx.constexpr, BLOCK_DV: fx.constexpr,
     BLOCK_M: fx.constexpr, MASKED: fx.constexpr, SOFTCAP: fx.constexpr,
@@ -104,7 +104,6 @@ def _dkdv_step(
         st = st * qk_scale
     if MASKED:
         ok = (rn[:, None] >= (rows + lo_off)[None, :]) & (rn[:, None] <= (rows + hi_off)[None, :])
-        ok = ok & (rn < seqlen_k)[:, None]
         st = fx.where(ok, st, float("-inf"))
     pt = fx.exp2(st - lse2[None, :])
     dv = fx.dot(pt.to(do.dtype), do, dv)
@@ -168,8 +167,8 @@ def _bwd_dkdv_kernel(
     full_hi = fx.maximum(n0 - lo_off + 1, 0) // BLOCK_M * BLOCK_M
     full_hi = fx.minimum(full_hi, fx.cdiv(m_end, BLOCK_M) * BLOCK_M)
     full_hi = fx.maximum(full_hi, full_lo)
-    if n_last >= seqlen_k:  # the ragged end of the keys: every block masks it
-        full_hi = full_lo
+    # Keys past seqlen_k (the ragged end) need no mask here: they read K = V = 0 and only ever reach their
+    # own rows of dK / dV (row j of dS^T Q is column j of dS), which are never stored.
 
     dk = fx.zeros([BLOCK_N, BLOCK_D], dtype=fx.float32)
     dv = fx.zeros([BLOCK_N, BLOCK_DV], dtype=fx.float32)
@@ -181,15 +180,15 @@ def _bwd_dkdv_kernel(
         delta_base = delta_ptr + row_offset(b, stride_lb) + row_offset(h, stride_lh) + q_start
         for m0 in range(m_start, full_lo, BLOCK_M):  # the diagonal / right edge: masked
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, m0,
-                                seqlen_q, seqlen_k, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
+                                seqlen_q, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, SOFTCAP)  # fmt: skip
         for m0 in range(full_lo, full_hi, BLOCK_M):  # the inner blocks: no mask
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, m0,
-                                seqlen_q, seqlen_k, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
+                                seqlen_q, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, SOFTCAP)  # fmt: skip
-        for m0 in range(full_hi, m_end, BLOCK_M):  # the window's left edge, the ragged keys: masked
+        for m0 in range(full_hi, m_end, BLOCK_M):  # the window's left edge: masked
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, m0,
-                                seqlen_q, seqlen_k, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
+                                seqlen_q, rn, lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM,
                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, SOFTCAP)  # fmt: skip
 
     dk = dk * dk_scale
