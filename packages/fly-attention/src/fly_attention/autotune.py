@@ -155,10 +155,10 @@ def default_bwd_config(
         return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
                              num_stages=1)  # fmt: skip
     d = max(head_dim, head_dim_v)
-    # sm_90 compiles (triton 3.6, bf16, aligned operands; cuobjdump -res-usage): the dQ kernel fits its
-    # registers at every size below (112-245, no stack); the dK / dV kernel fits at d 64 with 128 keys
-    # (244-254), but spills at d 128 and up whatever the tile (stack 40-320 bytes at the sizes chosen
-    # here, 440-1056 at larger ones): the streamed Q / dO tiles' pointers take the registers. Not a timing.
+    # sm_90 compiles (triton 3.6, aligned operands; cuobjdump -res-usage; options off and on): the dQ kernel
+    # fits its registers at every size below (112-245, no stack); the dK / dV kernel fits at d 64 with 128
+    # keys and at 192 / 128 with 32, but spills at d 128 (stack 128-320 bytes) and d 256 (120) even at these
+    # tiles, more at larger ones: it holds K, V, dK and dV for the whole walk. Not a timing.
     if d <= 64:
         cfg = AttnBwdConfig(32, 128, 128, 32, num_warps=8, num_stages=2)
     elif d <= 128:

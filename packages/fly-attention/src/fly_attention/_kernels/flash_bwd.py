@@ -88,15 +88,16 @@ def _dkdv_step(
     rd = fx.arange(0, BLOCK_D)
     rdv = fx.arange(0, BLOCK_DV)
     m_ok = rows < seqlen_q
-    q = fx.load(q_base + row_offset(rows, stride_qs)[:, None] + rd[None, :],
-                mask=m_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    # Q read transposed ([BLOCK_D, BLOCK_M]): the score tile's dot takes it as its B operand as it lies
+    qt = fx.load(q_base + rd[:, None] + row_offset(rows, stride_qs)[None, :],
+                 mask=(rd < HEAD_DIM)[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
     do = fx.load(do_base + row_offset(rows, stride_ds)[:, None] + rdv[None, :],
                  mask=m_ok[:, None] & (rdv < HEAD_DIM_V)[None, :], other=0.0)  # fmt: skip
     lse = fx.load(lse_base + rows, mask=m_ok, other=float("inf"))
     # log2 units; a row that saw no key (-inf) reads +inf: its P is exp2(s - inf) = 0
     lse2 = fx.where(lse == float("-inf"), float("inf"), lse * _LOG2E_C)
     delta = fx.load(delta_base + rows, mask=m_ok, other=0.0)
-    st = fx.dot(k, fx.trans(q))  # [BLOCK_N, BLOCK_M] fp32
+    st = fx.dot(k, qt)  # [BLOCK_N, BLOCK_M] fp32
     if SOFTCAP:
         t = _softcap_tanh(st * cap_in)
         st = t * cap_out
@@ -111,7 +112,7 @@ def _dkdv_step(
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         dst = dst * (1.0 - t * t)
-    dk = fx.dot(dst.to(q.dtype), q, dk)
+    dk = fx.dot(dst.to(qt.dtype), fx.trans(qt), dk)
     return dk, dv
 
 
