@@ -52,9 +52,9 @@ def run_and_check(q, k, v, seed=7, **opts):
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
     out.backward(dout)
-    qr, kr, vr = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     ref = flash_attn_ref(qr, kr, vr, dtype=torch.float64, **opts)
-    ref.backward(dout.cpu().double())
+    ref.backward(dout.double())
     _check_grads((qg.grad, kg.grad, vg.grad), (qr.grad, kr.grad, vr.grad), q.dtype)
     return (qg.grad, kg.grad, vg.grad), out
 
@@ -157,7 +157,7 @@ def test_only_the_inputs_that_need_it_get_a_gradient(device):
     q, k, v = rand_qkv(1, 24, 30, 4, 2, 64, device=device)
     kg = k.clone().requires_grad_(True)
     out = flash_attn(q, kg, v, causal=True)
-    out.backward(torch.ones_like(out))  # an expanded-like gradient from a sum is fine too
+    out.sum().backward()  # the output gradient arrives expanded (every stride 0): read through a copy
     assert kg.grad is not None and q.grad is None and v.grad is None
     kr = k.double().requires_grad_(True)
     flash_attn_ref(q.double(), kr, v.double(), causal=True, dtype=torch.float64).sum().backward()
@@ -230,8 +230,8 @@ def test_varlen_gradients(device, lens_q, lens_k, heads, opts, pad):
     out = flash_attn_varlen(qg, kg, vg, cq, ck, max(lens_q), max(lens_k), **opts)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=out.dtype)
     out.backward(dout)
-    qr, kr, vr = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
-    flash_attn_varlen_ref(qr, kr, vr, cq.cpu(), ck.cpu(), dtype=torch.float64, **opts).backward(dout.cpu().double())
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    flash_attn_varlen_ref(qr, kr, vr, cq, ck, dtype=torch.float64, **opts).backward(dout.double())
     _check_grads((qg.grad, kg.grad, vg.grad), (qr.grad, kr.grad, vr.grad), q.dtype)
     if pad != (0, 0):
         assert (qg.grad[: pad[0]] == 0).all() and (qg.grad[q.shape[0] - pad[1] :] == 0).all()
@@ -342,6 +342,46 @@ def test_gpu_varlen(device):
     qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     flash_attn_varlen_ref(qr, kr, vr, cq, ck, causal=True, dtype=torch.float64).backward(dout.double())
     _check_grads((qg.grad, kg.grad, vg.grad), (qr.grad, kr.grad, vr.grad), q.dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_of_forward_and_backward(device):
+    """Forward + backward (dense and varlen) captured in one CUDA graph (no host sync inside), replayed on
+    new inputs: the gradients of the new inputs."""
+    q, k, v = _leaves(*rand_qkv(2, 300, 300, 8, 2, 128, dtype=torch.bfloat16, device=device))
+    qv, kv, vv = _leaves(*(t.detach().reshape(-1, *t.shape[2:]) for t in (q, k, v)))
+    cu = torch.tensor([0, 1, 250, 600], dtype=torch.int32, device=device)
+    dout = torch.randn(2, 300, 8, 128, dtype=torch.bfloat16, device=device)
+    dout_v = dout.reshape(600, 8, 128)
+
+    def step():
+        g = torch.autograd.grad(flash_attn(q, k, v, causal=True), (q, k, v), dout)
+        g_v = torch.autograd.grad(flash_attn_varlen(qv, kv, vv, cu, cu, 350, 350, causal=True), (qv, kv, vv), dout_v)
+        return g, g_v
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads, grads_v = step()
+    for seed in (1, 2):
+        new = rand_qkv(2, 300, 300, 8, 2, 128, dtype=torch.bfloat16, device=device, seed=seed)
+        with torch.no_grad():
+            for dst, src in zip((q, k, v), new, strict=True):
+                dst.copy_(src)
+            for dst, src in zip((qv, kv, vv), new, strict=True):
+                dst.copy_(src.reshape(dst.shape))
+        graph.replay()
+        torch.cuda.synchronize()
+        qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        flash_attn_ref(qr, kr, vr, causal=True, dtype=torch.float64).backward(dout.double())
+        _check_grads(grads, (qr.grad, kr.grad, vr.grad), q.dtype)
+        qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (qv, kv, vv))
+        flash_attn_varlen_ref(qr, kr, vr, cu, cu, causal=True, dtype=torch.float64).backward(dout_v.double())
+        _check_grads(grads_v, (qr.grad, kr.grad, vr.grad), q.dtype)
 
 
 @pytest.mark.gpu
