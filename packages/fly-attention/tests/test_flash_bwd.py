@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from attn_helpers import rand_qkv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flydsl.arch
 from fly_attention import attention as attn_mod
@@ -105,6 +107,22 @@ BF16_CASES = [CASES[i] for i in (1, 4, 6, 9, 13, 16)]
 def test_bf16_gradients_against_fp64_autograd(device, case):
     b, sq, sk, hq, hkv, d, dv, opts = case
     run_and_check(*rand_qkv(b, sq, sk, hq, hkv, d, dv, dtype=torch.bfloat16, device=device, seed=sq + sk), **opts)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sq=st.integers(1, 60),
+    sk=st.integers(1, 60),
+    group=st.sampled_from([(2, 2), (4, 1), (4, 2)]),
+    causal=st.booleans(),
+    left=st.integers(-1, 30),
+    right=st.integers(-1, 30),
+    softcap=st.sampled_from([0.0, 3.0]),
+)
+def test_random_shapes_and_options(device, sq, sk, group, causal, left, right, softcap):
+    """The block walks of both kernels (skipped, unmasked, edge blocks) at random lengths and windows."""
+    q, k, v = rand_qkv(1, sq, sk, *group, 64, device=device, seed=sq * 131 + sk)
+    run_and_check(q, k, v, causal=causal, window=(left, right), softcap=softcap)
 
 
 def test_rows_that_see_no_key_get_zero_dq_and_no_nan(device):
