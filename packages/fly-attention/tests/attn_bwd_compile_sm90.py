@@ -82,10 +82,10 @@ def _usage(compiled) -> str:
 # the default of each head-dim class, with options off and on
 VARIANTS = [
     (64, 64, 32, 128, 128, 32, 8, 2, False, False, False, "bf16"),
-    (128, 128, 32, 64, 128, 32, 8, 2, True, True, True, "bf16"),
-    (80, 80, 32, 64, 128, 32, 8, 2, True, False, False, "fp16"),
-    (192, 128, 32, 32, 64, 32, 8, 2, True, True, False, "bf16"),
-    (256, 256, 32, 32, 64, 32, 8, 2, False, False, True, "fp16"),
+    (128, 128, 32, 32, 128, 32, 8, 2, True, True, True, "bf16"),
+    (80, 80, 32, 32, 128, 32, 8, 2, True, False, False, "fp16"),
+    (192, 128, 16, 32, 32, 64, 8, 1, True, True, False, "bf16"),
+    (256, 256, 16, 32, 32, 64, 8, 1, True, True, True, "fp16"),
 ]
 
 if __name__ == "__main__":

@@ -155,16 +155,18 @@ def default_bwd_config(
         return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
                              num_stages=1)  # fmt: skip
     d = max(head_dim, head_dim_v)
-    # sm_90 compiles (triton 3.6, aligned operands; cuobjdump -res-usage; options off and on): the dQ kernel
-    # fits its registers at every size below (112-245, no stack); the dK / dV kernel fits at d 64 with 128
-    # keys and at 192 / 128 with 32, but spills at d 128 (stack 128-320 bytes) and d 256 (120) even at these
-    # tiles, more at larger ones: it holds K, V, dK and dV for the whole walk. Not a timing.
+    # sm_90 compiles (triton 3.6, aligned operands; cuobjdump -res-usage; options off and on) decide the
+    # dK / dV tile, which holds K, V, dK and dV for its whole walk: 128 keys fit at d 64 (244-254 registers);
+    # at d 80-128 64 keys spill (stack 128-320 bytes) and 32 fit (226-234); at d 256 32 keys x 16 queries
+    # spill 24 bytes with 2 stages and fit with 1 (240). The dQ kernel then fits with 128 x 32 at d <= 128
+    # (112-189) and with 32 x 64 (1 stage) above (156-158; 64 x 32 spills with 1 stage and softcap).
+    # None of this is a timing: the H200 search replaces it.
     if d <= 64:
         cfg = AttnBwdConfig(32, 128, 128, 32, num_warps=8, num_stages=2)
     elif d <= 128:
-        cfg = AttnBwdConfig(32, 64, 128, 32, num_warps=8, num_stages=2)
+        cfg = AttnBwdConfig(32, 32, 128, 32, num_warps=8, num_stages=2)
     else:
-        cfg = AttnBwdConfig(32, 32, 64, 32, num_warps=8, num_stages=2)
+        cfg = AttnBwdConfig(16, 32, 32, 64, num_warps=8, num_stages=1)
     # seqlen and causal take no part yet: nothing has been measured that would choose by them
     while not bwd_config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
