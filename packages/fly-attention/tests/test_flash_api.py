@@ -1,6 +1,6 @@
 """The host side of flash_attn / flash_attn_varlen: bad input named before anything launches, meta tensors,
-the custom ops under torch.compile(fullgraph=True), the refusal of inputs that need a gradient, and the
-launch config's default and validity predicate (pure, CPU)."""
+the custom ops under torch.compile(fullgraph=True), and the launch config's default and validity predicate
+(pure, CPU). Gradients: test_flash_bwd.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from attn_helpers import rand_qkv
 import flydsl.arch
 from fly_attention import AttnConfig, flash_attn, flash_attn_ref, flash_attn_varlen, flash_attn_varlen_ref
 from fly_attention.autotune import config_valid, default_config, smem_bytes
-from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError, UnsupportedError
+from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
 from flydsl.testing import assert_rel_close, tolerance
 
 # ---------------------------------------------------------------- bad input
@@ -100,21 +100,6 @@ def test_bad_varlen_input_is_named(change, error, words):
     a = change({"q": q, "cu_q": cu_q, "cu_k": cu_k, "max_q": 6, "max_k": 6})
     with pytest.raises(error, match=words):
         flash_attn_varlen(a["q"], k, v, a["cu_q"], a["cu_k"], a["max_q"], a["max_k"])
-
-
-# ---------------------------------------------------------------- autograd: refused until the backward exists
-
-
-def test_inputs_that_need_a_gradient_are_refused():
-    q, k, v = _good()
-    with pytest.raises(UnsupportedError, match="backward is not built yet") as info:
-        flash_attn(q, k.requires_grad_(), v)
-    assert isinstance(info.value, NotImplementedError) and "k" in str(info.value)
-    with pytest.raises(UnsupportedError, match="backward is not built yet"):
-        qv, kv, vv, cu, _ = _varlen_inputs()
-        flash_attn_varlen(qv.requires_grad_(), kv, vv, cu, cu, 6, 6)
-    with torch.no_grad():  # no graph recorded: served
-        assert_rel_close(flash_attn(q, k, v), flash_attn_ref(q, k, v), tol=tolerance(q.dtype))
 
 
 # ---------------------------------------------------------------- meta tensors and torch.compile
@@ -245,16 +230,6 @@ def test_kernel_compiles_for_sm90():
             pytest.skip(f"cannot compile for sm_90 here: {first}")
         raise AssertionError(res.stderr[-2000:])
     assert len(lines) == 5 and all(line.startswith("ok") for line in lines), "\n".join(lines) + res.stderr[-1000:]
-
-
-def test_grad_refused_under_torch_compile_too():
-    torch._dynamo.reset()
-    q, k, v = _good()
-    fn = torch.compile(lambda q, k, v: flash_attn(q, k, v, softmax_scale=1), fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="backward is not built yet"):
-        fn(q.requires_grad_(), k, v)
-    q.requires_grad_(False)
-    assert_rel_close(fn(q, k, v), flash_attn_ref(q, k, v, softmax_scale=1), tol=tolerance(q.dtype))
 
 
 @pytest.mark.parametrize("shape", [(0, 8, 8), (2, 0, 8), (2, 0, 0)])

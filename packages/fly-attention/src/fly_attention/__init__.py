@@ -1,7 +1,7 @@
 """fly-attention: FlyDSL attention kernels.
 
-``flash_attn(q, k, v, ...)``: the flash attention forward on ``[batch, seqlen, heads, head_dim]`` fp16 /
-bf16 tensors (MHA / GQA / MQA, bottom-right causal, sliding window, softcap, lse);
+``flash_attn(q, k, v, ...)``: flash attention (forward and backward) on ``[batch, seqlen, heads, head_dim]``
+fp16 / bf16 tensors (MHA / GQA / MQA, bottom-right causal, sliding window, softcap, lse);
 ``flash_attn_varlen(...)``: the same over packed sequences. :class:`AttnConfig` is the launch
 configuration; ``flash_attn_ref`` / ``flash_attn_varlen_ref`` the fp32 / fp64 references.
 ``scaled_dot_product_attention(...)``: a drop-in for torch's SDPA on ``[B, H, S, D]`` served by flash_attn
