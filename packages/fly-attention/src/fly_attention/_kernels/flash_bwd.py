@@ -30,17 +30,12 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .flash_fwd import UNBOUNDED
+from .programs import block_program, head_base, sequence_bounds, softcap_tanh
 
 __all__ = ["launch_flash_bwd"]
 
 _LOG2E = 1.4426950408889634
 _LOG2E_C = fx.constexpr(1.4426950408889634)  # a kernel reads module globals only as constexpr
-
-
-@flyc.func
-def _softcap_tanh(x):
-    """tanh(x) in fp32 from one exp2 (the forward's formula, so both sides recompute the same scores)."""
-    return 1.0 - 2.0 / (fx.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
 
 
 # fmt: off
@@ -51,23 +46,16 @@ def _bwd_delta_kernel(
     HEAD_DIM_V: fx.constexpr, BLOCK_DV: fx.constexpr, BLOCK_M: fx.constexpr, VARLEN: fx.constexpr,
 ):
     # fmt: on
-    pid = fx.program_id(0)
-    bh = pid // num_m
-    pid_m = pid - bh * num_m
-    b = bh // heads
-    h = bh - b * heads
-    q_start = 0
-    if VARLEN:
-        q_start = fx.load(cu_q_ptr + b)
-        seqlen_q = fx.load(cu_q_ptr + b + 1) - q_start
+    b, h, pid_m = block_program(fx.program_id(0), num_m, heads, False)
+    q_start, _, seqlen_q, _ = sequence_bounds(b, cu_q_ptr, cu_q_ptr, seqlen_q, seqlen_q, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
     rows = m0 + fx.arange(0, BLOCK_M)
     rdv = fx.arange(0, BLOCK_DV)
     ok = (rows < seqlen_q)[:, None] & (rdv < HEAD_DIM_V)[None, :]
-    o_base = o_ptr + row_offset(b, stride_ob) + row_offset(q_start, stride_os) + row_offset(h, stride_oh)
-    do_base = do_ptr + row_offset(b, stride_db) + row_offset(q_start, stride_ds) + row_offset(h, stride_dh)
+    o_base = head_base(o_ptr, b, q_start, h, stride_ob, stride_os, stride_oh)
+    do_base = head_base(do_ptr, b, q_start, h, stride_db, stride_ds, stride_dh)
     o = fx.load(o_base + row_offset(rows, stride_os)[:, None] + rdv[None, :], mask=ok, other=0.0)
     do = fx.load(do_base + row_offset(rows, stride_ds)[:, None] + rdv[None, :], mask=ok, other=0.0)
     delta = fx.sum(o.to(fx.float32) * do.to(fx.float32), 1)
@@ -99,7 +87,7 @@ def _dkdv_step(
     delta = fx.load(delta_base + rows, mask=m_ok, other=0.0)
     st = fx.dot(k, qt)  # [BLOCK_N, BLOCK_M] fp32
     if SOFTCAP:
-        t = _softcap_tanh(st * cap_in)
+        t = softcap_tanh(st * cap_in)
         st = t * cap_out
     else:
         st = st * qk_scale
@@ -128,18 +116,8 @@ def _bwd_dkdv_kernel(
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, SOFTCAP: fx.constexpr, VARLEN: fx.constexpr,
 ):
     # fmt: on
-    pid = fx.program_id(0)
-    bh = pid // num_n
-    pid_n = pid - bh * num_n
-    b = bh // heads_kv
-    h_kv = bh - b * heads_kv
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = fx.load(cu_q_ptr + b)
-        seqlen_q = fx.load(cu_q_ptr + b + 1) - q_start
-        k_start = fx.load(cu_k_ptr + b)
-        seqlen_k = fx.load(cu_k_ptr + b + 1) - k_start
+    b, h_kv, pid_n = block_program(fx.program_id(0), num_n, heads_kv, False)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
@@ -147,8 +125,8 @@ def _bwd_dkdv_kernel(
     rd = fx.arange(0, BLOCK_D)
     rdv = fx.arange(0, BLOCK_DV)
     n_ok = rn < seqlen_k
-    k_base = k_ptr + row_offset(b, stride_kb) + row_offset(k_start, stride_ks) + row_offset(h_kv, stride_kh)
-    v_base = v_ptr + row_offset(b, stride_vb) + row_offset(k_start, stride_vs) + row_offset(h_kv, stride_vh)
+    k_base = head_base(k_ptr, b, k_start, h_kv, stride_kb, stride_ks, stride_kh)
+    v_base = head_base(v_ptr, b, k_start, h_kv, stride_vb, stride_vs, stride_vh)
     k = fx.load(k_base + row_offset(rn, stride_ks)[:, None] + rd[None, :],
                 mask=n_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
     v = fx.load(v_base + row_offset(rn, stride_vs)[:, None] + rdv[None, :],
@@ -175,8 +153,8 @@ def _bwd_dkdv_kernel(
     dv = fx.zeros([BLOCK_N, BLOCK_DV], dtype=fx.float32)
     for g in range(0, group):  # the group's query heads: dK / dV summed here, no atomics
         h = h_kv * group + g
-        q_base = q_ptr + row_offset(b, stride_qb) + row_offset(q_start, stride_qs) + row_offset(h, stride_qh)
-        do_base = do_ptr + row_offset(b, stride_db) + row_offset(q_start, stride_ds) + row_offset(h, stride_dh)
+        q_base = head_base(q_ptr, b, q_start, h, stride_qb, stride_qs, stride_qh)
+        do_base = head_base(do_ptr, b, q_start, h, stride_db, stride_ds, stride_dh)
         lse_base = lse_ptr + row_offset(b, stride_lb) + row_offset(h, stride_lh) + q_start
         delta_base = delta_ptr + row_offset(b, stride_lb) + row_offset(h, stride_lh) + q_start
         for m0 in range(m_start, full_lo, BLOCK_M):  # the diagonal / right edge: masked
@@ -193,8 +171,8 @@ def _bwd_dkdv_kernel(
                                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, SOFTCAP)  # fmt: skip
 
     dk = dk * dk_scale
-    dk_base = dk_ptr + row_offset(b, stride_dkb) + row_offset(k_start, stride_dks) + row_offset(h_kv, stride_dkh)
-    dv_base = dv_ptr + row_offset(b, stride_dvb) + row_offset(k_start, stride_dvs) + row_offset(h_kv, stride_dvh)
+    dk_base = head_base(dk_ptr, b, k_start, h_kv, stride_dkb, stride_dks, stride_dkh)
+    dv_base = head_base(dv_ptr, b, k_start, h_kv, stride_dvb, stride_dvs, stride_dvh)
     fx.store(dk_base + row_offset(rn, stride_dks)[:, None] + rd[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rd < HEAD_DIM)[None, :])  # fmt: skip
     fx.store(dv_base + row_offset(rn, stride_dvs)[:, None] + rdv[None, :], dv.to(dv_ptr.dtype.element_ty),
@@ -219,7 +197,7 @@ def _dq_step(
                 mask=n_ok[:, None] & (rdv < HEAD_DIM_V)[None, :], other=0.0)  # fmt: skip
     s = fx.dot(q, fx.trans(k))  # [BLOCK_M, BLOCK_N] fp32
     if SOFTCAP:
-        t = _softcap_tanh(s * cap_in)
+        t = softcap_tanh(s * cap_in)
         s = t * cap_out
     else:
         s = s * qk_scale
@@ -248,19 +226,9 @@ def _bwd_dq_kernel(
     VARLEN: fx.constexpr,
 ):
     # fmt: on
-    pid = fx.program_id(0)
-    bh = pid // num_m
-    pid_m = num_m - 1 - (pid - bh * num_m)
-    b = bh // heads
-    h = bh - b * heads
+    b, h, pid_m = block_program(fx.program_id(0), num_m, heads, True)
     h_kv = h // group
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = fx.load(cu_q_ptr + b)
-        seqlen_q = fx.load(cu_q_ptr + b + 1) - q_start
-        k_start = fx.load(cu_k_ptr + b)
-        seqlen_k = fx.load(cu_k_ptr + b + 1) - k_start
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -268,10 +236,10 @@ def _bwd_dq_kernel(
     rd = fx.arange(0, BLOCK_D)
     rdv = fx.arange(0, BLOCK_DV)
     m_ok = rows < seqlen_q
-    q_base = q_ptr + row_offset(b, stride_qb) + row_offset(q_start, stride_qs) + row_offset(h, stride_qh)
-    do_base = do_ptr + row_offset(b, stride_db) + row_offset(q_start, stride_ds) + row_offset(h, stride_dh)
-    k_base = k_ptr + row_offset(b, stride_kb) + row_offset(k_start, stride_ks) + row_offset(h_kv, stride_kh)
-    v_base = v_ptr + row_offset(b, stride_vb) + row_offset(k_start, stride_vs) + row_offset(h_kv, stride_vh)
+    q_base = head_base(q_ptr, b, q_start, h, stride_qb, stride_qs, stride_qh)
+    do_base = head_base(do_ptr, b, q_start, h, stride_db, stride_ds, stride_dh)
+    k_base = head_base(k_ptr, b, k_start, h_kv, stride_kb, stride_ks, stride_kh)
+    v_base = head_base(v_ptr, b, k_start, h_kv, stride_vb, stride_vs, stride_vh)
     q = fx.load(q_base + row_offset(rows, stride_qs)[:, None] + rd[None, :],
                 mask=m_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
     do = fx.load(do_base + row_offset(rows, stride_ds)[:, None] + rdv[None, :],
@@ -309,7 +277,7 @@ def _bwd_dq_kernel(
                       SOFTCAP)  # fmt: skip
 
     dq = dq * dq_scale
-    dq_base = dq_ptr + row_offset(b, stride_dqb) + row_offset(q_start, stride_dqs) + row_offset(h, stride_dqh)
+    dq_base = head_base(dq_ptr, b, q_start, h, stride_dqb, stride_dqs, stride_dqh)
     fx.store(dq_base + row_offset(rows, stride_dqs)[:, None] + rd[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=m_ok[:, None] & (rd < HEAD_DIM)[None, :])  # fmt: skip
 

@@ -32,6 +32,8 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
+from .programs import block_program, head_base, sequence_bounds, softcap_tanh
+
 __all__ = ["launch_flash_fwd", "UNBOUNDED"]
 
 # The window side that bounds nothing: far past any sequence, and i + off +- UNBOUNDED stays in int32 for
@@ -39,13 +41,6 @@ __all__ = ["launch_flash_fwd", "UNBOUNDED"]
 UNBOUNDED = 1 << 30
 _LOG2E = 1.4426950408889634
 _LN2 = fx.constexpr(0.6931471805599453)  # a kernel reads module globals only as constexpr
-
-
-@flyc.func
-def _softcap_tanh(x):
-    """tanh(x) in fp32 from one exp2: 1 - 2 / (e^(2x) + 1) (saturates to +-1 without NaN: e^(2x) = inf
-    gives 1, 0 gives -1)."""
-    return 1.0 - 2.0 / (fx.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
 
 
 @flyc.func
@@ -76,7 +71,7 @@ def _attend(
             v = fx.load(v_ptrs, mask=(rdv < HEAD_DIM_V)[None, :], other=0.0)
     s = fx.dot(q, fx.trans(k))  # fp32
     if SOFTCAP:  # cap * tanh(s * scale / cap), then into log2 units
-        s = _softcap_tanh(s * cap_in) * cap_out
+        s = softcap_tanh(s * cap_in) * cap_out
     else:
         s = s * qk_scale
     if MASKED:
@@ -109,28 +104,18 @@ def _flash_fwd_kernel(
     # fmt: on
     # One grid axis (no 65535 cap on batch * heads): the query blocks of one (batch, head) are neighbours
     # (they share its K and V through L2), the last block first (under causal the longest).
-    pid = fx.program_id(0)
-    bh = pid // num_m
-    pid_m = num_m - 1 - (pid - bh * num_m)
-    b = bh // heads
-    h = bh - b * heads
+    b, h, pid_m = block_program(fx.program_id(0), num_m, heads, True)
     h_kv = h // group
-    q_start = 0
-    k_start = 0
-    if VARLEN:  # sequence b of the packed tokens; seqlen_q / seqlen_k given are the maxima (grid size)
-        q_start = fx.load(cu_q_ptr + b)
-        seqlen_q = fx.load(cu_q_ptr + b + 1) - q_start
-        k_start = fx.load(cu_k_ptr + b)
-        seqlen_k = fx.load(cu_k_ptr + b + 1) - k_start
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
     rows = m0 + fx.arange(0, BLOCK_M)
     rd = fx.arange(0, BLOCK_D)
     rdv = fx.arange(0, BLOCK_DV)
-    q_base = q_ptr + row_offset(b, stride_qb) + row_offset(q_start, stride_qs) + row_offset(h, stride_qh)
-    k_base = k_ptr + row_offset(b, stride_kb) + row_offset(k_start, stride_ks) + row_offset(h_kv, stride_kh)
-    v_base = v_ptr + row_offset(b, stride_vb) + row_offset(k_start, stride_vs) + row_offset(h_kv, stride_vh)
+    q_base = head_base(q_ptr, b, q_start, h, stride_qb, stride_qs, stride_qh)
+    k_base = head_base(k_ptr, b, k_start, h_kv, stride_kb, stride_ks, stride_kh)
+    v_base = head_base(v_ptr, b, k_start, h_kv, stride_vb, stride_vs, stride_vh)
     m_ok = rows < seqlen_q
     q = fx.load(q_base + row_offset(rows, stride_qs)[:, None] + rd[None, :],
                 mask=m_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
@@ -169,7 +154,7 @@ def _flash_fwd_kernel(
 
     seen = l_i > 0.0  # rows that saw no key store 0 and lse -inf
     out = acc / fx.where(seen, l_i, 1.0)[:, None]
-    o_base = o_ptr + row_offset(b, stride_ob) + row_offset(q_start, stride_os) + row_offset(h, stride_oh)
+    o_base = head_base(o_ptr, b, q_start, h, stride_ob, stride_os, stride_oh)
     fx.store(o_base + row_offset(rows, stride_os)[:, None] + rdv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None] & (rdv < HEAD_DIM_V)[None, :])  # fmt: skip
     if STORE_LSE:  # natural log: (m + log2 l) * ln 2

@@ -1,0 +1,53 @@
+"""What the attention kernels share on the device: which (batch, head, block) a program owns, its
+sequence's bounds, a head's base pointer, and the softcap's tanh (both directions recompute the same
+scores, so they must share it).
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import row_offset
+
+__all__ = ["block_program", "sequence_bounds", "head_base", "softcap_tanh"]
+
+
+@flyc.func
+def block_program(pid, blocks, heads, LAST_FIRST: fx.constexpr):
+    """(batch, head, block) of program ``pid`` on a one-axis grid of ``blocks`` blocks a (batch, head):
+    the blocks of one (batch, head) are neighbours (they share its K and V, or Q and dO, through L2); with
+    ``LAST_FIRST`` they run last block first (under causal, the query block with the most keys)."""
+    bh = pid // blocks
+    block = pid - bh * blocks
+    if LAST_FIRST:
+        block = blocks - 1 - block
+    b = bh // heads
+    return b, bh - b * heads, block
+
+
+@flyc.func
+def sequence_bounds(b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN: fx.constexpr):
+    """(first query token, first key token, seqlen_q, seqlen_k) of sequence ``b``: the dense batch's
+    (0, 0, as given), or, ``VARLEN``, read from ``cu_seqlens`` (the lengths given are then the maxima that
+    sized the grid)."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = fx.load(cu_q_ptr + b)
+        seqlen_q = fx.load(cu_q_ptr + b + 1) - q_start
+        k_start = fx.load(cu_k_ptr + b)
+        seqlen_k = fx.load(cu_k_ptr + b + 1) - k_start
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@flyc.func
+def head_base(ptr, b, start, h, stride_b, stride_s, stride_h):
+    """The address of token ``start`` of head ``h`` in batch ``b`` (64-bit offsets)."""
+    return ptr + row_offset(b, stride_b) + row_offset(start, stride_s) + row_offset(h, stride_h)
+
+
+@flyc.func
+def softcap_tanh(x):
+    """tanh(x) in fp32 from one exp2: 1 - 2 / (e^(2x) + 1) (saturates to +-1 without NaN: e^(2x) = inf
+    gives 1, 0 gives -1)."""
+    return 1.0 - 2.0 / (fx.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
