@@ -142,17 +142,24 @@ def _config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnConfig:
     return default_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
 
 
-def _config(q, d, dv, sq, sk, causal, config) -> AttnConfig:
+def _resolve(config, q, d, dv, sq, sk, causal, cls, lookup, valid, what: str):
+    """A launch config: the given one, checked (its type, then ``valid``), or ``lookup``'s default for the
+    shape's buckets (sequence lengths to the next power of two)."""
     arch = flydsl.arch.current(q.device)
     if config is None:
-        config = _config_for(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)), causal,
-                             q.dtype, arch)  # fmt: skip
-    elif not isinstance(config, AttnConfig):
-        raise ArgumentError(f"config: expected None or a fly_attention.AttnConfig, got {type(config).__name__}")
-    if not config_valid(config, d, dv, q.dtype, arch):
-        raise ArgumentError(f"config: {config} is not a valid launch config for head dims {d} / {dv}, "
+        config = lookup(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)), causal, q.dtype,
+                        arch)  # fmt: skip
+    elif not isinstance(config, cls):
+        raise ArgumentError(f"config: expected None or a fly_attention.autotune.{cls.__name__}, got "
+                            f"{type(config).__name__}")  # fmt: skip
+    if not valid(config, d, dv, q.dtype, arch):
+        raise ArgumentError(f"config: {config} is not a valid {what} config for head dims {d} / {dv}, "
                             f"{dtype_name(q.dtype)} on {arch.name}")  # fmt: skip
     return config
+
+
+def _config(q, d, dv, sq, sk, causal, config) -> AttnConfig:
+    return _resolve(config, q, d, dv, sq, sk, causal, AttnConfig, _config_for, config_valid, "launch")
 
 
 # The outputs' allocation, one name for tests to poison (an element the kernel should write and did not
@@ -212,17 +219,8 @@ def _bwd_config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnBwd
 
 
 def _bwd_config(q, d, dv, sq, sk, causal, config) -> AttnBwdConfig:
-    arch = flydsl.arch.current(q.device)
-    if config is None:
-        config = _bwd_config_for(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)),
-                                 causal, q.dtype, arch)  # fmt: skip
-    elif not isinstance(config, AttnBwdConfig):
-        raise ArgumentError(f"config: expected None or a fly_attention.autotune.AttnBwdConfig, got "
-                            f"{type(config).__name__}")  # fmt: skip
-    if not bwd_config_valid(config, d, dv, q.dtype, arch):
-        raise ArgumentError(f"config: {config} is not a valid backward launch config for head dims {d} / {dv}, "
-                            f"{dtype_name(q.dtype)} on {arch.name}")  # fmt: skip
-    return config
+    return _resolve(config, q, d, dv, sq, sk, causal, AttnBwdConfig, _bwd_config_for, bwd_config_valid,
+                    "backward launch")  # fmt: skip
 
 
 def _grad_out(dout, out):

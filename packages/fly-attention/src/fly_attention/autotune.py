@@ -45,16 +45,18 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dty
     return (cfg.block_m * d + cfg.num_stages * cfg.block_n * (d + dv)) * dtype.itemsize
 
 
+def _launchable(blocks: tuple, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int) -> bool:
+    """What both directions' configs need: power-of-two blocks of at least 16 (the dot's minimum), a warp
+    count Triton takes, at least one stage, head dims of at least one."""
+    return (all(b >= _DOT_MIN and not b & (b - 1) for b in blocks) and num_warps in (1, 2, 4, 8, 16)
+            and num_stages >= 1 and head_dim >= 1 and head_dim_v >= 1)  # fmt: skip
+
+
 def config_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
     """The one validity predicate: power-of-two blocks of at least 16 (the dot's minimum), a warp count
     Triton takes, at least one stage, shared memory within the arch's, and on a GPU the fp32 output and
     score tiles within a thread's registers."""
-    blocks = (cfg.block_m, cfg.block_n)
-    if any(b < _DOT_MIN or b & (b - 1) for b in blocks):
-        return False
-    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
-        return False
-    if head_dim < 1 or head_dim_v < 1:
+    if not _launchable((cfg.block_m, cfg.block_n), cfg.num_warps, cfg.num_stages, head_dim, head_dim_v):
         return False
     if smem_bytes(cfg, head_dim, head_dim_v, dtype) > arch.smem_per_block:
         return False
@@ -126,11 +128,7 @@ def bwd_config_valid(
     least one stage, shared memory within the arch's, and on a GPU each kernel's fp32 accumulators and score
     tiles within a thread's registers (dK + dV + two score tiles; dQ + two score tiles)."""
     blocks = (cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n)
-    if any(b < _DOT_MIN or b & (b - 1) for b in blocks):
-        return False
-    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
-        return False
-    if head_dim < 1 or head_dim_v < 1:
+    if not _launchable(blocks, cfg.num_warps, cfg.num_stages, head_dim, head_dim_v):
         return False
     if bwd_smem_bytes(cfg, head_dim, head_dim_v, dtype) > arch.smem_per_block:
         return False
