@@ -235,15 +235,19 @@ def _grad_out(dout, out):
     return dout
 
 
+def _grads_like(q, k, v):
+    """(dq, dk, dv): unwritten buffers of q's, k's and v's shapes and dtypes (through ``_empty``, which tests
+    poison)."""
+    return tuple(_empty(*t.shape, dtype=t.dtype, device=q.device) for t in (q, k, v))
+
+
 def _flash_attn_bwd(dout, q, k, v, out, lse, causal, softmax_scale, left, right, softcap, config=None):
     """The dense backward: (dq, dk, dv) shaped as q, k, v (contiguous), from the forward's out and lse
     ``[B, Hq, Sq]``."""
     dout = _grad_out(dout, out)
     b, sq, hq, d = q.shape
     sk, dv_ = k.shape[1], v.shape[-1]
-    dq = _empty(*q.shape, dtype=q.dtype, device=q.device)
-    dk = _empty(*k.shape, dtype=k.dtype, device=q.device)
-    dv = _empty(*v.shape, dtype=v.dtype, device=q.device)
+    dq, dk, dv = _grads_like(q, k, v)
     if q.is_meta:
         return dq, dk, dv
     if sq == 0 or b == 0:  # no query row: no gradient reaches the keys
@@ -264,9 +268,7 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
     dout = _grad_out(dout, out)
     d, dv_ = q.shape[-1], v.shape[-1]
     batch = cu_q.numel() - 1
-    dq = _empty(*q.shape, dtype=q.dtype, device=q.device)
-    dk = _empty(*k.shape, dtype=k.dtype, device=q.device)
-    dv = _empty(*v.shape, dtype=v.dtype, device=q.device)
+    dq, dk, dv = _grads_like(q, k, v)
     if q.is_meta:
         return dq, dk, dv
     # Tokens before the first sequence and after the last are zeroed here (the sequences are consecutive);

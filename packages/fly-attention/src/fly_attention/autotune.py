@@ -75,7 +75,7 @@ def default_config(
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return AttnConfig(16 if seqlen_q <= 16 else 32, 16 if seqlen_k <= 16 else 32, num_warps=4, num_stages=1)
     d = max(head_dim, head_dim_v)
-    # Within the published range, registers decide: sm_90 compiles of this kernel (triton 3.6, ptxas -v, bf16,
+    # Within the published range, registers decide: sm_90 compiles of this kernel (ptxas -v, bf16,
     # aligned operands as real launches specialize them, every option off and on) use 217-241 registers at
     # d 64 with 128 x 128 / 8 warps, 170-211 at d 128 with 128 x 64 / 8 warps / 3 stages, and at d 256
     # 254-255 with 128 x 64 (no spill yet, 192 KB of shared memory) against 207-212 with 64 x 64 / 8 warps;
@@ -153,7 +153,7 @@ def default_bwd_config(
         return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
                              num_stages=1)  # fmt: skip
     d = max(head_dim, head_dim_v)
-    # sm_90 compiles (triton 3.6, aligned operands; cuobjdump -res-usage; options off and on) decide the
+    # sm_90 compiles (aligned operands; cuobjdump -res-usage; options off and on) decide the
     # dK / dV tile, which holds K, V, dK and dV for its whole walk: 128 keys fit at d 64 (244-254 registers);
     # at d 80-128 64 keys spill (stack 128-320 bytes) and 32 fit (226-234); at d 256 32 keys x 16 queries
     # spill 24 bytes with 2 stages and fit with 1 (240). The dQ kernel then fits with 128 x 32 at d <= 128
