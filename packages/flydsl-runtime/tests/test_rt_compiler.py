@@ -236,6 +236,32 @@ def test_bind_needs_compiled_kernels_and_keyword_constexprs(device):
         flyc.bind(_scale_kernel, x, x, 64, 1, 2.0)
 
 
+@flyc.kernel
+def _scale_default_kernel(x_ptr, out_ptr, n, alpha, BLOCK: fx.constexpr, TWICE: fx.constexpr = False):
+    offs = fx.program_id(0) * BLOCK + fx.arange(0, BLOCK)
+    mask = offs < n
+    y = alpha * fx.load(x_ptr + offs, mask=mask)
+    if TWICE:
+        y = 2.0 * y
+    fx.store(out_ptr + offs, y, mask=mask)
+
+
+def test_constexpr_tail_takes_defaults_and_refuses_missing_values():
+    kernel = _scale_default_kernel
+    assert flyc._constexpr_tail(kernel, 4, {"BLOCK": 64}) == (64, False)
+    assert flyc._constexpr_tail(kernel, 4, {"BLOCK": 64, "TWICE": True}) == (64, True)
+    assert flyc._constexpr_tail(kernel, 4, {"TWICE": True}) is None
+
+
+@pytest.mark.gpu
+def test_bind_fills_defaulted_constexprs():
+    x = torch.randn(1000, device="cuda")
+    for twice, meta in ((False, {}), (True, {"TWICE": True})):
+        out = empty_poisoned(1000, dtype=torch.float32, device="cuda")
+        flyc.bind(_scale_default_kernel, x, out, 1000, 3.0, BLOCK=64, **meta)(flyc.cdiv(1000, 64), x, out, 1000, 3.0)
+        torch.testing.assert_close(out, (6.0 if twice else 3.0) * x)
+
+
 def test_pdl_is_a_launch_attribute(device):
     """``launch_pdl`` does not key a specialization: launches with and without it share one compiled kernel
     (a CUDA graph capture after PDL launches compiles nothing), each right; the direct C launch takes it as

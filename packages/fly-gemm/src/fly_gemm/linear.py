@@ -77,19 +77,22 @@ def packed_linear(x, packed: PackedWeight, bias, activation, weight: torch.Tenso
         raise DTypeError(f"weight: expected a PackedWeight of dtype {dtype_name(x.dtype)} (x's), got "
                          f"{dtype_name(packed.dtype)}")  # fmt: skip
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, weight)):
-        return _PackedLinear.apply(x, bias, weight, packed, activation)
+        activation_code(activation)  # a bad name fails here, naming the argument
+        # the activation in torch, which keeps the pre-activation for the backward (as gemm does)
+        return torch_activation(_PackedLinear.apply(x, bias, weight, packed), activation)
     y = gemm(as_rows(x), packed, bias=bias, activation=activation)
     return y.view(*x.shape[:-1], packed.shape[0])
 
 
 class _PackedLinear(torch.autograd.Function):
-    """Forward through the packed weight; backward to x and bias only (see :func:`packed_linear`)."""
+    """Forward through the packed weight, without activation; backward to x and bias only (see
+    :func:`packed_linear`)."""
 
     @staticmethod
-    def forward(ctx, x, bias, weight, packed, activation):
-        y = gemm(as_rows(x), packed, bias=bias, activation=activation)
+    def forward(ctx, x, bias, weight, packed):
+        y = gemm(as_rows(x), packed, bias=bias)
         ctx.save_for_backward(x, bias)
-        ctx.packed, ctx.activation = packed, activation
+        ctx.packed = packed
         return y.view(*x.shape[:-1], packed.shape[0])
 
     @staticmethod
@@ -103,11 +106,6 @@ class _PackedLinear(torch.autograd.Function):
         x, bias = ctx.saved_tensors
         packed = ctx.packed
         g = as_rows(grad)
-        if ctx.activation is not None:  # the activation's derivative at the recomputed pre-activation, fp32
-            z = gemm(as_rows(x), packed, bias=bias, out_dtype=torch.float32)
-            with torch.enable_grad():
-                z.requires_grad_(True)
-                (g,) = torch.autograd.grad(torch_activation(z, ctx.activation), z, g.float())
         dx = dbias = None
         if ctx.needs_input_grad[0]:
             w = packed.weight
@@ -116,4 +114,4 @@ class _PackedLinear(torch.autograd.Function):
             dx = gemm(g.to(x.dtype), w, b_layout="kn").view(x.shape)  # [M, N] @ [N, K]
         if ctx.needs_input_grad[1]:
             dbias = g.float().sum(0).to(bias.dtype)
-        return dx, dbias, None, None, None
+        return dx, dbias, None, None

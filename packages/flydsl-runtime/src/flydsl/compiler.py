@@ -326,10 +326,9 @@ class _Lean:
 
     def first(self, key, grid, args, meta):
         compiled = self.kernel[grid](*args, **meta)  # Triton's path: compiles (or loads) and launches
-        names = self.kernel.arg_names[len(args) :]
-        if compiled is None or any(n not in meta for n in names):
+        tail = _constexpr_tail(self.kernel, len(args), meta)
+        if compiled is None or tail is None:
             return  # not a plain launch (e.g. constexprs given positionally): stay on Triton's path
-        tail = tuple(meta[n] for n in names)
         self.table[key] = _entry(compiled, tail)
 
 
@@ -398,6 +397,26 @@ def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     _fire(entry, grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), args, launch_pdl)
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+def _parameters(kernel) -> list[inspect.Parameter]:
+    """The Python parameters of a Triton kernel (compiled or interpreted), in order."""
+    return list(inspect.signature(kernel.fn).parameters.values())
+
+
+def _constexpr_tail(kernel, nargs: int, meta: dict) -> tuple | None:
+    """The values of ``kernel``'s parameters after its ``nargs`` runtime ones: each from ``meta``, else the
+    parameter's default. None when one has neither (it was given positionally or is missing)."""
+    tail = []
+    for p in _parameters(kernel)[nargs:]:
+        value = meta.get(p.name, p.default)
+        if value is _NO_DEFAULT:
+            return None
+        tail.append(value)
+    return tuple(tail)
 
 
 def _compile(kernel, args: tuple, meta: dict):
@@ -545,11 +564,12 @@ def bind(kernel, *args, **meta) -> Bound:
     key = _key(device, args, meta)
     entry = lean.table.get(key)
     if entry is None:
-        names = kernel.arg_names[len(args) :]
-        missing = [n for n in names if n not in meta]
-        if missing:
+        tail = _constexpr_tail(kernel, len(args), meta)
+        if tail is None:
+            params = _parameters(kernel)[len(args) :]
+            missing = [p.name for p in params if p.name not in meta and p.default is _NO_DEFAULT]
             raise TypeError(f"flyc.bind: give {missing} by keyword (constexprs after the runtime arguments)")
-        entry = _entry(_compile(kernel, args, meta), tuple(meta[n] for n in names))
+        entry = _entry(_compile(kernel, args, meta), tail)
         lean.table[key] = entry
     return Bound(kernel, device, entry, meta)
 
