@@ -76,9 +76,11 @@ def default_decode_config(head_dim: int, rows: int, kv_dtype: torch.dtype, arch:
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     d = flyc.next_power_of_2(head_dim)
-    # 16 KB of K and 16 KB of V a step at head dim 128 in bf16 (64 keys): the published Triton decode tile;
-    # fp8 halves the bytes, so twice the keys keep the same bytes in flight.
-    block_n = max(_DOT_MIN, min(128, 8192 // d)) if kv_dtype.itemsize >= 2 else max(_DOT_MIN, min(128, 16384 // d))
+    # 16 KB of K and 16 KB of V a step at head dim 128 in bf16 (64 keys): the published Triton decode tile.
+    # fp8 keeps 64 keys too: an sm_90 compile (cuobjdump) of 128 fp8 keys, converted to bf16 in registers for
+    # the dots, takes 252-255 registers against 188 for 64 keys (124 in bf16). Not a timing: the H200
+    # search decides.
+    block_n = max(_DOT_MIN, min(128, 8192 // d))
     cfg = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
     while not decode_config_valid(cfg, head_dim, rows, kv_dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
