@@ -443,7 +443,9 @@ def _sdpa_step(backend_name: str):
     return step
 
 
-_QUICK_BWD = [_case(1, 32, 32, 2, 2, 64, False), _case(1, 40, 40, 4, 2, 64, True)]
+# The interpreter's smoke cases of the backward: a tile, and a ragged causal one with MQA (its dk / dv summed
+# over the group); few heads, as the backward's three kernels cost several times the forward there.
+_QUICK_BWD = [_case(1, 32, 32, 2, 2, 64, False), _case(1, 40, 40, 2, 1, 64, True)]
 
 
 def _bwd_bench(sweep_range: SweepRange) -> Bench:
@@ -506,28 +508,29 @@ def mixed_lengths(rng: random.Random, total: int, mean: int, *, extremes: bool =
     return tuple(lens)
 
 
-def _varlen_case(lens: Sequence[int], hq: int, hkv: int, d: int, causal: bool, equal: bool) -> Case:
+def _varlen_case(lens: Sequence[int], hq: int, hkv: int, d: int, causal: bool, mean: int | None = None) -> Case:
+    """A pack of sequences of lengths ``lens``: equal lengths when ``mean`` is None, else mixed lengths drawn
+    around ``mean`` (the case's x value and name)."""
     lens = tuple(int(s) for s in lens)
-    total = sum(lens)
-    mean = round(total / max(1, len(lens)))
+    equal = mean is None
     kind = f"{len(lens)}x{lens[0]}" if equal else f"mixed{mean}-{len(lens)}seqs-max{max(lens)}"
     name = f"d{d}{'-causal' if causal else ''}-{kind}-h{hq}" + (f"/{hkv}" if hkv != hq else "")
-    params = {"lens": lens, "tokens": total, "Hq": hq, "Hkv": hkv, "D": d, "causal": causal,
+    params = {"lens": lens, "tokens": sum(lens), "Hq": hq, "Hkv": hkv, "D": d, "causal": causal,
               "lengths": "equal" if equal else "mixed", "seqlen": lens[0] if equal else mean}  # fmt: skip
     return Case(name, params)
 
 
 def _varlen_cases() -> list[Case]:
     h = _VARLEN_HEADS
-    equal = [_varlen_case((s,) * (_TOKENS // s), h, h, _VARLEN_D, c, True) for c in (False, True) for s in _SEQLENS]
+    equal = [_varlen_case((s,) * (_TOKENS // s), h, h, _VARLEN_D, c) for c in (False, True) for s in _SEQLENS]
     mixed = [
-        _varlen_case(mixed_lengths(random.Random(f"{_MIXED_SEED}:{m}"), _TOKENS, m), h, h, _VARLEN_D, c, False)
+        _varlen_case(mixed_lengths(random.Random(f"{_MIXED_SEED}:{m}"), _TOKENS, m), h, h, _VARLEN_D, c, m)
         for c in (False, True) for m in _VARLEN_MEANS
     ]  # fmt: skip
     return equal + mixed
 
 
-_QUICK_VARLEN = [_varlen_case((32, 32), 2, 2, 64, False, True), _varlen_case((17, 0, 1, 40), 4, 2, 64, True, False)]
+_QUICK_VARLEN = [_varlen_case((32, 32), 2, 2, 64, False), _varlen_case((17, 0, 1, 40), 4, 2, 64, True, 20)]
 
 
 def varlen_flops(case: Case) -> int:
@@ -554,11 +557,11 @@ def varlen_sweep_shapes(rng: random.Random, count: int, r: SweepRange = GPU_SWEE
         causal = rng.random() < 0.5
         if rng.random() < 0.5:
             s = _seqlen(rng, r)
-            case = _varlen_case((s,) * max(1, r.tokens // s), hq, hkv, d, causal, True)
+            case = _varlen_case((s,) * max(1, r.tokens // s), hq, hkv, d, causal)
         else:
             mean = _log_uniform(rng, max(2, r.seq_min), max(2, min(r.seq_max, r.tokens) // 2))
             lens = mixed_lengths(rng, max(3, r.tokens), mean, extremes=rng.random() < 0.5)
-            case = _varlen_case(lens, hq, hkv, d, causal, False)
+            case = _varlen_case(lens, hq, hkv, d, causal, mean)
         if case.name in seen:
             continue
         seen.add(case.name)
