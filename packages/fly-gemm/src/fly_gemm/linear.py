@@ -113,5 +113,5 @@ class _PackedLinear(torch.autograd.Function):
                 w = (w.float() * packed.scale[:, None]).to(x.dtype)
             dx = gemm(g.to(x.dtype), w, b_layout="kn").view(x.shape)  # [M, N] @ [N, K]
         if ctx.needs_input_grad[1]:
-            dbias = g.float().sum(0).to(bias.dtype)
+            dbias = g.sum(0, dtype=torch.float32).to(bias.dtype)  # fp32 sums without an fp32 copy of g
         return dx, dbias, None, None
