@@ -718,8 +718,14 @@ def _fp8_bench(sweep_range: SweepRange) -> Bench:
 
 
 def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
-    """Every bench of the family; ``sweep_range``: where the unseen shapes come from (tests shrink it)."""
-    return [_fwd_bench(sweep_range), _bwd_bench(sweep_range), _varlen_bench(sweep_range), _fp8_bench(sweep_range)]
+    """Every bench of the family (prefill here, then decode and the RoPE / cache write from
+    :mod:`.decode_bench`); ``sweep_range``: where the prefill's unseen shapes come from (tests shrink it; the
+    decode benches then draw from their CPU range too)."""
+    from . import decode_bench
+
+    decode_range = decode_bench.GPU_RANGE if sweep_range is GPU_SWEEP else decode_bench.CPU_RANGE
+    return [_fwd_bench(sweep_range), _bwd_bench(sweep_range), _varlen_bench(sweep_range), _fp8_bench(sweep_range),
+            *decode_bench.benches(decode_range)]  # fmt: skip
 
 
 def default_out_dir() -> Path:
