@@ -330,8 +330,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """dA = G @ B, dB = G^T @ A (in B's layout), dbias = sum of G over rows, through the same kernels; G is
-    the output gradient times the activation's derivative at the pre-activation, recomputed in fp32."""
+    """dA = G @ B, dB = G^T @ A (in B's layout), dbias = sum of G over rows, through the same kernels. G is
+    the output gradient; with an activation (only a direct ``torch.ops.fly_gemm.gemm`` call with one: gemm
+    and linear apply it in torch under autograd), times the activation's derivative at the pre-activation,
+    recomputed in fp32."""
     a, b, bias = ctx.saved_tensors
     # Traced: the op, not its body (the backward is traced too, torch.compile); eager: the body, no dispatcher.
     op = _gemm_call if ctx.eager else torch.ops.fly_gemm.gemm

@@ -46,7 +46,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x: ``[..., K]``; weight: ``[N, K]`` or a :class:`~fly_gemm.PackedWeight`; bias: optional ``[N]``.
             fp16 / bf16 run the fused GEMM kernel (leading dimensions are viewed as rows without a copy
             when they collapse); other dtypes (fp32, fp64) run ``F.linear`` and the activation in torch.
-        activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``, fused into the epilogue.
+        activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``: fused into the epilogue for
+            inference; under autograd applied in torch after the GEMM (its backward then keeps the
+            pre-activation instead of recomputing the product).
 
     Returns:
         ``[..., N]`` in x's dtype (meta tensors give a meta result). Differentiable in x, weight and bias
