@@ -1,4 +1,5 @@
-"""``flash_attn`` and ``flash_attn_varlen``: flash attention for fp16 / bf16, forward and backward.
+"""``flash_attn`` and ``flash_attn_varlen``: flash attention for fp16 / bf16, forward and backward, and the
+fp8 (e4m3) forward of ``flash_attn`` with per-tensor descales.
 
 In the order of the family's files: the kernels live in :mod:`._kernels.flash_fwd` and
 :mod:`._kernels.flash_bwd`, the config choice in :mod:`.autotune`, then the host API below: argument checks
@@ -24,11 +25,14 @@ from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, S
 
 from ._kernels.flash_bwd import launch_flash_bwd
 from ._kernels.flash_fwd import launch_flash_fwd
+from ._kernels.flash_fwd_fp8 import launch_flash_fwd_fp8
 from .autotune import AttnBwdConfig, AttnConfig, bwd_config_valid, config_valid, default_bwd_config, default_config
 
-__all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "MAX_HEAD_DIM"]
 
 IN_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the fp8 forward's inputs (e5m2 is refused by name)
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)  # its outputs; bf16 by default
 MAX_HEAD_DIM = 256  # registers and shared memory of one program: the Q tile, the output tile and K / V tiles
 
 
@@ -63,14 +67,14 @@ def _check_deterministic(deterministic) -> None:
         raise ArgumentError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
 
 
-def _check_qkv(q, k, v, varlen: bool) -> None:
+def _check_qkv(q, k, v, varlen: bool, dtypes=IN_DTYPES) -> None:
     """dtype, rank, device, strides, and the batch / sequence / head / head-dim agreement of q, k, v."""
     ndim = 3 if varlen else 4
     layout = "[total_tokens, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(f"{name}: expected a torch.Tensor {layout}, got {type(t).__name__}")
-        check_tensor(name, t, dtypes=IN_DTYPES)
+        check_tensor(name, t, dtypes=dtypes)
         if t.dim() != ndim:
             raise ShapeError(f"{name}: expected a {ndim}-D tensor {layout}, got {describe(t)}")
     for name, t in (("k", k), ("v", v)):
@@ -213,6 +217,96 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
     return out, (lse if return_lse else lse.new_empty(0))
 
 
+# ------------------------------------------------------------------ fp8 forward
+
+
+def _is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_fp8_qkv(q, k, v) -> None:
+    """All three e4m3 (e5m2 refused by name, no mix with 16-bit inputs), then as :func:`_check_qkv`."""
+    tensors = (("q", q), ("k", k), ("v", v))
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e5m2:
+            raise DTypeError(f"{name}: fp8 e5m2 is not supported; the fp8 forward takes float8_e4m3fn, got "
+                             f"{describe(t)}")  # fmt: skip
+    first = next(name for name, t in tensors if _is_fp8(t))
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and t.dtype not in FP8_DTYPES:
+            raise DTypeError(f"{name}: expected float8_e4m3fn like {first} (q, k and v are all fp8 or all 16-bit), "
+                             f"got {describe(t)}")  # fmt: skip
+    _check_qkv(q, k, v, varlen=False, dtypes=FP8_DTYPES)
+
+
+def _descale(name: str, s, device) -> tuple[torch.Tensor | None, float]:
+    """A per-tensor descale as (the tensor the kernel reads, or None; the factor the host folds in): None is
+    1; a Python number is folded on the host (no tensor, no launch); a tensor is fp32 of one element (shape
+    ``[1]``, the seed's ABI, or ``[]``) on q's device, read in the kernel (no host sync)."""
+    if s is None:
+        return None, 1.0
+    if isinstance(s, numbers.Real) and not isinstance(s, bool):
+        if not math.isfinite(s):
+            raise ArgumentError(f"{name}: expected a finite number, got {s!r}")
+        return None, float(s)
+    if not isinstance(s, torch.Tensor):
+        raise ArgumentError(f"{name}: expected None, a number or an fp32 tensor of shape [1], got "
+                            f"{type(s).__name__} {s!r}")  # fmt: skip
+    check_tensor(name, s, dtypes=(torch.float32,))
+    if s.numel() != 1 or s.dim() > 1:
+        raise ShapeError(f"{name}: expected one value (an fp32 tensor of shape [1]), got {describe(s)}")
+    if s.device != device:
+        raise DeviceError(f"{name}: expected a tensor on {device} (q's device), got {describe(s)}")
+    return s, 1.0
+
+
+def _fp8_out_dtype(out_dtype) -> torch.dtype:
+    if out_dtype is None:
+        return torch.bfloat16
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise DTypeError(f"out_dtype: expected None (bf16), torch.bfloat16 or torch.float16 for fp8 inputs, got "
+                         f"{out_dtype!r}")  # fmt: skip
+    return out_dtype
+
+
+def _v_transposed(v: torch.Tensor, block_n: int) -> torch.Tensor:
+    """V as the fp8 kernel's P @ V dot reads it, K-major: ``[B, Hkv, Dv, Sk_pad]``, the keys zero-padded to a
+    whole number of ``block_n`` key blocks (a multiple of 16 bytes, so every row is 16-byte aligned).
+
+    A copy a call: one read and one write of V (at B 4, Hkv 32, Sk 4096, D 128: 64 MB each way, tens of
+    microseconds at HBM speed, against about a millisecond of fp8 attention at that size; it shrinks
+    against the kernel as the sequence grows, the kernel being quadratic in it)."""
+    b, sk, hkv, dv = v.shape
+    sk_pad = -(-sk // block_n) * block_n
+    vt = torch.empty(b, hkv, dv, sk_pad, dtype=v.dtype, device=v.device)
+    vt[..., :sk].copy_(v.permute(0, 2, 3, 1))
+    if sk_pad > sk:  # the padded keys get p = 0, so they must be finite (garbage bytes may read as NaN)
+        vt[..., sk:].view(torch.uint8).zero_()
+    return vt
+
+
+def _flash_attn_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, left, right, softcap,
+                    return_lse, out_dtype=None, config=None):  # fmt: skip
+    """Check, allocate and launch the fp8 forward: (out ``[B, Sq, Hq, Dv]`` in ``out_dtype``, lse ``[B, Hq,
+    Sq]`` fp32 or an empty ``[0]`` tensor without ``return_lse``)."""
+    _check_fp8_qkv(q, k, v)
+    qd, qf = _descale("q_descale", q_descale, q.device)
+    kd, kf = _descale("k_descale", k_descale, q.device)
+    vd, vf = _descale("v_descale", v_descale, q.device)
+    dtype = _fp8_out_dtype(out_dtype)
+    b, sq, hq, d = q.shape
+    sk, dv = k.shape[1], v.shape[-1]
+    out = _empty(b, sq, hq, dv, dtype=dtype, device=q.device)
+    lse = _empty(b, hq, sq if return_lse else 0, dtype=torch.float32, device=q.device)
+    lse_out = lse if return_lse else lse.new_empty(0)
+    if q.is_meta or b == 0 or sq == 0:
+        return out, lse_out
+    cfg = _config(q, d, dv, sq, sk, causal, config)
+    launch_flash_fwd_fp8(q, k, _v_transposed(v, cfg.block_n), out, lse if return_lse else None, qd, kd, vd, sk,
+                         left, right, _scale(softmax_scale, d), float(softcap), qf * kf, vf, cfg)  # fmt: skip
+    return out, lse_out
+
+
 @functools.lru_cache(maxsize=1024)
 def _bwd_config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnBwdConfig:
     return default_bwd_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
@@ -335,6 +429,21 @@ _LIB.define(
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
+_LIB.define(
+    "flash_attn_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
+    "bool causal, float? softmax_scale, int window_left, int window_right, float softcap, bool return_lse, "
+    "ScalarType out_dtype) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _fp8_op(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, softcap,
+            return_lse, out_dtype):  # fmt: skip
+    return _flash_attn_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_left,
+                           window_right, softcap, return_lse, out_dtype)  # fmt: skip
+
+
+_LIB.impl("flash_attn_fp8_fwd", _fp8_op, "CompositeExplicitAutograd")
 _LIB.impl("flash_attn_fwd", _fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("flash_attn_varlen_fwd", _varlen_op, "CompositeExplicitAutograd")
 _LIB.impl("flash_attn_bwd", _flash_attn_bwd, "CompositeExplicitAutograd")
@@ -345,6 +454,15 @@ _LIB.impl("flash_attn_varlen_bwd", _flash_attn_varlen_bwd, "CompositeExplicitAut
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, return_lse):
     b, sq, hq, _ = q.shape
     out = q.new_empty(b, sq, hq, v.shape[-1])
+    lse = q.new_empty(b, hq, sq, dtype=torch.float32) if return_lse else q.new_empty(0, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("fly_attention::flash_attn_fp8_fwd", lib=_LIB)
+def _(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, window_left, window_right, softcap,
+      return_lse, out_dtype):  # fmt: skip
+    b, sq, hq, _ = q.shape
+    out = q.new_empty(b, sq, hq, v.shape[-1], dtype=out_dtype)
     lse = q.new_empty(b, hq, sq, dtype=torch.float32) if return_lse else q.new_empty(0, dtype=torch.float32)
     return out, lse
 
@@ -466,9 +584,13 @@ def flash_attn(
     softcap: float = 0.0,
     return_lse: bool = False,
     deterministic: bool = False,
+    q_descale: torch.Tensor | float | None = None,
+    k_descale: torch.Tensor | float | None = None,
+    v_descale: torch.Tensor | float | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Flash attention: ``softmax(mask(softcap(q k^T * softmax_scale))) v``, accumulated in fp32, and
-    differentiable in q, k and v.
+    differentiable in q, k and v (fp16 / bf16); an fp8 e4m3 forward with per-tensor descales.
 
     Args:
         q: ``[batch, seqlen_q, heads_q, head_dim]``, fp16 or bf16; any strides with a unit last one (a
@@ -487,6 +609,19 @@ def flash_attn(
         deterministic: accepted for flash-attention's API; the backward uses no atomics (dK / dV summed over
             a GQA group in registers, dQ by a program per query block), so both values give the same bits
             run to run.
+        q_descale, k_descale, v_descale: fp8 only: the per-tensor dequantization factors of q, k, v (the
+            attention is that of ``q * q_descale``, ...): fp32 tensors of shape ``[1]`` on q's device, read
+            in the kernel (no host sync; CUDA-graph safe), or Python numbers; None is 1.
+        out_dtype: fp8 only: the output's dtype, ``torch.bfloat16`` (default) or ``torch.float16``. For
+            fp16 / bf16 inputs only None or q's dtype.
+
+    fp8 (``torch.float8_e4m3fn`` q, k and v): both dots on fp8 tensor cores with fp32 accumulation: the
+    scores times ``q_descale * k_descale * softmax_scale``, an fp32 online softmax, the probabilities
+    rounded to e4m3 for ``P @ V`` (a relative rounding of up to 2^-4 each), the output times ``v_descale``.
+    Forward only (a tensor that requires grad is refused), dense only (not :func:`flash_attn_varlen`); GQA,
+    causal, windows, softcap and ``return_lse`` work as for 16-bit inputs. Each call makes a transposed
+    copy of v (``[B, Hkv, Dv, Sk]``, the layout Hopper's fp8 tensor cores read for ``P @ V``): one extra read
+    and write of v. e5m2 and mixes of fp8 with 16-bit inputs are refused.
 
     Returns:
         ``out [batch, seqlen_q, heads_q, head_dim_v]`` (contiguous, q's dtype), and ``lse`` with
@@ -509,6 +644,10 @@ def flash_attn(
     """
     left, right = _options(causal, softmax_scale, window, softcap)
     _check_deterministic(deterministic)
+    if (_is_fp8(q) or _is_fp8(k) or _is_fp8(v) or q_descale is not None or k_descale is not None
+            or v_descale is not None or out_dtype is not None):  # fmt: skip
+        return _flash_attn_fp8_public(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, left, right,
+                                      softcap, return_lse, out_dtype)  # fmt: skip
     grad = _grad_needed(q, k, v)
     want_lse = return_lse or grad  # the backward reads it
     if torch.compiler.is_compiling():
@@ -519,6 +658,38 @@ def flash_attn(
         out, lse = _EagerFlashAttn.apply(q, k, v, causal, softmax_scale, left, right, float(softcap), True)
     else:  # the direct route: no dispatcher
         out, lse = _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _flash_attn_fp8_public(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, left, right, softcap,
+                           return_lse, out_dtype):  # fmt: skip
+    """flash_attn's fp8 route (and its refusals of descales or an out_dtype with 16-bit inputs)."""
+    if not (_is_fp8(q) or _is_fp8(k) or _is_fp8(v)):
+        if out_dtype is not None and (not isinstance(q, torch.Tensor) or out_dtype != q.dtype):
+            raise ArgumentError(f"out_dtype: fp16 / bf16 inputs give q's dtype; out_dtype other than None or q's "
+                                f"dtype is for fp8 inputs, got {out_dtype!r}")  # fmt: skip
+        for name, s in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if s is not None:
+                kind = dtype_name(q.dtype) if isinstance(q, torch.Tensor) else type(q).__name__
+                raise ArgumentError(f"{name}: descales are for fp8 (float8_e4m3fn) inputs; q is {kind}")
+        return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(left, right),
+                          softcap=softcap, return_lse=return_lse)  # fmt: skip
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if _grad_needed(t):
+            raise UnsupportedError(f"{name}: the fp8 forward has no backward; got a tensor that requires grad "
+                                   f"({describe(t)}); detach it or use fp16 / bf16 inputs")  # fmt: skip
+    if torch.compiler.is_compiling():
+        # the op's schema takes descales as tensors: numbers become one-element tensors in the graph
+        ds = [torch.full((1,), float(s), dtype=torch.float32, device=q.device)
+              if isinstance(s, numbers.Real) and not isinstance(s, bool) else s
+              for s in (q_descale, k_descale, v_descale)]  # fmt: skip
+        scale = None if softmax_scale is None else float(softmax_scale)
+        out, lse = torch.ops.fly_attention.flash_attn_fp8_fwd(q, k, v, *ds, causal, scale, left, right,
+                                                              float(softcap), return_lse,
+                                                              _fp8_out_dtype(out_dtype))  # fmt: skip
+    else:
+        out, lse = _flash_attn_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, left, right,
+                                   softcap, return_lse, out_dtype)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -564,6 +735,10 @@ def flash_attn_varlen(
     """
     left, right = _options(causal, softmax_scale, window, softcap)
     _check_deterministic(deterministic)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if _is_fp8(t):
+            raise UnsupportedError(f"{name}: fp8 attention is dense only (flash_attn); flash_attn_varlen takes "
+                                   f"fp16 / bf16, got {describe(t)}")  # fmt: skip
     grad = _grad_needed(q, k, v)
     if torch.compiler.is_compiling():
         scale = None if softmax_scale is None else float(softmax_scale)

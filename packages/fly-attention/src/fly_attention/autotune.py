@@ -63,7 +63,12 @@ def config_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.d
     if arch.is_interpreter:
         return True
     threads = 32 * cfg.num_warps
-    per_thread = cfg.block_m * (flyc.next_power_of_2(head_dim_v) + cfg.block_n) // threads
+    dv = flyc.next_power_of_2(head_dim_v)
+    if dtype == torch.float8_e4m3fn:
+        # fp8: P @ V is a second fp8 dot that reduces over the key block (at least 32 on sm_90's fp8
+        # wgmma), and its block product is held beside the accumulator before the fp32 add
+        return cfg.block_n >= 32 and cfg.block_m * (2 * dv + cfg.block_n) // threads <= _ACC_PER_THREAD
+    per_thread = cfg.block_m * (dv + cfg.block_n) // threads
     return per_thread <= _ACC_PER_THREAD
 
 
@@ -75,17 +80,10 @@ def default_config(
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return AttnConfig(16 if seqlen_q <= 16 else 32, 16 if seqlen_k <= 16 else 32, num_warps=4, num_stages=1)
     d = max(head_dim, head_dim_v)
-    # Within the published range, registers decide: sm_90 compiles of this kernel (ptxas -v, bf16,
-    # aligned operands as real launches specialize them, every option off and on) use 217-241 registers at
-    # d 64 with 128 x 128 / 8 warps, 170-211 at d 128 with 128 x 64 / 8 warps / 3 stages, and at d 256
-    # 254-255 with 128 x 64 (no spill yet, 192 KB of shared memory) against 207-212 with 64 x 64 / 8 warps;
-    # 4 warps spill at d 256. None of this is a timing: the H200 search replaces it.
-    if d <= 64:
-        cfg = AttnConfig(128, 128, num_warps=8, num_stages=2)
-    elif d <= 128:
-        cfg = AttnConfig(128, 64, num_warps=8, num_stages=3)
-    else:  # 192 / 256: half the query rows a program keeps the registers clear of spilling
-        cfg = AttnConfig(64, 64, num_warps=8, num_stages=2)
+    if dtype == torch.float8_e4m3fn:
+        cfg = _default_fp8(d)
+    else:
+        cfg = _default_16bit(d)
     if seqlen_q <= 64:  # decode-like queries: no program of mostly padded rows
         cfg = dataclasses.replace(cfg, block_m=max(_DOT_MIN, flyc.next_power_of_2(max(seqlen_q, 1))))
     # seqlen_k and causal take no part yet: nothing has been measured that would choose by them
@@ -94,6 +92,31 @@ def default_config(
     while not config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.block_n > _DOT_MIN:
         cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
     return cfg
+
+
+def _default_16bit(d: int) -> AttnConfig:
+    # Within the published range, registers decide: sm_90 compiles of this kernel (ptxas -v, bf16,
+    # aligned operands as real launches specialize them, every option off and on) use 217-241 registers at
+    # d 64 with 128 x 128 / 8 warps, 170-211 at d 128 with 128 x 64 / 8 warps / 3 stages, and at d 256
+    # 254-255 with 128 x 64 (no spill yet, 192 KB of shared memory) against 207-212 with 64 x 64 / 8 warps;
+    # 4 warps spill at d 256. None of this is a timing: the H200 search replaces it.
+    if d <= 64:
+        return AttnConfig(128, 128, num_warps=8, num_stages=2)
+    if d <= 128:
+        return AttnConfig(128, 64, num_warps=8, num_stages=3)
+    # 192 / 256: half the query rows a program keeps the registers clear of spilling
+    return AttnConfig(64, 64, num_warps=8, num_stages=2)
+
+
+def _default_fp8(d: int) -> AttnConfig:
+    # fp8 tiles take half the bytes, so the key step doubles at d 128. sm_90 compiles of the fp8 kernel
+    # (tests/attn_fp8_compile_sm90.py, every option off and on) use 221-237 registers at d 64 with
+    # 128 x 128 / 8 warps / 3 stages, 253-255 at d 128 with the same (no spill, 112 KB of shared memory),
+    # and at d 256 250-254 with 64 x 64 / 8 warps, where 128 x 64 spills 232 bytes. None of this is a
+    # timing: the H200 search replaces it.
+    if d <= 128:
+        return AttnConfig(128, 128, num_warps=8, num_stages=3)
+    return AttnConfig(64, 64, num_warps=8, num_stages=2)
 
 
 # ------------------------------------------------------------------ backward

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["attention_mask", "flash_attn_ref", "flash_attn_varlen_ref"]
+__all__ = ["attention_mask", "flash_attn_ref", "flash_attn_varlen_ref", "flash_attn_fp8_ref"]
 
 
 def attention_mask(
@@ -111,3 +111,25 @@ def flash_attn_varlen_ref(
         out[q0:q1] = o
         lse[:, q0:q1] = s
     return (out, lse) if return_lse else out
+
+
+def _dequantize(t, descale, dtype):
+    """An fp8 tensor in ``dtype`` times its per-tensor descale (None: 1; a number or a one-element tensor)."""
+    x = t.to(dtype)
+    if descale is None:
+        return x
+    if isinstance(descale, torch.Tensor):
+        return x * descale.to(device=x.device, dtype=dtype).reshape(())
+    return x * descale
+
+
+def flash_attn_fp8_ref(
+    q, k, v, q_descale=None, k_descale=None, v_descale=None, *, causal=False, softmax_scale=None, window=(-1, -1),
+    softcap=0.0, dtype=torch.float32, return_lse=False,
+):  # fmt: skip
+    """The fp8 forward's reference: :func:`flash_attn_ref` on the dequantized inputs (``q.float() *
+    q_descale``, ...), in ``dtype``. The kernel's own rounding (P to e4m3 for ``P @ V``) is not modelled:
+    it is what a test's tolerance bounds."""
+    return flash_attn_ref(_dequantize(q, q_descale, dtype), _dequantize(k, k_descale, dtype),
+                          _dequantize(v, v_descale, dtype), causal=causal, softmax_scale=softmax_scale, window=window,
+                          softcap=softcap, dtype=dtype, return_lse=return_lse)  # fmt: skip

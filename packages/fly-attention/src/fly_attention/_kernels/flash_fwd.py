@@ -34,7 +34,7 @@ from flydsl_common.device import row_offset
 
 from .programs import block_program, head_base, sequence_bounds, softcap_tanh
 
-__all__ = ["launch_flash_fwd", "UNBOUNDED"]
+__all__ = ["launch_flash_fwd", "key_blocks", "UNBOUNDED"]
 
 # The window side that bounds nothing: far past any sequence, and i + off +- UNBOUNDED stays in int32 for
 # sequences up to 2^30 tokens.
@@ -90,6 +90,28 @@ def _attend(
     return acc, l_i, m_new
 
 
+@flyc.func
+def key_blocks(m0, seqlen_q, seqlen_k, win_left, win_right, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr):
+    """The key walk of the query rows ``[m0, m0 + BLOCK_M)``: ``(lo_off, hi_off, kv_start, full_lo, full_hi,
+    kv_end)``. Row i sees keys ``[i + lo_off, i + hi_off]`` (and ``< seqlen_k``); blocks outside ``[kv_start,
+    kv_end)`` are skipped; ``[full_lo, full_hi)`` are the blocks every row sees whole (run unmasked); the rest
+    are the masked edges. The fp8 forward walks the keys the same way."""
+    off = seqlen_k - seqlen_q
+    lo_off = off - win_left
+    hi_off = off + win_right
+    m_last = m0 + BLOCK_M - 1  # rows past seqlen_q widen the ranges only (they are never stored)
+    # Keys any row of the block sees: [kv_start, kv_end); whole blocks outside are skipped. Clamped at 0
+    # before dividing: integer division of negatives rounds differently compiled and interpreted.
+    kv_start = fx.maximum(m0 + lo_off, 0) // BLOCK_N * BLOCK_N
+    kv_end = fx.maximum(fx.minimum(seqlen_k, m_last + hi_off + 1), 0)
+    # Blocks every row sees whole: [full_lo, full_hi), run unmasked.
+    full_lo = fx.maximum(kv_start, fx.cdiv(fx.maximum(m_last + lo_off, 0), BLOCK_N) * BLOCK_N)
+    full_lo = fx.minimum(full_lo, kv_end)
+    full_hi = fx.maximum(fx.minimum(seqlen_k, m0 + hi_off + 1), 0) // BLOCK_N * BLOCK_N
+    full_hi = fx.maximum(full_hi, full_lo)
+    return lo_off, hi_off, kv_start, full_lo, full_hi, kv_end
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _flash_fwd_kernel(
@@ -120,20 +142,8 @@ def _flash_fwd_kernel(
     q = fx.load(q_base + row_offset(rows, stride_qs)[:, None] + rd[None, :],
                 mask=m_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
 
-    # Row i sees keys [i + lo_off, i + hi_off] (and < seqlen_k).
-    off = seqlen_k - seqlen_q
-    lo_off = off - win_left
-    hi_off = off + win_right
-    m_last = m0 + BLOCK_M - 1  # rows past seqlen_q widen the ranges only (they are never stored)
-    # Keys any row of the block sees: [kv_start, kv_end); whole blocks outside are skipped. Clamped at 0
-    # before dividing: integer division of negatives rounds differently compiled and interpreted.
-    kv_start = fx.maximum(m0 + lo_off, 0) // BLOCK_N * BLOCK_N
-    kv_end = fx.maximum(fx.minimum(seqlen_k, m_last + hi_off + 1), 0)
-    # Blocks every row sees whole: [full_lo, full_hi), run unmasked.
-    full_lo = fx.maximum(kv_start, fx.cdiv(fx.maximum(m_last + lo_off, 0), BLOCK_N) * BLOCK_N)
-    full_lo = fx.minimum(full_lo, kv_end)
-    full_hi = fx.maximum(fx.minimum(seqlen_k, m0 + hi_off + 1), 0) // BLOCK_N * BLOCK_N
-    full_hi = fx.maximum(full_hi, full_lo)
+    lo_off, hi_off, kv_start, full_lo, full_hi, kv_end = key_blocks(m0, seqlen_q, seqlen_k, win_left, win_right,
+                                                                  BLOCK_M, BLOCK_N)
 
     acc = fx.zeros([BLOCK_M, BLOCK_DV], dtype=fx.float32)
     l_i = fx.zeros([BLOCK_M], dtype=fx.float32)
