@@ -27,7 +27,7 @@ def test_public_api():
     assert set(fly_attention.__all__) == {
         "__version__", "flash_attn", "flash_attn_varlen", "AttnConfig", "flash_attn_ref", "flash_attn_varlen_ref",
         "scaled_dot_product_attention", "build_flash_attn_func_module", "paged_attention_decode", "fused_rope_cache",
-        "DecodeConfig", "paged_attention_decode_ref", "fused_rope_cache_ref",
+        "DecodeConfig", "paged_attention_decode_ref", "fused_rope_cache_ref", "flash_attn_fp8_ref",
     }  # fmt: skip
     for name in fly_attention.__all__:
         assert getattr(fly_attention, name) is not None

@@ -48,15 +48,25 @@ def _check_grads(got, ref, dtype, names=("dq", "dk", "dv")):
 
 def run_and_check(q, k, v, seed=7, **opts):
     """Forward + backward of flash_attn and of the fp64 reference from the same inputs and output gradient;
-    returns the gradients and the output."""
+    returns the gradients and the output.
+
+    The backward's inputs include the forward's output as stored, in the input dtype (flash attention's
+    design, and that of torch's own backward of a 16-bit attention): its row terms ``delta = rowsum(dO * O)``
+    come from the rounded O. Where ``dP - delta`` cancels (a row of a few keys), that rounding alone moves
+    the exact gradient by more than the dtype's tolerance (fp16, 2 keys: 1.7e-3 from O's rounding, 2.3e-4
+    from the kernel). So the reference is the exact fp64 gradient given that stored O: autograd's gradient
+    with ``delta`` replaced, which adds ``-(delta_O16 - delta_O64) * lse`` to the loss (d lse / d s = P)."""
     qg, kg, vg = _leaves(q, k, v)
     out = flash_attn(qg, kg, vg, **opts)
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
     out.backward(dout)
     qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref = flash_attn_ref(qr, kr, vr, dtype=torch.float64, **opts)
-    ref.backward(dout.double())
+    ref, lse = flash_attn_ref(qr, kr, vr, dtype=torch.float64, return_lse=True, **opts)
+    d64 = dout.double()
+    delta_shift = ((d64 * out.detach().double()).sum(-1) - (d64 * ref.detach()).sum(-1)).transpose(1, 2)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # rows that see no key: no term
+    ((ref * d64).sum() - (delta_shift * lse).sum()).backward()
     _check_grads((qg.grad, kg.grad, vg.grad), (qr.grad, kr.grad, vr.grad), q.dtype)
     return (qg.grad, kg.grad, vg.grad), out
 

@@ -18,12 +18,12 @@ from .builders import build_flash_attn_func_module
 from .decode import paged_attention_decode
 from .decode_config import DecodeConfig
 from .decode_reference import fused_rope_cache_ref, paged_attention_decode_ref
-from .reference import flash_attn_ref, flash_attn_varlen_ref
+from .reference import flash_attn_fp8_ref, flash_attn_ref, flash_attn_varlen_ref
 from .rope_cache import fused_rope_cache
 from .sdpa import scaled_dot_product_attention
 
 __all__ = [
     "__version__", "flash_attn", "flash_attn_varlen", "AttnConfig", "flash_attn_ref", "flash_attn_varlen_ref",
     "scaled_dot_product_attention", "build_flash_attn_func_module", "paged_attention_decode", "fused_rope_cache",
-    "DecodeConfig", "paged_attention_decode_ref", "fused_rope_cache_ref",
+    "DecodeConfig", "paged_attention_decode_ref", "fused_rope_cache_ref", "flash_attn_fp8_ref",
 ]  # fmt: skip

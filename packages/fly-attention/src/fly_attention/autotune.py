@@ -2,10 +2,9 @@
 (:func:`default_config`) and its validity predicate (:func:`config_valid`); the backward's the same way:
 :class:`AttnBwdConfig`, :func:`default_bwd_config`, :func:`bwd_config_valid`.
 
-Nothing here is measured yet: the GPU defaults are the published Hopper practice for a pointer-based
-Triton flash forward (the Triton tutorial's fused attention and flash-attention 2's Triton kernel:
-128-row query blocks, 64-128 key blocks by head dim, 4-8 warps, 2-3 pipeline stages), to be replaced by
-a tuning adopter and shipped artifacts once the H200 has searched them.
+The 16-bit defaults come from a config grid timed on the H200 (the comments in :func:`_default_16bit`
+and :func:`default_bwd_config` give the figures); the fp8 ones and the backward above head dim 128 from
+sm_90 compiles only. A tuning adopter with shipped artifacts is to replace them.
 """
 
 from __future__ import annotations
@@ -95,17 +94,14 @@ def default_config(
 
 
 def _default_16bit(d: int) -> AttnConfig:
-    # Within the published range, registers decide: sm_90 compiles of this kernel (ptxas -v, bf16,
-    # aligned operands as real launches specialize them, every option off and on) use 217-241 registers at
-    # d 64 with 128 x 128 / 8 warps, 170-211 at d 128 with 128 x 64 / 8 warps / 3 stages, and at d 256
-    # 254-255 with 128 x 64 (no spill yet, 192 KB of shared memory) against 207-212 with 64 x 64 / 8 warps;
-    # 4 warps spill at d 256. None of this is a timing: the H200 search replaces it.
-    if d <= 64:
-        return AttnConfig(128, 128, num_warps=8, num_stages=2)
+    # Measured on the H200 (bf16, 16K tokens, seqlen 4096, causal and not; a grid of 64 / 128 query rows,
+    # 32-128 keys, 4 / 8 warps, 2-4 stages): 128 x 64 with 8 warps led at every head dim: d 64 423 / 364
+    # TFLOP/s (3 stages; 128 x 128 / 2 stages: 292 / 243), d 128 463 / 406 (3 stages), d 256 451 / 394 (2
+    # stages, 254-255 registers without spilling in sm_90 compiles; 64 x 64: 236 / 214). At seqlen 1024
+    # and 16384 (d 128) the leaders were within 2% of it.
     if d <= 128:
         return AttnConfig(128, 64, num_warps=8, num_stages=3)
-    # 192 / 256: half the query rows a program keeps the registers clear of spilling
-    return AttnConfig(64, 64, num_warps=8, num_stages=2)
+    return AttnConfig(128, 64, num_warps=8, num_stages=2)
 
 
 def _default_fp8(d: int) -> AttnConfig:
@@ -168,24 +164,20 @@ def default_bwd_config(
     head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool, dtype: torch.dtype,
     arch: flydsl.arch.Arch,
 ) -> AttnBwdConfig:  # fmt: skip
-    """The backward's default launch config (pure: shapes, dtype and arch only). Not measured yet: the
-    published shape of a Triton flash backward (the Triton tutorial's: 128 keys a dK / dV program stepping
-    32 queries, 128 query rows a dQ program stepping 32 keys), with fewer keys a dK / dV program at larger
-    head dims, then shrunk until :func:`bwd_config_valid` takes it."""
+    """The backward's default launch config (pure: shapes, dtype and arch only), shrunk until
+    :func:`bwd_config_valid` takes it."""
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return AttnBwdConfig(16, 16 if seqlen_k <= 16 else 32, 16 if seqlen_q <= 16 else 32, 16, num_warps=4,
                              num_stages=1)  # fmt: skip
     d = max(head_dim, head_dim_v)
-    # sm_90 compiles (aligned operands; cuobjdump -res-usage; options off and on) decide the
-    # dK / dV tile, which holds K, V, dK and dV for its whole walk: 128 keys fit at d 64 (244-254 registers);
-    # at d 80-128 64 keys spill (stack 128-320 bytes) and 32 fit (226-234); at d 256 32 keys x 16 queries
-    # spill 24 bytes with 2 stages and fit with 1 (240). The dQ kernel then fits with 128 x 32 at d <= 128
-    # (112-189) and with 32 x 64 (1 stage) above (156-158; 64 x 32 spills with 1 stage and softcap).
-    # None of this is a timing: the H200 search replaces it.
-    if d <= 64:
-        cfg = AttnBwdConfig(32, 128, 128, 32, num_warps=8, num_stages=2)
-    elif d <= 128:
-        cfg = AttnBwdConfig(32, 32, 128, 32, num_warps=8, num_stages=2)
+    # Measured on the H200 at d 128 (bf16, seqlen 4096, 16K tokens; ten configs): 64 keys a dK / dV
+    # program stepping 32 queries, 64 rows a dQ program stepping 32 keys, 4 warps, 2 stages ran 300 / 282
+    # TFLOP/s (non-causal / causal), level with the best of the others (128 keys stepping 64 queries, 8
+    # warps, 3 stages: 301 / 264) and 3x the 8-warp tiles of 32 keys (95 / 92). d 64 takes the same (not
+    # measured apart); above 128, sm_90 compiles decide (32 keys x 16 queries spill 24 bytes with 2 stages
+    # and fit with 1): not measured yet.
+    if d <= 128:
+        cfg = AttnBwdConfig(32, 64, 64, 32, num_warps=4, num_stages=2)
     else:
         cfg = AttnBwdConfig(16, 32, 32, 64, num_warps=8, num_stages=1)
     # seqlen and causal take no part yet: nothing has been measured that would choose by them

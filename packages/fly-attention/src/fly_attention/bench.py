@@ -46,7 +46,6 @@ sequence).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import random
@@ -72,7 +71,6 @@ __all__ = [
     "bwd_flops",
     "default_out_dir",
     "flops",
-    "fp8_api_ready",
     "main",
     "mixed_lengths",
     "quantize_fp8",
@@ -666,15 +664,8 @@ def _setup_fp8(case: Case, device):
     return q8, k8, v8, qs, ks, vs, *deq, causal
 
 
-def fp8_api_ready() -> bool:
-    """Whether ``flash_attn`` takes the fp8 descales yet (its ``q_descale`` parameter)."""
-    return "q_descale" in inspect.signature(flash_attn).parameters
-
-
 def _ours_fp8(t):
     q8, k8, v8, qs, ks, vs, *_, causal = t
-    if not fp8_api_ready():
-        raise Skip("flash_attn has no q_descale parameter yet: the fp8 forward's API has not landed")
     return lambda: flash_attn(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
 
 
