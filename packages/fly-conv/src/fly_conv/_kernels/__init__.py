@@ -1,0 +1,1 @@
+"""Device code of fly-conv: one kernel kind a file."""

@@ -1,0 +1,107 @@
+"""The weight gradient of a convolution: a reduction over batch x output positions, deterministic.
+
+Per group ``g`` and filter tap ``t = (kd, kh, kw)``::
+
+    dW[g, n, c, t] = sum_p dY[p, g, n] * X[p's input pixel for tap t, g, c]     p = (batch, od, oh, ow)
+
+A program computes a ``BLOCK_M x BLOCK_N`` tile of (output channel, input channel) for one tap and one group
+(grid axis 1: tap and group), walking its run of positions ``BLOCK_K`` at a time (the input pixels gathered
+as in the forward, masked in the padding). With more than one split (grid axis 2) the positions are cut into
+equal runs, each storing fp32 partial sums to its own slice of a workspace; the host adds the slices in a
+fixed order, so the result never depends on scheduling (no atomics).
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl_common.device import row_offset
+
+__all__ = ["launch_wgrad"]
+
+_RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
+                  "dd", "dh", "dw", "split_steps"]  # fmt: skip
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
+def _conv_wgrad_kernel(
+    dy_ptr, x_ptr, out_ptr,
+    P, KG, CG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
+    sdy_n, sdy_d, sdy_h, sdy_w, sdy_c, sx_n, sx_d, sx_h, sx_w, sx_c, so_s, so_k, so_c, so_t,
+    IEEE: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr,
+):
+    # fmt: on
+    n_tiles = fx.cdiv(CG, BLOCK_N)
+    pid = fx.program_id(0)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    taps = KD * KH * KW
+    gt = fx.program_id(1)
+    g = gt // taps
+    tap = gt % taps
+    kd = tap // (KH * KW)
+    kh = (tap // KW) % KH
+    kw = tap % KW
+    split = fx.program_id(2)
+    rk = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)  # output channels of the group
+    rc = pid_n * BLOCK_N + fx.arange(0, BLOCK_N)  # input channels of the group
+    k_ok = rk < KG
+    c_ok = rc < CG
+    dy_cols = row_offset(g * KG + rk, sdy_c)
+    x_cols = row_offset(g * CG + rc, sx_c)
+    p_begin = split * split_steps * BLOCK_K
+    p_end = fx.minimum(P, p_begin + split_steps * BLOCK_K)
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for p0 in range(p_begin, p_end, BLOCK_K):
+        rp = p0 + fx.arange(0, BLOCK_K)
+        p_ok = rp < p_end
+        pp = fx.where(p_ok, rp, 0)
+        ow = pp % OW
+        t = pp // OW
+        oh = t % OH
+        t = t // OH
+        od = t % OD
+        nb = t // OD
+        dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
+        id_ = od * sd - pd + kd * dd
+        ih = oh * sh - ph + kh * dh
+        iw = ow * sw - pw + kw * dw
+        x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
+        a = fx.load(dy_ptr + dy_cols[:, None] + dy_row[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & c_ok[None, :], other=0.0)
+        if IEEE:
+            acc = fx.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = fx.dot(a, b, acc)
+
+    o_ptrs = (out_ptr + row_offset(split, so_s) + row_offset(g * KG + rk, so_k)[:, None]
+              + row_offset(rc, so_c)[None, :] + row_offset(tap, so_t))  # fmt: skip
+    fx.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
+
+
+@flyc.jit
+def launch_wgrad(dy5, x5, out, geom, groups: int, splits: int, split_steps: int, cfg, stream=None):
+    """Launch the weight-gradient kernel.
+
+    ``dy5``: the output gradient as ``[N, OD, OH, OW, K_out]``; ``x5``: the input as ``[N, D, H, W, C_in]``
+    (any strides); ``out``: ``[splits, K_out, C_in / groups, taps]`` (any strides; fp32 partial sums when
+    ``splits > 1``, else the weight gradient itself in its dtype). ``geom``: (kernel, stride, padding,
+    dilation), three values each. Split ``s`` reduces positions ``[s * split_steps * block_k, ...)``.
+    """
+    nb, od, oh, ow, k_out = dy5.shape
+    _, d, h, w, c = x5.shape
+    (kd, kh, kw), (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = geom
+    kg, cg = k_out // groups, c // groups
+    tiles = flyc.cdiv(kg, cfg.block_m) * flyc.cdiv(cg, cfg.block_n)
+    # fmt: off
+    flyc.launch(
+        _conv_wgrad_kernel, (tiles, kd * kh * kw * groups, splits),
+        dy5, x5, out,
+        nb * od * oh * ow, kg, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
+        *dy5.stride(), *x5.stride(), *out.stride(),
+        IEEE=x5.dtype.itemsize == 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # fmt: on

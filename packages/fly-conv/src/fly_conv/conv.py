@@ -1,0 +1,539 @@
+"""``conv``: convolution 1D / 2D / 3D as an implicit GEMM, with bias and activation fused; its backward.
+
+In the order of the family's files: the kernels live in :mod:`._kernels` (``implicit_gemm``: the forward
+and the input gradient, every group count; ``depthwise``: the direct kernel of depthwise layers;
+``wgrad``: the weight gradient), the config choice in :mod:`.autotune`, then the host code below: argument
+checks (every bad input is named before anything launches), layouts, output allocation and dispatch, the
+custom ops with their fake implementations and autograd, and the public functions.
+
+Layouts. The kernels' native layout is channels-last (NWC / NHWC / NDHWC: channels contiguous, so a
+pixel's channels load as whole vectors); every tensor is read and written through its strides. A
+channels-first (NC*) input is copied to channels-last first, as cuDNN does internally, except where the
+kernel reads it as fast in place (1x1 convolutions with stride 1 and no padding: a GEMM whose rows are
+contiguous along the positions). Outputs are written in their final layout directly.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+import flydsl.arch
+from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
+from flydsl.errors import ArgumentError, DTypeError, ShapeError
+from flydsl_common.device import activation_code
+from flydsl_common.reference import torch_activation
+
+from ._kernels.depthwise import launch_depthwise
+from ._kernels.implicit_gemm import geom_pointwise, launch_implicit_gemm
+from ._kernels.wgrad import launch_wgrad
+from .autotune import ConvConfig, ConvProblem, config_valid, default_config
+
+__all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "PADDING_MODES"]
+
+IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_CF_LAYOUTS = {1: "NCW", 2: "NCHW", 3: "NCDHW"}  # channels first: torch's logical order
+_CL_LAYOUTS = {1: "NWC", 2: "NHWC", 3: "NDHWC"}  # channels last
+
+
+# ------------------------------------------------------------------------------ argument checks
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _per_dim(name: str, value, rank: int, lo: int) -> tuple[int, ...]:
+    """An int or a sequence of ``rank`` ints, each >= ``lo``, as a tuple of ``rank`` ints."""
+    vals = (value,) * rank if _is_int(value) else tuple(value) if isinstance(value, (tuple, list)) else None
+    if vals is not None and len(vals) == 1 and rank > 1:
+        vals = vals * rank
+    if vals is None or len(vals) != rank or not all(_is_int(v) and v >= lo for v in vals):
+        raise ArgumentError(f"{name}: expected an int >= {lo} or {rank} of them (one a spatial dim), got {value!r}")
+    return tuple(int(v) for v in vals)
+
+
+def _padding(padding, rank: int, kernel, stride, dilation) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(before, after) padding of each spatial dim from an int, a tuple, ``"valid"`` or ``"same"``."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * rank, (0,) * rank
+        if padding == "same":
+            if any(s != 1 for s in stride):
+                raise ArgumentError(f"padding: 'same' needs stride 1 in every dim (as torch), got stride={stride}")
+            total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+            # an odd total puts the extra element after, as torch does
+            return tuple(t // 2 for t in total), tuple(t - t // 2 for t in total)
+        raise ArgumentError(f"padding: expected an int, {rank} ints, 'valid' or 'same', got {padding!r}")
+    p = _per_dim("padding", padding, rank, 0)
+    return p, p
+
+
+def _rank(weight) -> int:
+    check_tensor("weight", weight)
+    if not 3 <= weight.dim() <= 5:
+        raise ShapeError(f"weight: expected [K_out, C_in / groups, *kernel] with 1-3 kernel dims (3-5 dims in "
+                         f"all), got {describe(weight)}")  # fmt: skip
+    return weight.dim() - 2
+
+
+def _layout(name: str, layout, rank: int) -> str | None:
+    if layout is None:
+        return None
+    if layout not in (_CF_LAYOUTS[rank], _CL_LAYOUTS[rank]):
+        raise ArgumentError(f"{name}: expected None, {_CF_LAYOUTS[rank]!r} or {_CL_LAYOUTS[rank]!r} for a "
+                            f"{rank}-D convolution (weight with {rank} kernel dims), got {layout!r}")  # fmt: skip
+    return layout
+
+
+def _channels_last_memory(x: torch.Tensor) -> bool:
+    """An NC* tensor whose channels are contiguous (its memory is N*C), and not also plain contiguous."""
+    return x.shape[1] > 1 and x.movedim(1, -1).is_contiguous() and not x.is_contiguous()
+
+
+def _out_size(size, kernel, stride, lo, hi, dilation) -> tuple[int, ...]:
+    return tuple((i + a + b - d * (k - 1) - 1) // s + 1
+                 for i, k, s, a, b, d in zip(size, kernel, stride, lo, hi, dilation, strict=True))  # fmt: skip
+
+
+def _check_problem(x, weight, bias, groups):
+    """dtypes, devices and channel counts of a batched NC* ``x`` against ``weight`` and ``bias``."""
+    check_tensor("x", x, dtypes=IN_DTYPES)
+    if weight.dtype != x.dtype:
+        raise DTypeError(f"weight: expected dtype {dtype_name(x.dtype)} (x's), got {describe(weight)}")
+    if not _is_int(groups) or groups < 1:
+        raise ArgumentError(f"groups: expected an int >= 1, got {groups!r}")
+    c_in, k_out = x.shape[1], weight.shape[0]
+    if c_in % groups:
+        raise ShapeError(f"groups: x has C_in = {c_in} channels, not divisible by groups = {groups}")
+    if k_out % groups:
+        raise ShapeError(f"groups: weight has K_out = {k_out} output channels, not divisible by groups = {groups}")
+    if weight.shape[1] != c_in // groups:
+        raise ShapeError(f"weight: expected C_in / groups = {c_in // groups} input channels in dim 1 (x has "
+                         f"{c_in} channels, groups = {groups}), got {describe(weight)}")  # fmt: skip
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=_FLOAT, ndim=1)
+        if bias.shape[0] != k_out:
+            raise ShapeError(f"bias: expected [{k_out}] (one per output channel), got {describe(bias)}")
+    check_same_device(x=x, weight=weight, bias=bias)
+
+
+# ------------------------------------------------------------------------------ host launch
+
+
+def _pad3(values, fill: int) -> tuple[int, int, int]:
+    """A rank-1/2/3 tuple as the kernels' 3 dims (D, H, W): missing leading dims take ``fill``."""
+    return (fill,) * (3 - len(values)) + tuple(values)
+
+
+def _ndhwc(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """A batched NC* tensor as a ``[N, D, H, W, C]`` view (size-1 dims added for 1D and 2D); no copy."""
+    for _ in range(3 - rank):
+        t = t.unsqueeze(2)
+    return t.movedim(1, -1)
+
+
+def _channels_last(t5: torch.Tensor) -> torch.Tensor:
+    """``t5`` with contiguous channels (a copy only when they are not): the gathers' fast layout."""
+    return t5 if t5.stride(-1) == 1 or t5.shape[-1] == 1 else t5.contiguous()
+
+
+def _alloc(n: int, c: int, spatial, dtype, device, channels_last: bool) -> torch.Tensor:
+    """An NC* tensor ``[n, c, *spatial]``; channels-last memory when asked."""
+    if channels_last:
+        return torch.empty((n, *spatial, c), dtype=dtype, device=device).movedim(-1, 1)
+    return torch.empty((n, c, *spatial), dtype=dtype, device=device)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """A buffer every element of which a kernel writes (one place to allocate them: tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _geom(kernel, stride, lo, dilation):
+    return _pad3(kernel, 1), _pad3(stride, 1), _pad3(lo, 0), _pad3(dilation, 1)
+
+
+def _config(problem: ConvProblem, arch, config):
+    cfg = default_config(problem, arch) if config is None else config
+    if not isinstance(cfg, ConvConfig) or not config_valid(cfg, problem, arch):
+        raise ArgumentError(f"config: {cfg!r} is not a valid launch config for a {problem.kind} convolution in "
+                            f"{dtype_name(problem.dtype)} on {arch.name}")  # fmt: skip
+    return cfg
+
+
+def _is_depthwise(c_in: int, k_out: int, groups: int) -> bool:
+    return groups > 1 and groups == c_in and k_out % c_in == 0
+
+
+def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channels_last, config=None):
+    """The forward on a batched NC* ``x`` (any strides), zero padding ``lo`` before and ``hi`` after each dim;
+    the output NC*, channels-last memory when ``channels_last``."""
+    rank = weight.dim() - 2
+    n, c_in = x.shape[:2]
+    k_out, kernel = weight.shape[0], tuple(weight.shape[2:])
+    out_size = _out_size(x.shape[2:], kernel, stride, lo, hi, dilation)
+    y = _alloc(n, k_out, out_size, x.dtype, x.device, channels_last)
+    if x.device.type == "meta" or y.numel() == 0:
+        return y
+    if x.numel() == 0:  # no input channels: every output is act(bias)
+        y.copy_(torch_activation(_bias_plane(bias, y), _ACT_NAMES[act]))
+        return y
+    geom = _geom(kernel, stride, lo, dilation)
+    taps = geom[0][0] * geom[0][1] * geom[0][2]
+    x5, y5 = _ndhwc(x, rank), _ndhwc(y, rank)
+    arch = flydsl.arch.current(x.device)
+    if _is_depthwise(c_in, k_out, groups):
+        cfg = _config(ConvProblem("depthwise", y5.numel() // k_out, k_out, 1, taps, groups, x.dtype), arch, config)
+        launch_depthwise(_channels_last(x5), weight.reshape(k_out, taps).contiguous(), y5, bias, geom, act, cfg)
+        return y
+    cg = c_in // groups
+    if not geom_pointwise(geom):
+        x5 = _channels_last(x5)
+    w2 = _ndhwc(weight, rank).reshape(k_out, taps * cg)  # [K_out, (kd, kh, kw, c)]: a view for 1x1 weights
+    if w2.stride(-1) != 1:
+        w2 = w2.contiguous()
+    problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype)
+    launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config))
+    return y
+
+
+_ACT_NAMES = {0: None, 1: "relu", 2: "silu", 3: "gelu_tanh", 4: "gelu"}
+
+
+def _bias_plane(bias, y):
+    """The bias broadcast over ``y`` (zeros without one), in fp32."""
+    if bias is None:
+        return torch.zeros_like(y, dtype=torch.float32)
+    return bias.float().reshape(1, -1, *([1] * (y.dim() - 2))).expand(y.shape)
+
+
+def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channels_last):
+    """dL/dx of the forward (``x_size``: x's NC* shape), as the implicit GEMM transposed: the output gradient
+    gathered through the forward's taps against the weight packed as ``[C_in, (kd, kh, kw, k)]``."""
+    rank = weight.dim() - 2
+    n, c_in = x_size[:2]
+    dx = _alloc(n, c_in, x_size[2:], grad.dtype, grad.device, channels_last)
+    if grad.device.type == "meta" or dx.numel() == 0:
+        return dx
+    if grad.numel() == 0:
+        return dx.zero_()
+    k_out, kernel = weight.shape[0], tuple(weight.shape[2:])
+    geom = _geom(kernel, stride, lo, dilation)
+    taps = geom[0][0] * geom[0][1] * geom[0][2]
+    kg, cg = k_out // groups, c_in // groups
+    g5 = _ndhwc(grad, rank)
+    if not geom_pointwise(geom):
+        g5 = _channels_last(g5)
+    wd = weight.reshape(groups, kg, cg, taps).permute(0, 2, 3, 1).reshape(c_in, taps * kg)
+    if wd.stride(-1) != 1:
+        wd = wd.contiguous()
+    dx5 = _ndhwc(dx, rank)
+    arch = flydsl.arch.current(grad.device)
+    problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype)
+    launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, _config(problem, arch, None))
+    return dx
+
+
+def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups):
+    """dL/dweight (``w_size``: the weight's shape): per tap and group, the output gradient's channels against
+    the input's gathered pixels, summed over batch and positions (split runs added in a fixed order)."""
+    rank = len(w_size) - 2
+    k_out, cg = w_size[:2]
+    if grad.device.type == "meta":
+        return torch.empty(w_size, dtype=grad.dtype, device=grad.device)
+    if grad.numel() == 0 or x.numel() == 0:
+        return torch.zeros(w_size, dtype=grad.dtype, device=grad.device)
+    geom = _geom(tuple(w_size[2:]), stride, lo, dilation)
+    taps = geom[0][0] * geom[0][1] * geom[0][2]
+    g5, x5 = _channels_last(_ndhwc(grad, rank)), _channels_last(_ndhwc(x, rank))
+    positions = g5.numel() // k_out
+    arch = flydsl.arch.current(grad.device)
+    cfg = _config(ConvProblem("wgrad", positions, k_out // groups, cg, taps, groups, grad.dtype), arch, None)
+    steps = -(-positions // cfg.block_k)
+    split_steps = -(-steps // cfg.split_k)
+    splits = -(-steps // split_steps)  # every split holds positions
+    if splits == 1:
+        dw = _empty(w_size, grad.dtype, grad.device)
+        launch_wgrad(g5, x5, dw.view(1, k_out, cg, taps), geom, groups, 1, split_steps, cfg)
+        return dw
+    parts = _empty((splits, k_out, cg, taps), torch.float32, grad.device)
+    launch_wgrad(g5, x5, parts, geom, groups, splits, split_steps, cfg)
+    return parts.sum(0).to(grad.dtype).view(w_size)  # torch's reduction: a fixed order, deterministic
+
+
+# ------------------------------------------------------------------------------ custom ops and autograd
+
+# Defined through torch.library.Library (as fly-gemm does): a custom_op-decorated kernel imports
+# torch._dynamo on its first eager call, seconds of a first forward.
+_LIB = torch.library.Library("fly_conv", "DEF")
+_LIB.define(
+    "conv(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] pad_lo, int[] pad_hi, int[] dilation, "
+    "int groups, str? activation, bool channels_last) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_LIB.define(
+    "conv_input_grad(Tensor grad, Tensor weight, int[] x_size, int[] stride, int[] pad_lo, int[] dilation, "
+    "int groups, bool channels_last) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_LIB.define(
+    "conv_weight_grad(Tensor grad, Tensor x, int[] w_size, int[] stride, int[] pad_lo, int[] dilation, "
+    "int groups) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _conv_op(x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last):
+    return _conv_forward(x, weight, bias, tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
+                         activation_code(activation), channels_last)  # fmt: skip
+
+
+def _input_grad_op(grad, weight, x_size, stride, pad_lo, dilation, groups, channels_last):
+    return _conv_input_grad(grad, weight, tuple(x_size), tuple(stride), tuple(pad_lo), tuple(dilation), groups,
+                            channels_last)  # fmt: skip
+
+
+def _weight_grad_op(grad, x, w_size, stride, pad_lo, dilation, groups):
+    return _conv_weight_grad(grad, x, tuple(w_size), tuple(stride), tuple(pad_lo), tuple(dilation), groups)
+
+
+_LIB.impl("conv", _conv_op, "CompositeExplicitAutograd")
+_LIB.impl("conv_input_grad", _input_grad_op, "CompositeExplicitAutograd")
+_LIB.impl("conv_weight_grad", _weight_grad_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fly_conv::conv", lib=_LIB)
+def _(x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last):
+    size = _out_size(x.shape[2:], tuple(weight.shape[2:]), stride, pad_lo, pad_hi, dilation)
+    return _alloc(x.shape[0], weight.shape[0], size, x.dtype, x.device, channels_last)
+
+
+@torch.library.register_fake("fly_conv::conv_input_grad", lib=_LIB)
+def _(grad, weight, x_size, stride, pad_lo, dilation, groups, channels_last):
+    return _alloc(x_size[0], x_size[1], x_size[2:], grad.dtype, grad.device, channels_last)
+
+
+@torch.library.register_fake("fly_conv::conv_weight_grad", lib=_LIB)
+def _(grad, x, w_size, stride, pad_lo, dilation, groups):
+    return grad.new_empty(w_size)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, _cl = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.geom = (list(stride), list(pad_lo), list(pad_hi), list(dilation), groups)
+    ctx.activation = activation
+    ctx.x_channels_last = _channels_last_memory(x)
+    ctx.eager = False  # through the op (traced): the backward goes through the ops too
+
+
+def _backward(ctx, grad):
+    """dx (transposed implicit GEMM), dweight (deterministic reduction), dbias (fp32 sum). With an activation
+    (only a direct ``torch.ops.fly_conv.conv`` call with one: ``conv`` applies it in torch under autograd),
+    the output gradient times the activation's derivative at the pre-activation, recomputed."""
+    x, weight, bias = ctx.saved_tensors
+    stride, lo, hi, dilation, groups = ctx.geom
+    if ctx.eager:
+        fwd, dgrad, wgrad = _conv_op, _input_grad_op, _weight_grad_op
+    else:
+        fwd, dgrad = torch.ops.fly_conv.conv, torch.ops.fly_conv.conv_input_grad
+        wgrad = torch.ops.fly_conv.conv_weight_grad
+    g = grad
+    if ctx.activation is not None:
+        z = fwd(x, weight, bias, stride, lo, hi, dilation, groups, None, _channels_last_memory(grad))
+        with torch.enable_grad():
+            z = z.float().requires_grad_(True)
+            (g,) = torch.autograd.grad(torch_activation(z, ctx.activation), z, grad.float())
+        g = g.to(x.dtype)
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = dgrad(g, weight, list(x.shape), stride, lo, dilation, groups, ctx.x_channels_last)
+    if ctx.needs_input_grad[1]:
+        dw = wgrad(g, x, list(weight.shape), stride, lo, dilation, groups)
+    if bias is not None and ctx.needs_input_grad[2]:
+        dims = [0, *range(2, g.dim())]
+        db = g.sum(dims, dtype=torch.float32).to(bias.dtype)
+    return dx, dw, db, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fly_conv::conv", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+class _EagerConv(torch.autograd.Function):
+    """The op's autograd outside tracing, without the dispatcher (its generated autograd rebuilds the
+    arguments on every call)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last):
+        y = _conv_op(x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last)
+        _setup_context(ctx, (x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last), y)
+        ctx.eager = True
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
+
+
+def _grad_needed(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ------------------------------------------------------------------------------ public functions
+
+
+def conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    padding_mode: str = "zeros",
+    activation: str | None = None,
+    input_layout: str | None = None,
+    output_layout: str | None = None,
+    *,
+    config: ConvConfig | None = None,
+) -> torch.Tensor:
+    """``act(conv(x, weight) + bias)``, 1D / 2D / 3D (the rank is ``weight.dim() - 2``), fp32 accumulation.
+
+    Args:
+        x: ``[N, C_in, *spatial]`` (or ``[C_in, *spatial]`` unbatched), fp16 / bf16 / fp32, any strides;
+            channels-last memory (``torch.channels_last`` / ``channels_last_3d``, or an N*C tensor) is the
+            kernels' native layout, NC* memory is copied to it first (1x1 stride-1 layers read it in place).
+            With ``input_layout`` channels-last (``"NWC"``, ``"NHWC"``, ``"NDHWC"``) x's dims are
+            ``[N, *spatial, C_in]`` instead.
+        weight: ``[K_out, C_in / groups, *kernel]``, x's dtype.
+        bias: optional ``[K_out]``, any float dtype, added in fp32.
+        stride, dilation: an int or one a spatial dim, >= 1. padding: an int or one a dim (>= 0), ``"valid"``
+            or ``"same"`` (stride 1; an odd total pads the extra element after, as torch).
+        groups: divides C_in and K_out. ``groups == C_in`` (depthwise, K_out a multiple of C_in) runs a
+            direct kernel; other counts run the implicit GEMM with the group as a grid axis.
+        padding_mode: ``"zeros"`` (in the kernel's masks), ``"reflect"``, ``"replicate"`` or ``"circular"``
+            (padded on the host with ``torch.nn.functional.pad`` first, then convolved without padding).
+        activation: None, ``"relu"``, ``"silu"``, ``"gelu"`` (erf form) or ``"gelu_tanh"``, in fp32 after the
+            bias, before the downcast (under autograd: in torch after the kernel, so its backward keeps the
+            pre-activation).
+        input_layout: None (x is NC*) or the rank's NC* / N*C name.
+        output_layout: None: the input's layout, and for NC* the input's memory format (channels-last memory
+            in, channels-last memory out); or the rank's NC* name (contiguous NC*) or N*C name (dims
+            ``[N, *spatial, K_out]``, contiguous).
+        config: a :class:`~fly_conv.autotune.ConvConfig` for the forward kernel (default: chosen for the
+            shape); not taken under autograd or torch.compile.
+
+    Returns:
+        the output in x's dtype, ``[N, K_out, *out_spatial]`` (NC* layouts) or ``[N, *out_spatial, K_out]``;
+        unbatched for an unbatched x.
+
+    Raises:
+        flydsl.errors.ArgumentError / ShapeError / DTypeError / DeviceError naming the argument, before
+        anything launches: a weight of the wrong rank or channels, channels not divisible by groups, an
+        output size <= 0, mixed dtypes or devices.
+
+    Example::
+
+        y = conv(x, w, b, padding=1, activation="relu")   # x [8, 64, 56, 56] channels-last bf16, w [64, 64, 3, 3]
+    """
+    rank = _rank(weight)
+    check_tensor("x", x)
+    in_layout = _layout("input_layout", input_layout, rank)
+    out_layout = _layout("output_layout", output_layout, rank)
+    if x.dim() not in (rank + 1, rank + 2):
+        raise ShapeError(f"x: expected [N, C_in, *spatial] or [C_in, *spatial] with {rank} spatial dims (the "
+                         f"weight's kernel dims), got {describe(x)}")  # fmt: skip
+    batched = x.dim() == rank + 2
+    x_nc = x if batched else x.unsqueeze(0)
+    channels_last_in = in_layout == _CL_LAYOUTS[rank]
+    if channels_last_in:
+        x_nc = x_nc.movedim(-1, 1)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise ArgumentError(f"bias: expected None or a torch.Tensor [K_out], got {type(bias).__name__}")
+    _check_problem(x_nc, weight, bias, groups)
+    act = activation_code(activation)
+    kernel = tuple(weight.shape[2:])
+    stride = _per_dim("stride", stride, rank, 1)
+    dilation = _per_dim("dilation", dilation, rank, 1)
+    lo, hi = _padding(padding, rank, kernel, stride, dilation)
+    if padding_mode not in PADDING_MODES:
+        raise ArgumentError(f"padding_mode: expected one of {list(PADDING_MODES)}, got {padding_mode!r}")
+    out_size = _out_size(x_nc.shape[2:], kernel, stride, lo, hi, dilation)
+    if any(o <= 0 for o in out_size):
+        raise ShapeError(f"x: spatial size {tuple(x_nc.shape[2:])} with padding {lo}/{hi}, kernel {kernel} and "
+                         f"dilation {dilation} gives output size {out_size}; each must be >= 1")  # fmt: skip
+    if out_layout is None:
+        out_layout = in_layout
+    if out_layout is None:
+        channels_last = _channels_last_memory(x_nc)
+    else:
+        channels_last = out_layout == _CL_LAYOUTS[rank]
+    if padding_mode != "zeros" and any(lo + hi):
+        x_nc = _pad_host(x_nc, lo, hi, padding_mode)
+        lo = hi = (0,) * rank
+
+    compiling = torch.compiler.is_compiling()
+    if compiling or _grad_needed(x, weight, bias):
+        if config is not None:
+            raise ArgumentError("config: not taken under torch.compile or autograd (the ops choose their configs)")
+        args = (x_nc, weight, bias, list(stride), list(lo), list(hi), list(dilation), groups, None, channels_last)
+        y = torch.ops.fly_conv.conv(*args) if compiling else _EagerConv.apply(*args)
+        if activation is not None:
+            y = torch_activation(y, activation)
+    else:
+        y = _conv_forward(x_nc, weight, bias, stride, lo, hi, dilation, groups, act, channels_last, config)
+    if out_layout == _CL_LAYOUTS[rank]:
+        y = y.movedim(1, -1)
+    return y if batched else y.squeeze(0)
+
+
+def _pad_host(x, lo, hi, mode: str) -> torch.Tensor:
+    """x padded by torch (reflect / replicate / circular), checked against each mode's limit first."""
+    for i, (a, b) in enumerate(zip(lo, hi, strict=True)):
+        size = x.shape[2 + i]
+        limit = size - 1 if mode == "reflect" else size if mode == "circular" else None
+        if limit is not None and max(a, b) > limit:
+            raise ArgumentError(f"padding: {mode} padding of spatial dim {i} must be at most {limit} (its size is "
+                                f"{size}), got {max(a, b)}")  # fmt: skip
+        if mode == "replicate" and size == 0:
+            raise ArgumentError(f"padding: replicate padding needs a non-empty spatial dim {i}")
+    pads = [p for a, b in zip(reversed(lo), reversed(hi), strict=True) for p in (a, b)]
+    return F.pad(x, pads, mode=mode)
+
+
+def _check_rank(fn: str, weight, rank: int) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != rank + 2:
+        got = describe(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ShapeError(f"weight: {fn} expects a {rank + 2}-D weight [K_out, C_in / groups, {rank} kernel "
+                         f"dims], got {got}")  # fmt: skip
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
+           activation=None):  # fmt: skip
+    """:func:`torch.nn.functional.conv1d`'s signature on :func:`conv` (``input`` ``[N, C_in, W]`` or
+    unbatched ``[C_in, W]``; weight ``[K_out, C_in / groups, kW]``), plus ``padding_mode`` and a fused
+    ``activation``."""
+    _check_rank("conv1d", weight, 1)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
+           activation=None):  # fmt: skip
+    """:func:`torch.nn.functional.conv2d`'s signature on :func:`conv` (``input`` ``[N, C_in, H, W]`` or
+    unbatched; weight ``[K_out, C_in / groups, kH, kW]``), plus ``padding_mode`` and a fused ``activation``."""
+    _check_rank("conv2d", weight, 2)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
+           activation=None):  # fmt: skip
+    """:func:`torch.nn.functional.conv3d`'s signature on :func:`conv` (``input`` ``[N, C_in, D, H, W]`` or
+    unbatched; weight ``[K_out, C_in / groups, kD, kH, kW]``), plus ``padding_mode`` and a fused
+    ``activation``."""
+    _check_rank("conv3d", weight, 3)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)

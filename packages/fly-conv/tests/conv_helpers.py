@@ -1,0 +1,18 @@
+"""Shared pieces of fly-conv's tests: seeded inputs and weights."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rand(*shape, dtype, device, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def weight(k_out, cg, kernel, *, dtype, device, seed=1):
+    """A weight scaled by 1 / sqrt(fan-in): outputs of unit scale, as a trained layer's."""
+    fan_in = cg
+    for k in kernel:
+        fan_in *= k
+    return rand(k_out, cg, *kernel, dtype=dtype, device=device, seed=seed, scale=max(fan_in, 1) ** -0.5)
