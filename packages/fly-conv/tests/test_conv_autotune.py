@@ -1,0 +1,51 @@
+"""ConvConfig's default and validity predicate (pure: CPU-tested for the interpreter and sm_90)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fly_conv.autotune import KINDS, ConvConfig, ConvProblem, config_valid, default_config, smem_bytes
+from flydsl.arch import INTERPRETER, SM90
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (m, n, cg, taps, groups): ResNet / UNet 3x3, 1x1, grouped 4-64 channels a group, depthwise, tiny, 3D, 1D
+SHAPES = [(8 * 56 * 56, 64, 64, 9, 1), (64 * 7 * 7, 512, 512, 9, 1), (8 * 56 * 56, 256, 64, 1, 1),
+          (8 * 28 * 28, 8, 8, 9, 32), (8 * 28 * 28, 64, 64, 9, 4), (1, 1, 1, 1, 1), (2 * 8 * 28 * 28, 64, 64, 27, 1),
+          (8 * 1000, 256, 256, 7, 1), (16 * 112 * 112, 96, 1, 9, 96)]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", [INTERPRETER, SM90], ids=["interpreter", "sm_90"])
+def test_defaults_are_valid(arch):
+    for kind, dtype, (m, n, cg, taps, groups) in itertools.product(KINDS, DTYPES, SHAPES):
+        problem = ConvProblem(kind, m, n, cg, taps, groups, dtype)
+        cfg = default_config(problem, arch)
+        assert config_valid(cfg, problem, arch), (problem, cfg)
+        assert default_config(problem, arch) == cfg  # pure
+
+
+def test_default_tiles_follow_the_layer():
+    big = default_config(ConvProblem("implicit", 64 * 56 * 56, 256, 256, 9, 1, torch.bfloat16), SM90)
+    assert (big.block_m, big.block_n, big.block_k) == (128, 128, 64)
+    grouped = default_config(ConvProblem("implicit", 8 * 28 * 28, 8, 8, 9, 32, torch.bfloat16), SM90)
+    assert grouped.block_n == 16 and grouped.block_k == 16  # 8 channels a group: the dot's minimum, not 128
+    small = default_config(ConvProblem("implicit", 2 * 7 * 7, 64, 64, 9, 1, torch.bfloat16), SM90)
+    assert small.block_m == 64  # under a wave: smaller row tiles
+
+
+def test_validity_predicate_refuses():
+    p = ConvProblem("implicit", 1024, 64, 64, 9, 1, torch.bfloat16)
+    assert config_valid(ConvConfig(64, 64, 32), p, SM90)
+    assert not config_valid(ConvConfig(64, 64, 8), p, SM90)  # under the dot's 16
+    assert not config_valid(ConvConfig(48, 64, 32), p, SM90)  # not a power of two
+    assert not config_valid(ConvConfig(64, 64, 32, num_warps=3), p, SM90)
+    assert not config_valid(ConvConfig(64, 64, 32, split_k=2), p, SM90)  # split-K is the weight gradient's
+    assert not config_valid(ConvConfig(256, 256, 256, num_stages=4), p, SM90)  # shared memory
+    assert smem_bytes(ConvConfig(128, 128, 64, num_stages=4), p) == 4 * 256 * 64 * 2
+    dw = ConvProblem("depthwise", 1024, 64, 1, 9, 64, torch.bfloat16)
+    assert config_valid(ConvConfig(64, 8, 1), dw, SM90)  # no dot: no minimum
+    assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
+    with pytest.raises(ValueError, match="kind"):
+        default_config(ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)

@@ -1,0 +1,207 @@
+"""conv backward (input, weight and bias gradients) against fp64 autograd through torch's convolutions; the
+custom ops (opcheck, torch.compile fullgraph, eager and traced backward); the FlyConv modules; the weight
+gradient's split reduction and its determinism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conv_helpers import rand, weight
+from torch import nn
+
+from fly_conv import FlyConv1d, FlyConv2d, FlyConv3d, conv
+from fly_conv.autotune import ConvProblem, wgrad_splits
+from flydsl.arch import SM90
+from flydsl.testing import assert_rel_close, tolerance
+from flydsl_common.reference import activation_ref
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+conv_mod = importlib.import_module("fly_conv.conv")
+
+# (rank, N, C_in, K_out, spatial, kernel, stride, padding, dilation, groups, padding_mode)
+CASES = [
+    (2, 2, 5, 6, (7, 6), 3, 1, 1, 1, 1, "zeros"),  # the plain 3x3
+    (2, 2, 6, 8, (9, 8), 3, 2, 1, 1, 2, "zeros"),  # stride 2 (dgrad's stride-aware gather), groups 2
+    (2, 1, 4, 4, (9, 10), 5, 3, 2, 2, 1, "zeros"),  # stride 3, dilation 2, kernel 5
+    (2, 2, 8, 5, (5, 5), 1, 1, 0, 1, 1, "zeros"),  # pointwise
+    (2, 2, 6, 6, (7, 7), 3, 1, 1, 1, 6, "zeros"),  # depthwise (its backward runs the grouped implicit GEMM)
+    (2, 1, 4, 6, (6, 7), 3, 1, 1, 1, 1, "reflect"),  # padding mode: torch's pad is differentiated by torch
+    (1, 2, 17, 9, (23,), 7, 2, 3, 1, 1, "zeros"),  # 1D, 17 channels
+    (3, 1, 3, 4, (3, 5, 4), 3, 1, 1, 1, 1, "zeros"),  # 3D
+]
+# gradients through 16-bit kernels: dy and the products are rounded to fp16 (2^-11 a value)
+GRAD_TOL = {F16: 2e-3, BF16: 2e-2, F32: 1e-5}
+
+
+def _grads(case, dtype, device, activation=None, channels_last=False, fn=conv):
+    rank, n, c, k, spatial, ks, stride, padding, dilation, groups, mode = case
+    x = rand(n, c, *spatial, dtype=dtype, device=device)
+    if channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    w = weight(k, c // groups, (ks,) * rank, dtype=dtype, device=device)
+    b = rand(k, dtype=dtype, device=device, seed=2)
+    kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, padding_mode=mode,
+              activation=activation)  # fmt: skip
+    leaves = [t.detach().requires_grad_(True) for t in (x, w, b)]
+    y = fn(*leaves, **kw)
+    dy = rand(*y.shape, dtype=dtype, device=device, seed=3)
+    y.backward(dy)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    y_ref = _ref(*ref_leaves, **kw)
+    y_ref.backward(dy.double())
+    return y, y_ref, leaves, ref_leaves
+
+
+def _check(y, y_ref, leaves, ref_leaves, dtype):
+    assert_rel_close(y, y_ref, tol=tolerance(dtype))
+    for name, t, r in zip(("dx", "dweight", "dbias"), leaves, ref_leaves, strict=True):
+        assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
+        assert_rel_close(t.grad, r.grad, tol=GRAD_TOL[dtype], name=name)
+
+
+def _ref(x, w, b, stride, padding, dilation, groups, padding_mode, activation):
+    """The differentiable fp64 reference: torch's functional convolution (and F.pad for the padding modes)."""
+    rank = w.dim() - 2
+    if padding_mode != "zeros":
+        p = (padding,) * rank if isinstance(padding, int) else padding
+        x = F.pad(x, [v for q in reversed(p) for v in (q, q)], mode=padding_mode)
+        padding = 0
+    fn = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
+    return activation_ref(fn(x, w, b, stride, padding, dilation, groups), activation)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-c{c[2]}-ks{c[5]}-s{c[6]}-d{c[8]}-g{c[9]}-{c[10]}")
+def test_gradients(case, device, poisoned):
+    _check(*_grads(case, F16, device), F16)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_gradients_with_activation(activation, device, poisoned):
+    _check(*_grads(CASES[1], F16, device, activation=activation), F16)
+
+
+def test_gradients_fp32_and_bf16(device, poisoned):
+    _check(*_grads(CASES[1], F32, device), F32)
+    _check(*_grads(CASES[0], BF16, device), BF16)
+
+
+def test_gradients_channels_last(device, poisoned):
+    y, y_ref, leaves, ref_leaves = _grads(CASES[1], F16, device, channels_last=True)
+    _check(y, y_ref, leaves, ref_leaves, F16)
+    assert leaves[0].grad.movedim(1, -1).is_contiguous()  # dx in x's memory format
+
+
+def test_weight_gradient_split_and_deterministic(device, poisoned, monkeypatch):
+    """The weight gradient with its positions split (partials summed in order) matches, bit for bit across runs."""
+    default = conv_mod.default_config
+
+    def split_default(problem, arch):
+        cfg = default(problem, arch)
+        return dataclasses.replace(cfg, split_k=3) if problem.kind == "wgrad" else cfg
+
+    monkeypatch.setattr(conv_mod, "default_config", split_default)
+    case = (2, 2, 4, 5, (11, 9), 3, 1, 1, 1, 1, "zeros")  # 198 positions: 7 steps of 32, splits of 3, 3 and 1
+    y, y_ref, leaves, ref_leaves = _grads(case, F16, device)
+    _check(y, y_ref, leaves, ref_leaves, F16)
+    first = leaves[1].grad.clone()
+    _, _, leaves2, _ = _grads(case, F16, device)
+    assert torch.equal(first, leaves2[1].grad)
+
+
+def test_wgrad_splits_fill_the_sms():
+    few = ConvProblem("wgrad", 8 * 56 * 56, 64, 64, 9, 1, BF16)  # 9 tiles of 64 x 64: split to fill 132 SMs
+    cfg = conv_mod.default_config(few, SM90)
+    assert cfg.split_k > 1 and 9 * cfg.split_k >= 132
+    assert wgrad_splits(cfg, ConvProblem("wgrad", 64, 64, 64, 9, 1, BF16), SM90) == 1  # too few positions
+
+
+# ------------------------------------------------------------------------------ custom ops and tracing
+
+
+def test_opcheck(device):
+    x = rand(2, 4, 6, 5, dtype=F16, device=device)
+    w = weight(6, 2, (3, 3), dtype=F16, device=device)
+    b = rand(6, dtype=F16, device=device)
+    torch.library.opcheck(torch.ops.fly_conv.conv.default, (x, w, b, [2, 1], [1, 1], [1, 1], [1, 1], 2, "relu", False))
+    torch.library.opcheck(torch.ops.fly_conv.conv.default, (x, w, None, [1, 1], [1, 0], [1, 2], [1, 1], 2, None, True))
+
+
+def test_torch_compile_fullgraph_forward_and_backward(device):
+    backend = "aot_eager" if device.type == "cpu" else "inductor"
+    x = rand(2, 4, 7, 6, dtype=F16, device=device).requires_grad_(True)
+    w = weight(6, 4, (3, 3), dtype=F16, device=device).requires_grad_(True)
+    b = rand(6, dtype=F16, device=device).requires_grad_(True)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def f(x, w, b):
+        return conv(x, w, b, stride=2, padding=1, activation="silu")
+
+    y = f(x, w, b)
+    dy = rand(*y.shape, dtype=F16, device=device, seed=5)
+    y.backward(dy)
+    refs = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    y_ref = _ref(*refs, 2, 1, 1, 1, "zeros", "silu")
+    y_ref.backward(dy.double())
+    assert_rel_close(y, y_ref, tol=tolerance(F16))
+    for t, r in zip((x, w, b), refs, strict=True):
+        assert_rel_close(t.grad, r.grad, tol=GRAD_TOL[F16])
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+@pytest.mark.parametrize(
+    "cls,torch_cls,rank,kw",
+    [(FlyConv1d, nn.Conv1d, 1, dict(padding=3, padding_mode="circular")),
+     (FlyConv2d, nn.Conv2d, 2, dict(stride=2, padding=1, groups=2)),
+     (FlyConv2d, nn.Conv2d, 2, dict(padding="same", padding_mode="replicate", bias=False)),
+     (FlyConv3d, nn.Conv3d, 3, dict(padding=1))],
+    ids=["1d-circular", "2d-grouped", "2d-same-replicate", "3d"],
+)  # fmt: skip
+def test_modules_match_torch(cls, torch_cls, rank, kw, device):
+    torch.manual_seed(0)
+    ks = 7 if rank == 1 else 3
+    ours = cls(4, 6, ks, device=device, dtype=F16, **kw)
+    ref = torch_cls(4, 6, ks, device=device, dtype=torch.float64, **kw)
+    assert isinstance(ours, torch_cls)
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    x = rand(2, 4, *([9] * rank if rank < 3 else [4, 5, 6]), dtype=F16, device=device)
+    xo, xr = x.clone().requires_grad_(True), x.double().requires_grad_(True)
+    y, y_ref = ours(xo), ref(xr)
+    assert_rel_close(y, y_ref, tol=tolerance(F16))
+    dy = rand(*y.shape, dtype=F16, device=device, seed=4)
+    y.backward(dy)
+    y_ref.backward(dy.double())
+    assert_rel_close(xo.grad, xr.grad, tol=GRAD_TOL[F16], name="dx")
+    assert_rel_close(ours.weight.grad, ref.weight.grad, tol=GRAD_TOL[F16], name="dweight")
+
+
+def test_module_activation(device):
+    layer = FlyConv2d(3, 5, 3, padding=1, activation="relu", device=device, dtype=F16)
+    x = rand(1, 3, 6, 6, dtype=F16, device=device)
+    with torch.no_grad():
+        y = layer(x)
+    y_ref = _ref(x.double(), layer.weight.double(), layer.bias.double(), 1, 1, 1, 1, "zeros", "relu")
+    assert_rel_close(y, y_ref, tol=tolerance(F16))
+    assert "activation='relu'" in repr(layer)
+    with pytest.raises(ValueError, match="activation"):
+        FlyConv2d(3, 5, 3, activation="tanh")
+
+
+# ------------------------------------------------------------------------------ GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [(2, 8, 64, 64, (56, 56), 3, 1, 1, 1, 1, "zeros"), (2, 8, 128, 128, (28, 28), 3, 2, 1, 1, 1, "zeros"),
+     (2, 8, 256, 64, (28, 28), 1, 1, 0, 1, 1, "zeros"), (2, 8, 256, 256, (14, 14), 3, 1, 1, 1, 32, "zeros"),
+     (3, 2, 32, 32, (8, 16, 16), 3, 1, 1, 1, 1, "zeros"), (1, 8, 128, 128, (1000,), 7, 1, 3, 1, 1, "zeros")],
+)  # fmt: skip
+def test_gradients_gpu(case, device, poisoned):
+    _check(*_grads(case, BF16, device, channels_last=True), BF16)
