@@ -34,6 +34,11 @@ from flydsl.testing import assert_rel_close, tolerance
 FP8 = torch.float8_e4m3fn
 LN2 = math.log(2.0)
 GPU_TOL = 2.0**-4  # see the module docstring
+# The lse carries no P rounding, only the scores': sm_90's fp8 tensor cores accumulate a dot with about 14
+# mantissa bits, not fp32's 24 (measured on Hopper by others; the interpreter's dots are exact fp32). Over
+# head_dim products that leaves relative errors up to ~2^-13 in a score, hence in the lse (measured here: 1.1e-5
+# at d 256, causal, 1000 x 1000).
+LSE_TOL = 2.0**-13
 
 
 def int_qkv(b, sq, sk, hq, hkv, d, dv=None, *, device="cpu", seed=0):
@@ -65,8 +70,8 @@ def check_fp8(q, k, v, descales=(None, None, None), tol=None, out_dtype=None, **
     ref_lse = ref_lse.to(lse.device)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: rows at -inf differ"
     fin = torch.isfinite(ref_lse)
-    if fin.any():  # the lse holds no P rounding: fp32 closeness
-        assert_rel_close(lse[fin], ref_lse[fin], tol=1e-5, name="lse")
+    if fin.any():  # the lse holds no P rounding, only the scores' accumulation
+        assert_rel_close(lse[fin], ref_lse[fin], tol=LSE_TOL if q.is_cuda else 1e-5, name="lse")
     return out, lse
 
 
