@@ -49,3 +49,42 @@ def test_validity_predicate_refuses():
     assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
     with pytest.raises(ValueError, match="kind"):
         default_config(ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
+
+
+# ------------------------------------------------------------------------------ the kernels compile for the H200
+
+
+def _compile_sm90() -> list[str]:
+    """Lines of conv_compile_sm90.py, run in a process of its own (the interpreter is chosen once a process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("conv_compile_sm90.py")
+    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 and not lines:
+        first = (res.stderr.strip().splitlines() or ["?"])[-1]
+        if "ptxas" in res.stderr or "CUDA" in first:  # no toolchain on this machine: nothing to learn here
+            pytest.skip(f"cannot compile for sm_90 here: {first}")
+        raise AssertionError(res.stderr[-2000:])
+    return lines
+
+
+@pytest.fixture(scope="module")
+def sm90_lines():
+    return _compile_sm90()
+
+
+def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
+    """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
+    assert len(sm90_lines) == 7 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert all(line.endswith("WGMMA:1") for line in sm90_lines if " depthwise " not in line), "\n".join(sm90_lines)
+
+
+@pytest.mark.xfail(strict=True, reason="known: the forward / dgrad / depthwise defaults spill (REG:255, STACK "
+                   "32-4576 bytes) and the K loop is not multi-buffered (shared = one stage); open in PERF.md")
+def test_kernels_do_not_spill_on_sm90(sm90_lines):
+    assert all(" STACK:0 " in line for line in sm90_lines), "\n".join(sm90_lines)
