@@ -865,3 +865,24 @@ def test_profiled_benches_are_marked_in_the_results(fake_timer, tmp_path):
     merged = Results.load(path)
     assert {b.name: b.profiled for b in merged.benches} == {"toy": True, "second": False}
     assert path.with_suffix(".md").read_text().count("Timed under cProfile") == 1
+
+
+def test_log_uniform_stays_in_bounds_and_spreads_over_octaves():
+    from flydsl_common.bench import log_uniform
+
+    rng = random.Random(3)
+    draws = [log_uniform(rng, 16, 65536) for _ in range(4000)]
+    assert min(draws) >= 16 and max(draws) <= 65536
+    below_1k = sum(d < 1024 for d in draws) / len(draws)  # 6 of the 12 octaves
+    assert 0.4 < below_1k < 0.6
+
+
+def test_distinct_cases_keeps_draw_order_and_names_a_dry_generator():
+    from flydsl_common.bench import distinct_cases
+
+    rng = random.Random(5)
+    cases = distinct_cases(6, lambda: Case(f"c{rng.randrange(8)}", {}), "toy")
+    names = [c.name for c in cases]
+    assert len(set(names)) == 6
+    with pytest.raises(ValueError, match="toy: cannot draw 3 distinct"):
+        distinct_cases(3, lambda: Case("same", {}), "toy")

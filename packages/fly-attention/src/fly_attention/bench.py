@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from flydsl.testing import default_device
-from flydsl_common.bench import Bench, Case, Provider, Skip, main_for, results_dir
+from flydsl_common.bench import Bench, Case, Provider, Skip, distinct_cases, log_uniform, main_for, results_dir
 
 from .attention import flash_attn, flash_attn_varlen
 from .reference import flash_attn_ref, flash_attn_varlen_ref
@@ -131,12 +131,9 @@ GPU_SWEEP = SweepRange()
 CPU_SWEEP = SweepRange(seq_min=1, seq_max=64, tokens=64, heads=(2, 4))
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
 
 def _seqlen(rng: random.Random, r: SweepRange) -> int:
-    s = _log_uniform(rng, r.seq_min, r.seq_max)
+    s = log_uniform(rng, r.seq_min, r.seq_max)
     if rng.random() < 0.5:
         s |= 1  # odd: a ragged last tile
     return min(s, r.seq_max)
@@ -144,13 +141,8 @@ def _seqlen(rng: random.Random, r: SweepRange) -> int:
 
 def sweep_shapes(rng: random.Random, count: int, r: SweepRange = GPU_SWEEP) -> list[Case]:
     """``count`` distinct cases drawn from ``rng`` alone (see the module docstring)."""
-    cases: list[Case] = []
-    seen: set[str] = set()
-    tries = 0
-    while len(cases) < count:
-        tries += 1
-        if tries > 100 * count + 100:
-            raise ValueError(f"sweep_shapes: cannot draw {count} distinct shapes from {r}")
+
+    def draw() -> Case:
         d = rng.choice(SWEEP_HEAD_DIMS)
         hq = rng.choice(r.heads)
         ratio = rng.choice(_GQA)
@@ -158,13 +150,9 @@ def sweep_shapes(rng: random.Random, count: int, r: SweepRange = GPU_SWEEP) -> l
         causal = rng.random() < 0.5
         sq = _seqlen(rng, r)
         sk = sq if causal or rng.random() < 0.5 else _seqlen(rng, r)
-        b = max(1, r.tokens // max(sq, sk))
-        case = _case(b, sq, sk, hq, hkv, d, causal)
-        if case.name in seen:
-            continue
-        seen.add(case.name)
-        cases.append(case)
-    return cases
+        return _case(max(1, r.tokens // max(sq, sk)), sq, sk, hq, hkv, d, causal)
+
+    return distinct_cases(count, draw, f"sweep_shapes from {r}")
 
 
 def _sweep(r: SweepRange):
@@ -541,13 +529,8 @@ def varlen_flops(case: Case) -> int:
 def varlen_sweep_shapes(rng: random.Random, count: int, r: SweepRange = GPU_SWEEP) -> list[Case]:
     """``count`` distinct packs drawn from ``rng`` alone (see the module docstring): half equal lengths (one
     drawn seqlen, as many sequences as the token budget holds), half mixed around a log-uniform mean."""
-    cases: list[Case] = []
-    seen: set[str] = set()
-    tries = 0
-    while len(cases) < count:
-        tries += 1
-        if tries > 100 * count + 100:
-            raise ValueError(f"varlen_sweep_shapes: cannot draw {count} distinct packs from {r}")
+
+    def draw() -> Case:
         d = rng.choice(SWEEP_HEAD_DIMS)
         hq = rng.choice(r.heads)
         ratio = rng.choice(_GQA)
@@ -557,14 +540,12 @@ def varlen_sweep_shapes(rng: random.Random, count: int, r: SweepRange = GPU_SWEE
             s = _seqlen(rng, r)
             case = _varlen_case((s,) * max(1, r.tokens // s), hq, hkv, d, causal)
         else:
-            mean = _log_uniform(rng, max(2, r.seq_min), max(2, min(r.seq_max, r.tokens) // 2))
+            mean = log_uniform(rng, max(2, r.seq_min), max(2, min(r.seq_max, r.tokens) // 2))
             lens = mixed_lengths(rng, max(3, r.tokens), mean, extremes=rng.random() < 0.5)
             case = _varlen_case(lens, hq, hkv, d, causal, mean)
-        if case.name in seen:
-            continue
-        seen.add(case.name)
-        cases.append(case)
-    return cases
+        return case
+
+    return distinct_cases(count, draw, f"varlen_sweep_shapes from {r}")
 
 
 def _setup_varlen(case: Case, device):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, distinct_cases, log_uniform
 
 from .decode import paged_attention_decode
 from .rope_cache import fused_rope_cache
@@ -77,15 +77,11 @@ def decode_bytes(case: Case, kv_itemsize: int = 2) -> int:
     return 2 * p["B"] * p["S"] * p["Hkv"] * p["D"] * kv_itemsize + 2 * p["B"] * p["Hq"] * p["D"] * 2
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
 
 def decode_sweep(rng: random.Random, count: int, r: DecodeRange = GPU_RANGE) -> list[Case]:
-    cases, seen = [], set()
-    while len(cases) < count:
-        b = _log_uniform(rng, 1, r.batch_max)
-        s = _log_uniform(rng, r.kv_min, r.kv_max)
+    def draw() -> Case:
+        b = log_uniform(rng, 1, r.batch_max)
+        s = log_uniform(rng, r.kv_min, r.kv_max)
         if rng.random() < 0.5:
             s |= 1
         if b * s > r.tokens:
@@ -93,10 +89,9 @@ def decode_sweep(rng: random.Random, count: int, r: DecodeRange = GPU_RANGE) -> 
         hq = rng.choice(r.heads_q)
         hkv = hq // rng.choice((1, 4, 8))
         case = _decode_case(b, s, hq, max(hkv, 1), rng.choice((64, 128)), rng.choice((16, 32, 64, 128)))
-        if case.name not in seen:
-            seen.add(case.name)
-            cases.append(case)
-    return cases
+        return case
+
+    return distinct_cases(count, draw, f"decode_sweep from {r}")
 
 
 # ------------------------------------------------------------------------------ decode inputs
@@ -261,19 +256,17 @@ def rope_bytes(case: Case) -> int:
 
 
 def rope_sweep(rng: random.Random, count: int, r: DecodeRange = GPU_RANGE) -> list[Case]:
-    cases, seen = [], set()
-    while len(cases) < count:
-        t = _log_uniform(rng, 1, r.rope_tokens_max)
+    def draw() -> Case:
+        t = log_uniform(rng, 1, r.rope_tokens_max)
         if rng.random() < 0.5:
             t |= 1
         hq = rng.choice(r.heads_q)
         hkv = max(1, hq // rng.choice((1, 4, 8)))
         d = rng.choice((64, 128))
         case = _rope_case(t, hq, hkv, d, rng.choice((d, d // 2)), rng.random() < 0.7, rng.choice((16, 32)))
-        if case.name not in seen:
-            seen.add(case.name)
-            cases.append(case)
-    return cases
+        return case
+
+    return distinct_cases(count, draw, f"rope_sweep from {r}")
 
 
 def _cos_sin(max_pos, rot, device):

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from flydsl.testing import default_device
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, main_for, results_dir
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, log_uniform, main_for, results_dir
 
 from .conv import conv
 from .reference import conv_ref
@@ -143,12 +143,9 @@ GPU_SWEEP = SweepRange()
 CPU_SWEEP = SweepRange(n_max=2, c_min=3, c_max=24, s_min=3, s_max=9, max_flops=float("inf"))
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
 
 def _channels(rng: random.Random, r: SweepRange, align: int = 8) -> int:
-    c = _log_uniform(rng, r.c_min, r.c_max)
+    c = log_uniform(rng, r.c_min, r.c_max)
     return c if rng.random() < 0.25 else max(align, c // align * align)  # a quarter odd-ish, the rest aligned
 
 
@@ -157,7 +154,7 @@ def _draw_layer(rng: random.Random, r: SweepRange, kind: str) -> Case:
     ks = 1 if kind == "1x1" else rng.choice((3, 3, 5, 7)) if rank != 1 else rng.choice((3, 5, 7, 11))
     stride = 1 if kind == "1x1" else rng.choice((1, 1, 2))
     n = rng.randint(1, r.n_max)
-    side = _log_uniform(rng, r.s_min, r.s_max) | (rng.random() < 0.5)
+    side = log_uniform(rng, r.s_min, r.s_max) | (rng.random() < 0.5)
     if rank == 1:
         spatial = (side * rng.randint(4, 32),)
     elif rank == 2:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flydsl.testing import default_device
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, main_for, results_dir
+from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, log_uniform, main_for, results_dir
 
 from .autotune import TUNE_NK
 from .gemm import gemm
@@ -130,9 +130,6 @@ _ALIGNS = (128, 16, 8, 1)
 _ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "relu")
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
 
 def _in_class(v: int, align: int) -> bool:
     if align == 1:
@@ -180,13 +177,13 @@ def sweep_shapes(
         k_align = _ALIGNS[i % len(_ALIGNS)]
         decode = m_kind == "decode" or (m_kind == "mixed" and i % 3 == 0)
         i += 1
-        n = _aligned(_log_uniform(rng, r.nk_min, r.nk_max), rng.choice(_ALIGNS), r.nk_min, r.nk_max)
-        k = _aligned(_log_uniform(rng, r.nk_min, r.nk_max), k_align, r.nk_min, r.nk_max)
+        n = _aligned(log_uniform(rng, r.nk_min, r.nk_max), rng.choice(_ALIGNS), r.nk_min, r.nk_max)
+        k = _aligned(log_uniform(rng, r.nk_min, r.nk_max), k_align, r.nk_min, r.nk_max)
         if decode:
             m = rng.randint(1, min(_DECODE_M, r.m_max))
         else:
             lo = min(_DECODE_M + 1, r.m_max)
-            m = _log_uniform(rng, lo, r.m_max)
+            m = log_uniform(rng, lo, r.m_max)
             if rng.random() < 0.5:
                 m |= 1
             if 2 * m * n * k > r.max_flops:  # the largest odd M under the cap

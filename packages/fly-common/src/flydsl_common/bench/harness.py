@@ -138,6 +138,8 @@ __all__ = [
     "Row",
     "Skip",
     "copy_gbps",
+    "distinct_cases",
+    "log_uniform",
     "environment",
     "gpu_slug",
     "main_for",
@@ -640,6 +642,29 @@ def sweep_counts(benches: Sequence[Bench], count: int) -> dict[str, int]:
         return {}
     share = math.ceil(count / len(with_sweep))
     return {b.name: share for b in with_sweep}
+
+
+def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    """An int drawn log-uniformly from [lo, hi] (lo >= 1): sizes spread evenly over the octaves, the sweeps'
+    draw."""
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def distinct_cases(count: int, draw: Callable[[], Case], what: str) -> list[Case]:
+    """``count`` cases of distinct names from repeated ``draw()`` calls (a sweep's generator, drawing from its
+    rng), in the order drawn; a ValueError naming ``what`` when 100 draws a case (plus 100) do not find them."""
+    cases: list[Case] = []
+    seen: set[str] = set()
+    for _ in range(100 * count + 100):
+        if len(cases) >= count:
+            return cases
+        case = draw()
+        if case.name not in seen:
+            seen.add(case.name)
+            cases.append(case)
+    if len(cases) >= count:
+        return cases
+    raise ValueError(f"{what}: cannot draw {count} distinct cases")
 
 
 def sweep_cases(bench: Bench, seed: int, count: int) -> list[Case]:
