@@ -441,3 +441,23 @@ def test_gpu_torch_compile_inductor(device):
     fn = torch.compile(lambda *a: paged_attention_decode(*a) * 2, fullgraph=True)
     assert_rel_close(fn(q, kc, vc, table, sl).float() / 2, paged_attention_decode_ref(q, kc, vc, table, sl).to(device),
                      tol=tolerance(q.dtype))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_gpu_replayed_calls_match_the_reference(device, splits, monkeypatch):
+    """Plain eager calls replay the first call's launches (flydsl.direct): every replay, on fresh caches,
+    tables and lengths of the same layouts, matches the reference and returns a fresh output."""
+    from flydsl import direct
+
+    replayed = []
+    real = direct._Plan.replay
+    monkeypatch.setattr(direct._Plan, "replay", lambda plan, args: replayed.append(1) or real(plan, args))
+    decode_mod._REPLAYS.clear()
+    outs = []
+    for seed in range(4):  # the first call records, the next ones replay
+        q, kc, vc, table, sl = make_paged([5, 700, 4097], 8, 128, 16, hq=32, dtype=torch.bfloat16, device=device,
+                                          shared_prefix=1, spare=8, seed=seed)  # fmt: skip
+        outs.append(check(q, kc, vc, table, sl, num_splits=splits))
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    assert len(replayed) == 3, "the calls after the first were not replayed"

@@ -324,3 +324,25 @@ def test_pointers_outside_an_inputs_elements_are_not_replayed(stand_ins):
     for _ in range(3):
         replays.call(("k",), beyond, big[:8], torch.randn(3))
     assert replays.plans[("k",)] is None and not stand_ins
+
+
+def test_eager_keys_every_argument_and_replays(stand_ins, monkeypatch):
+    """Replays.eager: the first call of a kind records, the next ones (fresh tensors, same layouts and
+    options) replay; another option or layout is another key; a CPU tensor keeps the general path."""
+    monkeypatch.setattr(direct, "usable", lambda: True)
+    monkeypatch.setattr(direct, "_current_device", lambda: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    replays = direct.Replays("test.eager")
+    for alpha in (2.0, 2.0, 3.0):
+        a, b = torch.randn(100), torch.randn(100)
+        out = replays.eager(axpy, a, b, alpha)
+        torch.testing.assert_close(out, alpha * a + 2 * b)
+    plans = [p for p in replays.plans.values() if type(p) is direct._Plan]
+    assert len(plans) == 2  # alpha 2.0 (recorded once, replayed once) and alpha 3.0
+    keys = list(replays.plans)
+    assert keys[0][-2] == 2.0 and keys[1][-2] == 3.0 and keys[0][-1] == 0  # the options, then the stream
+    assert len(stand_ins) == 2  # the one replay's two launches
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    out = replays.eager(axpy, torch.randn(100), torch.randn(100), 2.0)
+    assert len(stand_ins) == 2  # a CPU tensor: the general path

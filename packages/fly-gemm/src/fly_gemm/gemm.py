@@ -243,22 +243,13 @@ def gemm(
 # config lookup or launch keying of the general path, which cost ~35 us of a small call's ~49 us of host time
 # on the H200 host (torch.matmul's whole call: 14 us).
 _REPLAYS = direct.Replays("fly_gemm.gemm")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_current_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _gemm_call(a, b, bias, activation, out_dtype, scale_a, scale_b, b_layout):
     """The op's body for an eager call (plain, with grad, or a backward's GEMM): replayed where
-    :func:`flydsl.direct.usable` allows it (the key: every operand's layout, the options, the stream, as
-    split-K keeps per-stream counters), else the general path."""
-    if type(a) in _PLAIN and type(b) in _PLAIN and a.is_cuda and direct.usable():
-        dev = a.get_device()
-        if dev == _current_device():
-            key = (direct.tensor_key(a), direct.tensor_key(b), direct.tensor_key(bias), direct.tensor_key(scale_a),
-                   direct.tensor_key(scale_b), activation, out_dtype, b_layout, _current_stream(dev))  # fmt: skip
-            return _REPLAYS.call(key, _gemm, a, b, bias, activation, out_dtype, scale_a, scale_b, None, b_layout, None)
-    return _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, None, b_layout, None)
+    :meth:`flydsl.direct.Replays.eager` allows it (keyed on every operand's layout, the options and the
+    stream, as split-K keeps per-stream counters), else the general path."""
+    return _REPLAYS.eager(_gemm, a, b, bias, activation, out_dtype, scale_a, scale_b, None, b_layout, None)
 
 
 def _unpack(a, packed: PackedWeight, scale_a, scale_b, b_layout):

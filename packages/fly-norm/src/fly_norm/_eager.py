@@ -41,7 +41,7 @@ import flydsl.compiler as flyc
 from flydsl import direct, env, native
 
 __all__ = [
-    "rows_device", "vector_key", "MISSING", "make_plan", "launch", "general_path_only", "direct_call", "grad_enabled",
+    "rows_device", "vector_key", "MISSING", "make_plan", "launch", "general_path_only", "grad_enabled",
     "compiling",
     "fast", "ARG_NONE", "ARG_X", "ARG_W", "ARG_B", "ARG_Y", "ARG_M", "ARG_N", "ARG_EPS", "ARG_ZERO", "ARG_R", "ARG_H",
     "ARG_OFFSET",
@@ -74,35 +74,6 @@ def general_path_only():
             yield
     finally:
         _OFF.pop()
-
-
-_REPLAY_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def direct_call(replays: direct.Replays, fn, *args):
-    """``fn(*args)``, an eager autograd path's forward or backward body, replayed from its first call's
-    recording (:mod:`flydsl.direct`) where it can be: a direct launch allowed, every tensor argument a plain
-    CUDA tensor, the first on the current device. The key: every argument (a tensor by its layout), and the
-    stream. Calls through the general path's argument checks, config lookup, routing and launch keying
-    cost the forward with grad ~100 us and the backward ~260 us of host time at 4 x 4096 on the H200 host
-    (torch eager's: 11 and ~80)."""
-    if not direct.usable():
-        return fn(*args)
-    key = []
-    dev = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in _REPLAY_TENSORS or not a.is_cuda:
-                return fn(*args)
-            if dev is None:
-                dev = a.get_device()
-            key.append(direct.tensor_key(a))
-        else:
-            key.append(a)
-    if dev is None or dev != _current_device():
-        return fn(*args)
-    key.append(_current_stream(dev))
-    return replays.call(tuple(key), fn, *args)
 
 
 def rows_device(x) -> int | None:

@@ -20,7 +20,6 @@ import flydsl.compiler as flyc
 from flydsl import direct
 from flydsl_common.rows import RowConfig
 
-from . import _eager as eager
 from . import _norm_host as shared
 from .autotune import row_config_for
 from .reference import layer_norm_quant_ref, layer_norm_ref
@@ -211,7 +210,7 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     args = (dy, dh if fused else None, h, weight, mean, rstd, ctx.weight_offset, need_w, need_b, grad_dtype,
             ctx.param_dtype)  # fmt: skip
     if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
-        dx, dw, db = eager.direct_call(_BWD_REPLAYS, _layer_norm_bwd, *args)
+        dx, dw, db = _BWD_REPLAYS.eager(_layer_norm_bwd, *args)
     else:
         dx, dw, db = torch.ops.fly_norm.layer_norm_bwd(*args)
     grads_w_b = (dw if need_w else None, db.to(ctx.bias_dtype) if need_b else None)
@@ -233,7 +232,7 @@ class _EagerLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, weight_offset, store_stats):  # ctx here: see _EagerRMSNorm
-        out = eager.direct_call(_FWD_REPLAYS, _layer_norm_forward, x, weight, bias, residual, eps, weight_offset,
+        out = _FWD_REPLAYS.eager(_layer_norm_forward, x, weight, bias, residual, eps, weight_offset,
                                 store_stats, None)  # fmt: skip
         _setup_context(ctx, (x, weight, bias, residual, eps, weight_offset, store_stats), out)
         ctx.eager = True

@@ -19,7 +19,6 @@ import flydsl.compiler as flyc
 from flydsl import direct
 from flydsl_common.rows import RowConfig
 
-from . import _eager as eager
 from . import _norm_host as shared
 from .autotune import row_config_for
 from .reference import rms_norm_quant_ref, rms_norm_ref
@@ -204,7 +203,7 @@ def _backward(ctx, dy, dh, _drstd):
     grad_dtype = torch.promote_types(ctx.x_dtype, ctx.residual_dtype) if fused else ctx.x_dtype
     args = (dy, dh if fused else None, h, weight, rstd, ctx.weight_offset, need_dw, grad_dtype)
     if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
-        dx, dw = eager.direct_call(_BWD_REPLAYS, _rms_norm_bwd, *args)
+        dx, dw = _BWD_REPLAYS.eager(_rms_norm_bwd, *args)
     else:
         dx, dw = torch.ops.fly_norm.rms_norm_bwd(*args)
     dres = dx.to(ctx.residual_dtype) if fused and ctx.needs_input_grad[2] else None
@@ -227,7 +226,7 @@ class _EagerRMSNorm(torch.autograd.Function):
     # through inspect.signature every call, ~25 us of host time a call on a CPU host.
     @staticmethod
     def forward(ctx, x, weight, residual, eps, weight_offset, store_stats):
-        out = eager.direct_call(_FWD_REPLAYS, _rms_norm_fwd, x, weight, residual, eps, weight_offset, store_stats)
+        out = _FWD_REPLAYS.eager(_rms_norm_fwd, x, weight, residual, eps, weight_offset, store_stats)
         _setup_context(ctx, (x, weight, residual, eps, weight_offset, store_stats), out)
         ctx.eager = True
         return out

@@ -373,7 +373,7 @@ def _backward(ctx, grad):
         _check_bwd(grad, y)
         if ctx.autotune:
             return _bwd_rows(grad, y, ctx.autotune), None
-        return eager.direct_call(_BWD_REPLAYS, _bwd_rows, grad, y, None), None  # replayed where it can be
+        return _BWD_REPLAYS.eager(_bwd_rows, grad, y, None), None  # replayed where it can be
     return torch.ops.fly_norm.softmax_bwd(grad, y, ctx.autotune), None
 
 
@@ -390,7 +390,7 @@ class _EagerSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, autotune):  # ctx here: see rmsnorm._EagerRMSNorm
-        out = _fwd_rows(x, autotune) if autotune else eager.direct_call(_FWD_REPLAYS, _fwd_rows, x, None)
+        out = _fwd_rows(x, autotune) if autotune else _FWD_REPLAYS.eager(_fwd_rows, x, None)
         _setup_context(ctx, (x, autotune), out)
         ctx.eager = True
         return out

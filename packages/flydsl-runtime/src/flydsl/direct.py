@@ -116,6 +116,13 @@ def _stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter's torch-function handling is the tensor's
+
+
 def _bind_direct(kernel, args: tuple, meta: dict):
     """(C launch, function, cooperative, PDL, packed metadata, constexpr tail, device, global scratch bytes a
     program) of the compiled specialization these arguments launch, or None where it cannot be launched
@@ -149,6 +156,31 @@ class Replays:
             self.plans.clear()
         self.plans[key] = made
         return result
+
+    def eager(self, fn: Callable, *args):
+        """``fn(*args)`` for a family's plain eager call, keyed on every argument (a tensor by
+        :func:`tensor_key`, anything else as it is) and the stream: replayed where :func:`usable` allows it and
+        every tensor argument is a plain CUDA tensor (not a subclass), the first one on the current device;
+        else ``fn(*args)`` on the general path. Every argument must be hashable; the arguments must determine
+        everything ``fn`` reads on the host (a family whose path also reads state of its own keys the call
+        itself with :meth:`call`)."""
+        if not usable():
+            return fn(*args)
+        key = []
+        dev = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) not in _PLAIN or not a.is_cuda:
+                    return fn(*args)
+                if dev is None:
+                    dev = a.get_device()
+                key.append(tensor_key(a))
+            else:
+                key.append(a)
+        if dev is None or dev != _current_device():
+            return fn(*args)
+        key.append(_stream(dev))
+        return self.call(tuple(key), fn, *args)
 
     def clear(self) -> None:
         self.plans.clear()
