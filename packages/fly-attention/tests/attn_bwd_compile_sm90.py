@@ -79,11 +79,11 @@ def _usage(compiled) -> str:
 
 
 # (d, dv, dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, warps, stages, windowed, softcap, varlen, dtype):
-# the default of each head-dim class, with options off and on
+# the default of each head-dim class (autotune.default_bwd_config), with options off and on
 VARIANTS = [
-    (64, 64, 32, 128, 128, 32, 8, 2, False, False, False, "bf16"),
-    (128, 128, 32, 32, 128, 32, 8, 2, True, True, True, "bf16"),
-    (80, 80, 32, 32, 128, 32, 8, 2, True, False, False, "fp16"),
+    (64, 64, 32, 64, 64, 32, 4, 2, False, False, False, "bf16"),
+    (128, 128, 32, 64, 64, 32, 4, 2, True, True, True, "bf16"),
+    (80, 80, 32, 64, 64, 32, 4, 2, True, False, False, "fp16"),
     (192, 128, 16, 32, 32, 64, 8, 1, True, True, False, "bf16"),
     (256, 256, 16, 32, 32, 64, 8, 1, True, True, True, "fp16"),
 ]

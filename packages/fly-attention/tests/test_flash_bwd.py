@@ -330,8 +330,12 @@ def test_backward_kernels_compile_for_sm90():
             pytest.skip(f"cannot compile for sm_90 here: {first}")
         raise AssertionError(res.stderr[-2000:])
     assert len(lines) == 15 and all(line.startswith("ok") for line in lines), "\n".join(lines) + res.stderr[-1000:]
-    # the defaults keep every kernel within its registers: no stack (a spill)
-    assert all(line.endswith("STACK:0") for line in lines), "\n".join(lines)
+    # The delta and dQ kernels stay within their registers (no stack). The dK / dV kernel of the d <= 128
+    # default (64 keys held, 4 warps) spills 48-608 bytes, yet measured the fastest of ten configs on the H200
+    # (300 TFLOP/s at d 128 against 95 for a spill-free one): a bound on its stack, not a ban.
+    for line in lines:
+        stack = int(line.rsplit("STACK:", 1)[1])
+        assert stack == 0 or (" dkdv " in line and stack <= 1024), "\n".join(lines)
 
 
 # ---------------------------------------------------------------- GPU: the sizes the issue names
