@@ -1,44 +1,79 @@
 """Compile fly-conv's kernels for sm_90 without a GPU (Triton's compiler and its bundled ptxas), in a process of
 its own: ``FLYDSL_INTERPRET=0 python conv_compile_sm90.py``. The interpreter accepts code the compiler rejects
 (globals that are not constexpr, a loop-carried value changing type), so the CPU suite compiles the kernels'
-variants at their sm_90 defaults too. Prints one line a variant: ``ok <name> <shared bytes> REG:n STACK:n
-WGMMA:<0|1>`` (STACK > 0 is a spill) or ``FAIL <name> <error>``."""
+variants at their sm_90 defaults too.
+
+Each variant calls the package's own launcher on meta tensors of a real layer (channels-last, as the
+convolution passes them) and compiles what that launch would compile: its arguments specialized the way
+Triton's launcher specializes them (ints equal to 1 as constants, ints and pointers divisible by 16 marked so,
+``do_not_specialize`` honoured), its constexprs and options as given. Prints one line a variant:
+``ok <name> <shared bytes> REG:n STACK:n WGMMA:<0|1> CP_ASYNC:<0|1> PIPELINE:<bytes>`` (STACK > 0 is a spill;
+CP_ASYNC: the K loop's loads are asynchronous copies; PIPELINE: ``autotune.smem_bytes`` of the config, its
+A and B tiles times num_stages, which shared memory reaches only when the loop is multi-buffered) or
+``FAIL <name> <error>``."""
 
 from __future__ import annotations
 
 # flydsl (through fly_conv) chooses compiled Triton before triton is imported: triton only inside functions
 import torch
 
-from fly_conv._kernels.depthwise import _conv_depthwise_kernel
-from fly_conv._kernels.implicit_gemm import _conv_implicit_kernel
-from fly_conv._kernels.wgrad import _conv_wgrad_kernel
-from fly_conv.autotune import ConvProblem, default_config
+import flydsl.compiler as flyc
+from fly_conv._kernels.depthwise import launch_depthwise
+from fly_conv._kernels.implicit_gemm import launch_implicit_gemm
+from fly_conv._kernels.wgrad import launch_wgrad
+from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
 from flydsl.arch import SM90
 
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def compile_kernel(fn, const: dict, ptr_types: dict, cfg):
+def _record(launcher, *args):
+    """The (kernel, args, meta) of the one kernel launch ``launcher(*args)`` makes (nothing runs)."""
+    seen = []
+    real = flyc.launch
+    flyc.launch = lambda kernel, grid, *a, **meta: seen.append((kernel, a, meta))
+    try:
+        launcher(*args)
+    finally:
+        flyc.launch = real
+    assert len(seen) == 1, f"expected one launch, got {len(seen)}"
+    return seen[0]
+
+
+def compile_launch(kernel, args: tuple, meta: dict):
+    """Compile for sm_90 what ``flyc.launch(kernel, grid, *args, **meta)`` compiles on a GPU."""
     import triton
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in const else ptr_types.get(n, "i32") for n in names}
-    # What a launch on channels-last tensors with channel counts a multiple of 16 specializes on: 16-byte
-    # aligned pointers, channel strides of 1 and other strides multiples of 16 (so the gathers vectorize).
-    attrs = {}
-    for n in names:
-        if n in const or sig[n] == "i32" and not n.startswith("s"):
+    meta = dict(meta)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
+    names = kernel.arg_names
+    sig, const, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
+        if param.is_constexpr:
+            sig[name], const[(i,)] = "constexpr", meta[name]
             continue
-        if n.endswith("_c"):
-            const[n] = 1
-            sig[n] = "constexpr"
+        arg = args[i]
+        if arg is None:
+            sig[name], const[(i,)] = "constexpr", None
+            continue
+        if isinstance(arg, torch.Tensor):  # meta tensors: a data pointer of 0, 16-byte aligned as allocations are
+            sig[name] = "*" + _DT[arg.dtype]
+            if not param.do_not_specialize_on_alignment:
+                attrs[(i,)] = CUDABackend.parse_attr("D")
+            continue
+        kind, spec = native_specialize_impl(CUDABackend, arg, False, not param.do_not_specialize, True)
+        if kind == "constexpr":
+            sig[name], const[(i,)] = "constexpr", spec
         else:
-            attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})  # fmt: skip
+            sig[name] = kind
+            if spec:
+                attrs[(i,)] = CUDABackend.parse_attr(spec)
+    src = ASTSource(kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _usage(compiled) -> str:
@@ -59,51 +94,83 @@ def _usage(compiled) -> str:
     return m.group(0) if m else "REG:? STACK:?"
 
 
-def _implicit(dtype, problem, transposed=False, pointwise=False, bias=True, act=1):
+def _cl(n: int, c: int, spatial: tuple, dtype) -> torch.Tensor:
+    """A channels-last ``[N, D, H, W, C]`` meta tensor (what the convolution hands its launchers)."""
+    spatial = (1,) * (3 - len(spatial)) + tuple(spatial)
+    return torch.empty((n, *spatial, c), dtype=dtype, device="meta")
+
+
+def _geom(k: int, stride: int, pad: int, rank: int = 2):
+    one = (1,) * (3 - rank)
+    return one + (k,) * rank, one + (stride,) * rank, (0,) * (3 - rank) + (pad,) * rank, (1, 1, 1)
+
+
+def _out(size: int, k: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - k) // stride + 1
+
+
+def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=True, act=1, transposed=False):
+    """The implicit GEMM of a 2D layer (forward, or its input gradient with ``transposed``)."""
+    osz = _out(size, k, stride, pad)
+    taps = k * k
+    if transposed:  # gathers the output gradient, writes the input's
+        x5, y5 = _cl(n, k_out, (osz, osz), dtype), _cl(n, c_in, (size, size), dtype)
+        w2 = torch.empty((c_in, taps * (k_out // groups)), dtype=dtype, device="meta")
+        problem = ConvProblem("implicit", n * size * size, c_in // groups, k_out // groups, taps, groups, dtype)
+    else:
+        x5, y5 = _cl(n, c_in, (size, size), dtype), _cl(n, k_out, (osz, osz), dtype)
+        w2 = torch.empty((k_out, taps * (c_in // groups)), dtype=dtype, device="meta")
+        problem = ConvProblem("implicit", n * osz * osz, k_out // groups, c_in // groups, taps, groups, dtype)
+    b = torch.empty((y5.shape[-1],), dtype=dtype, device="meta") if bias else None
     cfg = default_config(problem, SM90)
-    const = {"HAS_BIAS": bias, "ACT": act, "TRANSPOSED": transposed, "POINTWISE": pointwise, "IEEE": False}
-    const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
-    if not bias:
-        const["bias_ptr"] = None
-    ptrs = {n: "*" + _DT[dtype] for n in ("x_ptr", "w_ptr", "y_ptr", "bias_ptr")}
-    return compile_kernel(_conv_implicit_kernel, const, ptrs, cfg)
+    geom = _geom(k, stride, pad)
+    return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg), cfg, problem
 
 
-def _depthwise(dtype, problem):
+def _depthwise(dtype, n, c, size, k):
+    x5, y5 = _cl(n, c, (size, size), dtype), _cl(n, c, (size, size), dtype)
+    w2 = torch.empty((c, k * k), dtype=dtype, device="meta")
+    problem = ConvProblem("depthwise", n * size * size, c, 1, k * k, c, dtype)
     cfg = default_config(problem, SM90)
-    const = {"HAS_BIAS": True, "ACT": 2, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
-    ptrs = {n: "*" + _DT[dtype] for n in ("x_ptr", "w_ptr", "y_ptr", "bias_ptr")}
-    return compile_kernel(_conv_depthwise_kernel, const, ptrs, cfg)
+    b = torch.empty((c,), dtype=dtype, device="meta")
+    return _record(launch_depthwise, x5, w2, y5, b, _geom(k, 1, k // 2), 2, cfg), cfg, problem
 
 
-def _wgrad(dtype, problem):
+def _wgrad(dtype, n, c_in, k_out, size, k):
+    dy5, x5 = _cl(n, k_out, (size, size), dtype), _cl(n, c_in, (size, size), dtype)
+    problem = ConvProblem("wgrad", n * size * size, k_out, c_in, k * k, 1, dtype)
     cfg = default_config(problem, SM90)
-    const = {"IEEE": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
-    ptrs = {"dy_ptr": "*" + _DT[dtype], "x_ptr": "*" + _DT[dtype], "out_ptr": "*fp32"}
-    return compile_kernel(_conv_wgrad_kernel, const, ptrs, cfg)
+    splits = wgrad_splits(cfg, problem, SM90)
+    out = torch.empty((splits, k_out, c_in, k * k), dtype=torch.float32, device="meta")
+    steps = -(-problem.m // cfg.block_k)
+    geom = _geom(k, 1, k // 2)
+    return _record(launch_wgrad, dy5, x5, out, geom, 1, splits, -(-steps // splits), cfg), cfg, problem
 
 
 BF16 = torch.bfloat16
-# (name, builder): the forward at the ResNet 3x3 default (128 x 128 x 64), a grouped layer's narrow tiles, the
-# pointwise GEMM, the input gradient (transposed), fp16, the depthwise kernel and the weight gradient
+# (name, launch): the forward at the ResNet 3x3 default (128 x 128 x 64), a strided 3x3 (int32 addressing
+# through a stride), a grouped layer's narrow tiles (8 channels a group: Triton marks no alignment, the
+# kernel's C_VEC does), the pointwise GEMM, the input gradient (stride 1: the taps reversed; stride 2: the
+# division path), fp16 with gelu, the depthwise kernel and the weight gradient
 VARIANTS = [
-    ("implicit_3x3", lambda: _implicit(BF16, ConvProblem("implicit", 32 * 56 * 56, 256, 256, 9, 1, BF16))),
-    ("implicit_grouped", lambda: _implicit(BF16, ConvProblem("implicit", 32 * 28 * 28, 8, 8, 9, 32, BF16))),
-    ("pointwise", lambda: _implicit(BF16, ConvProblem("implicit", 32 * 56 * 56, 64, 256, 1, 1, BF16),
-                                    pointwise=True, bias=False, act=0)),  # fmt: skip
-    ("dgrad", lambda: _implicit(BF16, ConvProblem("implicit", 32 * 56 * 56, 64, 64, 9, 1, BF16), transposed=True,
-                                bias=False, act=0)),  # fmt: skip
-    ("implicit_fp16_gelu", lambda: _implicit(torch.float16, ConvProblem("implicit", 8 * 64 * 64, 128, 128, 9, 1,
-                                                                        torch.float16), act=4)),  # fmt: skip
-    ("depthwise", lambda: _depthwise(BF16, ConvProblem("depthwise", 32 * 28 * 28, 384, 1, 9, 384, BF16))),
-    ("wgrad", lambda: _wgrad(BF16, ConvProblem("wgrad", 32 * 56 * 56, 64, 64, 9, 1, BF16))),
+    ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
+    ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
+    ("implicit_grouped", lambda: _implicit(BF16, 32, 256, 256, 28, 3, pad=1, groups=32)),
+    ("pointwise", lambda: _implicit(BF16, 32, 64, 256, 56, 1, bias=False, act=0)),
+    ("dgrad", lambda: _implicit(BF16, 32, 64, 64, 56, 3, pad=1, bias=False, act=0, transposed=True)),
+    ("dgrad_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
+    ("implicit_fp16_gelu", lambda: _implicit(torch.float16, 8, 128, 128, 64, 3, pad=1, act=4)),
+    ("depthwise", lambda: _depthwise(BF16, 32, 384, 28, 3)),
+    ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
 ]
 
 if __name__ == "__main__":
-    for name, build in VARIANTS:
+    for name, launch in VARIANTS:
         try:
-            k = build()
-            wgmma = int("wgmma" in k.asm["ptx"])
-            print("ok", name, k.metadata.shared, _usage(k), f"WGMMA:{wgmma}", flush=True)
+            record, cfg, problem = launch()
+            k = compile_launch(*record)
+            ptx = k.asm["ptx"]
+            print("ok", name, k.metadata.shared, _usage(k), f"WGMMA:{int('wgmma' in ptx)}",
+                  f"CP_ASYNC:{int('cp.async' in ptx)}", f"PIPELINE:{smem_bytes(cfg, problem)}", flush=True)  # fmt: skip
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", name, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

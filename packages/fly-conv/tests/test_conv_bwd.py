@@ -28,6 +28,8 @@ CASES = [
     (2, 2, 5, 6, (7, 6), 3, 1, 1, 1, 1, "zeros"),  # the plain 3x3
     (2, 2, 6, 8, (9, 8), 3, 2, 1, 1, 2, "zeros"),  # stride 2 (dgrad's stride-aware gather), groups 2
     (2, 1, 4, 4, (9, 10), 5, 3, 2, 2, 1, "zeros"),  # stride 3, dilation 2, kernel 5
+    (2, 1, 5, 6, (8, 9), 3, 1, 2, 2, 1, "zeros"),  # stride 1, dilation 2: dgrad's reversed taps step by 2
+    (2, 2, 4, 6, (8, 7), 3, (1, 2), 1, 1, 1, "zeros"),  # stride 1 in one dim only: dgrad's division path
     (2, 2, 8, 5, (5, 5), 1, 1, 0, 1, 1, "zeros"),  # pointwise
     (2, 2, 6, 6, (7, 7), 3, 1, 1, 1, 6, "zeros"),  # depthwise (its backward runs the grouped implicit GEMM)
     (2, 1, 4, 6, (6, 7), 3, 1, 1, 1, 1, "reflect"),  # padding mode: torch's pad is differentiated by torch
@@ -77,6 +79,15 @@ def _ref(x, w, b, stride, padding, dilation, groups, padding_mode, activation):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-c{c[2]}-ks{c[5]}-s{c[6]}-d{c[8]}-g{c[9]}-{c[10]}")
 def test_gradients(case, device, poisoned):
+    _check(*_grads(case, F16, device), F16)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[5]], ids=["s1", "s2", "s1-d2", "1x1"])
+def test_gradients_int64_offsets(case, device, poisoned, monkeypatch):
+    """Every launch forced onto the implicit GEMM's int64 offsets (chosen on the host where an offset could pass
+    2^31; no CPU-sized tensor reaches that): forward, input gradient of stride 1 and strided, pointwise."""
+    implicit = importlib.import_module("fly_conv._kernels.implicit_gemm")
+    monkeypatch.setattr(implicit, "_I32_MAX", -1)
     _check(*_grads(case, F16, device), F16)
 
 

@@ -29,9 +29,11 @@ the epilogue adds the bias and applies the activation in fp32 before the one dow
 
 from __future__ import annotations
 
+import math
+
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import activation, row_offset
+from flydsl_common.device import activation
 
 __all__ = ["launch_implicit_gemm"]
 
@@ -40,16 +42,41 @@ _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
                   "dd", "dh", "dw"]  # fmt: skip
 
 
+@flyc.func
+def _rows(rm, OD, OH, OW):
+    """A row's (batch, od, oh, ow) (int32; rows past M are masked by the caller)."""
+    ow = rm % OW
+    t = rm // OW
+    oh = t % OH
+    t = t // OH
+    return t // OD, t % OD, oh, ow
+
+
+@flyc.func
+def _hint(v, VEC: fx.constexpr, idx: fx.constexpr):
+    """``v`` in the offset type, declared a multiple of ``VEC`` (the host checked that it is): what lets the
+    compiler prove a gather's 16-byte alignment (vector loads, async copies) where Triton's own
+    specialization (multiples of 16) says nothing, e.g. 8 channels a group."""
+    v = fx.cast(v, idx)
+    if VEC > 1:
+        v = v // VEC * VEC
+    return v
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
 def _conv_implicit_kernel(
     x_ptr, w_ptr, y_ptr, bias_ptr,
     M, N_OUT, CG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
     sx_n, sx_d, sx_h, sx_w, sx_c, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c,
-    HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr, POINTWISE: fx.constexpr, IEEE: fx.constexpr,
+    HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr, POINTWISE: fx.constexpr,
+    UNIT_STRIDE: fx.constexpr, IDX64: fx.constexpr, C_VEC: fx.constexpr, IEEE: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
     # fmt: on
+    # Offsets in int32 where the host proved every one of them fits (IDX64 otherwise): half the registers
+    # of int64 for every per-row value the K loop keeps live.
+    idx: fx.constexpr = fx.int64 if IDX64 else fx.int32
     pid_m, pid_n = fx.grouped_tile(fx.program_id(0), fx.cdiv(M, BLOCK_M), fx.cdiv(N_OUT, BLOCK_N), GROUP_M)
     g = fx.program_id(1)
     rm = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)
@@ -57,89 +84,140 @@ def _conv_implicit_kernel(
     rk = fx.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N_OUT
-    # a row's (batch, od, oh, ow); rows past M take position 0 and are masked
-    mm = fx.where(m_ok, rm, 0)
-    ow = mm % OW
-    t = mm // OW
-    oh = t % OH
-    t = t // OH
-    od = t % OD
-    nb = t // OD
-    x_row = row_offset(nb, sx_n)  # int64: a batch past 2^31 elements addresses correctly
-    if TRANSPOSED:  # i + pad: a tap k reaches the forward output (i + pad - k * dil) / stride
-        bd = od + pd
-        bh = oh + ph
-        bw = ow + pw
-    else:  # o * stride - pad: the tap k reads input o * stride - pad + k * dil
-        bd = od * sd - pd
-        bh = oh * sh - ph
-        bw = ow * sw - pw
-    c_base = g * CG  # this group's first channel of x
-    w_rows = w_ptr + row_offset(g * N_OUT + rn, s_wn)  # this group's weight rows, [BLOCK_N]
-    khw = KH * KW
-    c_blocks = fx.cdiv(CG, BLOCK_K)
+    cg = CG // C_VEC * C_VEC  # C_VEC divides CG and x's strides (host): aligned gathers
+    sxn = _hint(sx_n, C_VEC, idx)
+    sxd = _hint(sx_d, C_VEC, idx)
+    sxh = _hint(sx_h, C_VEC, idx)
+    sxw = _hint(sx_w, C_VEC, idx)
+    swn = _hint(s_wn, C_VEC, idx)
+    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)  # rows past M read position 0, masked
+    c_ptrs = x_ptr + fx.cast(g * cg + rk, idx) * sx_c  # this group's first BLOCK_K channels of x
+    w_ptrs = w_ptr + (fx.cast(g * N_OUT + rn, idx) * swn)[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     if POINTWISE:  # 1x1, stride 1, no padding: a plain GEMM on x's rows, read in place
-        a_rows = x_ptr + x_row + row_offset(od, sx_d) + row_offset(oh, sx_h) + row_offset(ow, sx_w)
-        for c0 in range(0, CG, BLOCK_K):
-            c = c0 + rk
-            c_ok = c < CG
-            a = fx.load(a_rows[:, None] + row_offset(c_base + c, sx_c)[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                        other=0.0)  # fmt: skip
-            b = fx.load(w_rows[:, None] + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        a_ptrs = c_ptrs[None, :] + (fx.cast(nb, idx) * sxn + fx.cast(od, idx) * sxd + fx.cast(oh, idx) * sxh
+                                    + fx.cast(ow, idx) * sxw)[:, None]  # fmt: skip
+        for c0 in range(0, cg, BLOCK_K):
+            c_ok = rk < cg - c0
+            a = fx.load(a_ptrs + fx.cast(c0, idx) * sx_c, mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+            b = fx.load(w_ptrs + c0, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
             if IEEE:
                 acc = fx.dot(a, fx.trans(b), acc, input_precision="ieee")
             else:
                 acc = fx.dot(a, fx.trans(b), acc)
     else:
+        # A row's input position of tap 0 and the step a tap index moves it: the forward reads
+        # o * stride - pad + k * dil, the stride-1 input gradient reads i + pad - k * dil. Its address is then
+        # a per-row base computed once plus a per-tap scalar, and its bounds check six int32 compares.
+        if TRANSPOSED:
+            pos_d = od + pd
+            pos_h = oh + ph
+            pos_w = ow + pw
+            step_d = -dd
+            step_h = -dh
+            step_w = -dw
+        else:
+            pos_d = od * sd - pd
+            pos_h = oh * sh - ph
+            pos_w = ow * sw - pw
+            step_d = dd
+            step_h = dh
+            step_w = dw
+        x_nb = fx.cast(nb, idx) * sxn
+        a_base = x_nb + fx.cast(pos_d, idx) * sxd + fx.cast(pos_h, idx) * sxh + fx.cast(pos_w, idx) * sxw
+        khw = KH * KW
+        c_blocks = fx.cdiv(cg, BLOCK_K)
+        # One flat loop over (tap, channel block): the software pipeline runs across taps (a layer of 64
+        # channels has one block a tap); the tap's decomposition is scalar work.
         for kk in range(0, KD * khw * c_blocks):
             tap = kk // c_blocks
             c0 = (kk - tap * c_blocks) * BLOCK_K
             kd = tap // khw
-            kh = (tap // KW) % KH
-            kw = tap % KW
-            if TRANSPOSED:
-                nd = bd - kd * dd
-                nh = bh - kh * dh
-                nw = bw - kw * dw
+            r = tap - kd * khw
+            kh = r // KW
+            kw = r - kh * KW
+            if TRANSPOSED and not UNIT_STRIDE:
+                # the input gradient of a strided convolution: tap k reaches the forward output
+                # (i + pad - k * dil) / stride where that is a non-negative whole number
+                nd = pos_d - kd * dd
+                nh = pos_h - kh * dh
+                nw = pos_w - kw * dw
                 qd = fx.where(nd >= 0, nd, 0) // sd
                 qh = fx.where(nh >= 0, nh, 0) // sh
                 qw = fx.where(nw >= 0, nw, 0) // sw
                 ok = ((nd >= 0) & (qd * sd == nd) & (qd < D) & (nh >= 0) & (qh * sh == nh) & (qh < H)
                       & (nw >= 0) & (qw * sw == nw) & (qw < W))  # fmt: skip
-                id_ = qd
-                ih = qh
-                iw = qw
+                a_row = x_nb + fx.cast(qd, idx) * sxd + fx.cast(qh, idx) * sxh + fx.cast(qw, idx) * sxw
             else:
-                id_ = bd + kd * dd
-                ih = bh + kh * dh
-                iw = bw + kw * dw
+                td = kd * step_d
+                th = kh * step_h
+                tw = kw * step_w
+                id_ = pos_d + td
+                ih = pos_h + th
+                iw = pos_w + tw
                 ok = (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            ok = ok & m_ok
-            a_row = x_row + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
-            c = c0 + rk
-            c_ok = c < CG
-            a = fx.load(x_ptr + a_row[:, None] + row_offset(c_base + c, sx_c)[None, :],
-                        mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
-            b = fx.load(w_rows[:, None] + (tap * CG + c)[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+                a_row = a_base + (fx.cast(td, idx) * sxd + fx.cast(th, idx) * sxh + fx.cast(tw, idx) * sxw)
+            c_ok = rk < cg - c0
+            a = fx.load(c_ptrs[None, :] + (a_row + fx.cast(c0, idx) * sx_c)[:, None],
+                        mask=(ok & m_ok)[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+            b = fx.load(w_ptrs + (tap * cg + c0), mask=n_ok[:, None] & c_ok[None, :], other=0.0)
             if IEEE:  # fp32 inputs: full-precision products (tf32 would round them to 10 bits)
                 acc = fx.dot(a, fx.trans(b), acc, input_precision="ieee")
             else:
                 acc = fx.dot(a, fx.trans(b), acc)
 
+    # the epilogue decodes its rows again rather than keep them live through the K loop
+    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
     co = g * N_OUT + rn  # output channels
     out = acc
     if HAS_BIAS:
         out += fx.load(bias_ptr + co, mask=n_ok, other=0.0).to(fx.float32)[None, :]
     out = activation(out, ACT)
-    y_row = row_offset(nb, sy_n) + row_offset(od, sy_d) + row_offset(oh, sy_h) + row_offset(ow, sy_w)
-    y_ptrs = y_ptr + y_row[:, None] + row_offset(co, sy_c)[None, :]
+    y_row = (fx.cast(nb, idx) * sy_n + fx.cast(od, idx) * sy_d + fx.cast(oh, idx) * sy_h
+             + fx.cast(ow, idx) * sy_w)  # fmt: skip
+    y_ptrs = y_ptr + y_row[:, None] + (fx.cast(co, idx) * sy_c)[None, :]
     fx.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def geom_pointwise(geom) -> bool:
     """A 1x1 convolution with stride 1 and no padding: every output position reads its own input pixel."""
     return all(v == 1 for v in geom[0] + geom[1]) and not any(geom[2])
+
+
+_I32_MAX = 2**31 - 1
+
+
+def _index_meta(x5, w2, y5, geom, transposed: bool, cg: int) -> dict:
+    """The kernel's host-chosen addressing constexprs.
+
+    ``IDX64``: int64 offsets unless every offset the kernel forms provably fits int32 (x's through the most a
+    tap position reaches on either side: padding, dilation, the input gradient's unstrided positions; the
+    weight's and y's through their extents; each with a tile of channels of slack). ``C_VEC``: the largest power of
+    two up to 16 bytes that divides the channels a group, x's strides and the weight's row stride (x's
+    channels contiguous), which the kernel declares so that its gathers are provably aligned.
+    ``UNIT_STRIDE``: the input gradient of a stride-1 convolution, whose taps are the forward's reversed (no
+    divisions in its K loop).
+    """
+    nb, c = x5.shape[0], x5.shape[4]
+    kernel, stride, pad, dil = geom
+    slack = 256  # a tile's channels past the end, masked but addressed
+    # Every int32 value the gather forms is a partial sum of row terms (batch, then a tap-0 position and a
+    # tap's step a dim) and a channel term: bounded by the sum of their largest magnitudes. A tap-0 position
+    # is o * stride - pad (forward) or i + pad (input gradient), its step at most (k - 1) * dil.
+    x_bound = (nb - 1) * abs(x5.stride(0)) + (c + slack) * abs(x5.stride(4))
+    for osz, k, s, p, dl, st in zip(y5.shape[1:4], kernel, stride, pad, dil, x5.stride()[1:4], strict=True):
+        x_bound += ((osz - 1) * (1 if transposed else s) + p + (k - 1) * dl) * abs(st)
+    w_bound = max((w2.shape[0] + slack) * abs(w2.stride(0)), w2.shape[1] + slack)
+    y_bound = sum((sz - 1) * abs(st) for sz, st in zip(y5.shape[:4], y5.stride()[:4], strict=True))
+    y_bound += (y5.shape[4] + slack) * abs(y5.stride(4))
+    bounds = (x_bound, w_bound, y_bound)
+    vec = 16 // x5.element_size()
+    if x5.stride(4) != 1 or w2.stride(1) != 1:
+        vec = 1
+    common = math.gcd(cg, w2.stride(0), *x5.stride()[:4])
+    while vec > 1 and common % vec:
+        vec //= 2
+    return {"IDX64": max(bounds) > _I32_MAX, "C_VEC": vec, "UNIT_STRIDE": transposed and all(s == 1 for s in stride)}
 
 
 @flyc.jit
@@ -167,7 +245,7 @@ def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, gro
         m, n_out, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
         *x5.stride(), w2.stride(0), *y5.stride(),
         HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed, POINTWISE=geom_pointwise(geom),
-        IEEE=x5.dtype.itemsize == 4,
+        **_index_meta(x5, w2, y5, geom, transposed, cg), IEEE=x5.dtype.itemsize == 4,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
