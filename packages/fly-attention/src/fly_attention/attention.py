@@ -26,6 +26,7 @@ from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, S
 from ._kernels.flash_bwd import launch_flash_bwd
 from ._kernels.flash_fwd import launch_flash_fwd
 from ._kernels.flash_fwd_fp8 import launch_flash_fwd_fp8
+from ._kernels.flash_fwd_tma import launch_flash_fwd_tma, tma_addressable
 from .autotune import AttnBwdConfig, AttnConfig, bwd_config_valid, config_valid, default_bwd_config, default_config
 
 __all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "MAX_HEAD_DIM"]
@@ -175,6 +176,16 @@ def _scale(softmax_scale, d) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
+def _launch_fwd(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, batch, left, right, scale, softcap, cfg):
+    """The 16-bit forward's launch: the TMA kernel for ``cfg.tma`` where TMA can address every tensor, else
+    the pointer kernel (with the same tiles: its result is the same to rounding)."""
+    if cfg.tma and tma_addressable(q, k, v, out):  # (the lse is stored through pointers)
+        launch = launch_flash_fwd_tma
+    else:
+        launch = launch_flash_fwd
+    launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, batch, left, right, scale, softcap, cfg)
+
+
 def _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse, config=None):
     """Check, allocate and launch the dense forward: (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` fp32, or
     an empty ``[0]`` tensor without ``return_lse``)."""
@@ -186,8 +197,8 @@ def _flash_attn(q, k, v, causal, softmax_scale, left, right, softcap, return_lse
     if q.is_meta:
         return out, (lse if return_lse else lse.new_empty(0))
     cfg = _config(q, d, dv, sq, sk, causal, config)
-    launch_flash_fwd(q, k, v, out, lse if return_lse else None, None, None, sq, sk, b, left, right,
-                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    _launch_fwd(q, k, v, out, lse if return_lse else None, None, None, sq, sk, b, left, right,
+                _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
     return out, (lse if return_lse else lse.new_empty(0))
 
 
@@ -212,8 +223,8 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
     if q.is_meta:
         return out, (lse if return_lse else lse.new_empty(0))
     cfg = _config(q, d, dv, max_q, max_k, causal, config)
-    launch_flash_fwd(q, k, v, out, lse if return_lse else None, cu_q, cu_k, max_q, max_k, batch, left, right,
-                     _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
+    _launch_fwd(q, k, v, out, lse if return_lse else None, cu_q, cu_k, max_q, max_k, batch, left, right,
+                _scale(softmax_scale, d), float(softcap), cfg)  # fmt: skip
     return out, (lse if return_lse else lse.new_empty(0))
 
 
