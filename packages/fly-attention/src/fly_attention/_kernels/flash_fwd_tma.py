@@ -19,8 +19,11 @@ error).
 
 ``TMA_STORE``: the output tile is stored through a descriptor too (clipped to ``[seqlen_q, head_dim_v]``;
 the head dims are multiples of 8 elements, so no store reaches past a row into the next head), at the cost
-of an output tile of shared memory. ``WARP_SPECIALIZE``: the unmasked inner key loop is given to Triton's
-automatic warp specialisation (a producer warp issuing the loads, consumer warp groups doing the math).
+of an output tile of shared memory (sm_90 compiles place it in the key loop's freed buffers).
+``WARP_SPECIALIZE``: the key loop is given to Triton's automatic warp specialisation (a producer warp group
+issuing the loads, two consumer warp groups of 64 rows doing the math); Triton 3.6's Hopper pass takes only
+a kernel whose one loop is its whole control flow, so that form walks every visited key block masked, in one
+loop, with no early return.
 """
 
 from __future__ import annotations
