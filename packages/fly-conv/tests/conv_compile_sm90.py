@@ -151,7 +151,8 @@ BF16 = torch.bfloat16
 # (name, launch): the forward at the ResNet 3x3 default (128 x 128 x 64), a strided 3x3 (int32 addressing
 # through a stride), a grouped layer's narrow tiles (8 channels a group: Triton marks no alignment, the
 # kernel's C_VEC does), the pointwise GEMM, the input gradient (stride 1: the taps reversed; stride 2: the
-# division path), fp16 with gelu, the depthwise kernel and the weight gradient
+# division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores, checked for spills only), the
+# depthwise kernel and the weight gradient
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
@@ -160,6 +161,8 @@ VARIANTS = [
     ("dgrad", lambda: _implicit(BF16, 32, 64, 64, 56, 3, pad=1, bias=False, act=0, transposed=True)),
     ("dgrad_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
     ("implicit_fp16_gelu", lambda: _implicit(torch.float16, 8, 128, 128, 64, 3, pad=1, act=4)),
+    ("implicit_fp32", lambda: _implicit(torch.float32, 32, 128, 128, 56, 3, pad=1)),
+    ("dgrad_s2_fp32", lambda: _implicit(torch.float32, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
     ("depthwise", lambda: _depthwise(BF16, 32, 384, 28, 3)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
 ]

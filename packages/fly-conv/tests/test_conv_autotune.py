@@ -78,6 +78,11 @@ def sm90_lines():
     return _compile_sm90()
 
 
+def _tensor_core(lines: list[str]) -> list[str]:
+    """The 16-bit dot kernels' lines (not the depthwise kernel, not fp32's full-precision dot)."""
+    return [line for line in lines if " depthwise " not in line and "_fp32 " not in line]
+
+
 def _fields(line: str) -> dict:
     """``KEY:value`` fields of one compile line."""
     return dict(f.split(":", 1) for f in line.split() if ":" in f)
@@ -85,9 +90,8 @@ def _fields(line: str) -> dict:
 
 def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
     """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
-    assert len(sm90_lines) == 9 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
-    dots = [line for line in sm90_lines if " depthwise " not in line]
-    assert all(_fields(line)["WGMMA"] == "1" for line in dots), "\n".join(sm90_lines)
+    assert len(sm90_lines) == 11 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert all(_fields(line)["WGMMA"] == "1" for line in _tensor_core(sm90_lines)), "\n".join(sm90_lines)
 
 
 def test_kernels_do_not_spill_on_sm90(sm90_lines):
@@ -96,11 +100,9 @@ def test_kernels_do_not_spill_on_sm90(sm90_lines):
 
 
 def test_dot_kernels_k_loop_is_pipelined_on_sm90(sm90_lines):
-    """The dot kernels' K loops are software-pipelined: their loads are asynchronous copies and shared memory
+    """The 16-bit dot kernels' K loops are software-pipelined: their loads are asynchronous copies and shared memory
     holds num_stages A + B tiles (one stage's worth would mean the loop is not multi-buffered)."""
-    for line in sm90_lines:
-        if " depthwise " in line:
-            continue
+    for line in _tensor_core(sm90_lines):
         f = _fields(line)
         shared = int(line.split()[2])
         assert f["CP_ASYNC"] == "1" and shared >= int(f["PIPELINE"]) > 0, "\n".join(sm90_lines)

@@ -12,7 +12,8 @@ Three kernel kinds share the config type:
 
 The defaults are the published Hopper practice for 16-bit implicit GEMMs (128-row tiles, 64 channels a
 step where the layer has them, 3-4 pipeline stages, grouped tile order), narrowed to the layer where its
-channels are fewer (grouped and small-channel layers); they have not been tuned on the H200 yet.
+channels are fewer (grouped and small-channel layers), with warps and fp32 tiles chosen by sm_90 compiles
+(no spill, the K loop pipelined); they have not been timed on the H200 yet.
 """
 
 from __future__ import annotations
@@ -128,15 +129,25 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
     elif problem.kind == "wgrad":
         cfg = ConvConfig(_pow2_in(problem.n, 16, 128), _pow2_in(problem.cg, 16, 128), 64 if wide else 32,
                          num_warps=8 if problem.n >= 128 and problem.cg >= 128 else 4, num_stages=3)  # fmt: skip
-    else:
+    elif wide:
+        # Chosen by sm_90 compiles (no register spill, K loop pipelined: tests/conv_compile_sm90.py and
+        # PERF.md), not by timings: 128-row tiles, 64 channels a step where the layer has them, 4 stages
+        # (128 KB of shared memory at 128 x 128 x 64). 8 warps from 128 x 64 up: at 4 warps a 128 x 64 x 64
+        # tile takes 191 registers in the forward, 252 in the strided input gradient and spills there with
+        # int64 offsets; at 8 warps 112-166, no spill. A grid short of one wave (small batch, small images)
+        # takes 64-row tiles: twice the programs.
         block_n = _pow2_in(problem.n, 16, 128)
-        block_k = _pow2_in(problem.cg, 16, 64 if wide else 32)
+        block_k = _pow2_in(problem.cg, 16, 64)
         block_m = 128
-        # a grid short of one wave (small batch, small images) takes 64-row tiles: twice the programs
         if flyc.cdiv(problem.m, 128) * flyc.cdiv(problem.n, block_n) * problem.groups < arch.sm_count:
             block_m = 64
-        cfg = ConvConfig(block_m, block_n, block_k, group_m=8, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-                         num_stages=4 if wide else 3)  # fmt: skip
+        cfg = ConvConfig(block_m, block_n, block_k, group_m=8, num_warps=8 if block_m * block_n >= 128 * 64 else 4,
+                         num_stages=4)  # fmt: skip
+    else:
+        # fp32 runs the full-precision dot (IEEE products, no tensor cores): its operands live in registers,
+        # so the tile is small. 64 x 64 x 16 at 4 warps compiles in at most 168 registers with int32 or int64
+        # offsets; 128 x 64 x 16 and 64 x 128 x 16 spill (255 registers, 8-32 bytes of stack).
+        cfg = ConvConfig(64, _pow2_in(problem.n, 16, 64), 16, group_m=8, num_warps=4, num_stages=3)
     while not config_valid(cfg, problem, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     if problem.kind == "wgrad":
