@@ -27,6 +27,7 @@ from ._kernels.flash_bwd import launch_flash_bwd
 from ._kernels.flash_fwd import launch_flash_fwd
 from ._kernels.flash_fwd_fp8 import launch_flash_fwd_fp8
 from ._kernels.flash_fwd_tma import launch_flash_fwd_tma, tma_addressable
+from ._seqlens import offsets_span
 from .autotune import AttnBwdConfig, AttnConfig, bwd_config_valid, config_valid, default_bwd_config, default_config
 
 __all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "MAX_HEAD_DIM"]
@@ -104,7 +105,7 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int
     """cu_seqlens int32 ``[batch + 1]`` on q's device, non-decreasing, inside the packed tokens, and no
     sequence longer than its max_seqlen. Returns the batch and the query tokens the sequences cover
     (``(cu_q[0], cu_q[-1])``; None while tracing, capturing a CUDA graph or on meta tensors, where the values
-    go unchecked). One host sync for every value check."""
+    go unchecked). The values are checked once per offsets tensor (:func:`._seqlens.offsets_span`)."""
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
         if t.device != q.device:
@@ -120,23 +121,9 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int
     batch = cu_q.numel() - 1
     if q.is_meta or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return batch, None  # values unknown while tracing or on meta tensors; no host sync inside a CUDA graph
-    rows = []
-    for cu in (cu_q, cu_k):
-        steps = cu.diff() if batch else cu.new_zeros(1)
-        rows.append(torch.stack([cu[0], cu[-1], steps.min(), steps.max()]))
-    (q_first, q_last, q_min, q_max), (k_first, k_last, k_min, k_max) = torch.stack(rows).tolist()
-    for name, cu, first, last, lo, hi, total, mx, mname in (
-        ("cu_seqlens_q", cu_q, q_first, q_last, q_min, q_max, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-        ("cu_seqlens_k", cu_k, k_first, k_last, k_min, k_max, k.shape[0], max_seqlen_k, "max_seqlen_k"),
-    ):
-        if lo < 0:
-            raise ArgumentError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
-        if first < 0 or last > total:
-            raise ArgumentError(f"{name}: expected offsets within the {total} packed tokens, got first {first}, "
-                                f"last {last}")  # fmt: skip
-        if hi > mx:
-            raise ArgumentError(f"{mname}: a sequence of {name} has {hi} tokens, more than {mname} = {mx}")
-    return batch, (int(q_first), int(q_last))
+    # one host sync the first time these offsets tensors are seen, none after (_seqlens)
+    span = offsets_span(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return batch, span[:2]
 
 
 # ------------------------------------------------------------------ config and launch
@@ -380,8 +367,8 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
     # without the offsets' values (inside a CUDA graph capture: no host sync) everything is zeroed first.
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         spans = None
-    else:
-        spans = torch.stack([cu_q[0], cu_q[-1], cu_k[0], cu_k[-1]]).tolist()
+    else:  # checked and kept by the forward (the same offsets tensors): no host sync here
+        spans = list(offsets_span(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k))
     for t, span in ((dq, spans[:2] if spans else None), (dk, spans[2:] if spans else None),
                     (dv, spans[2:] if spans else None)):  # fmt: skip
         if span is None:
