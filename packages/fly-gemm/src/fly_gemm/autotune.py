@@ -314,7 +314,10 @@ def candidates(key, arch: str) -> list[GemmConfig]:
                     GemmConfig(128, 256, bk, tma=True, epilogue_subtile=True, flatten=True, **wide),
                     GemmConfig(128, 256, 64, tma=True, epilogue_subtile=True, flatten=True, **wide),
                     GemmConfig(128, 128, bk, tma=True, flatten=True, **wide),
-                    GemmConfig(128, 128, bk, tma=True, warp_specialize=True, **wide)]  # fmt: skip
+                    # Triton 3.6 specialises warps on sm_90 only from 4 warps (a producer group and two
+                    # consumer groups: 12 warps launched); at 8 the option is silently dropped (sm_90 compiles)
+                    GemmConfig(128, 128, bk, tma=True, warp_specialize=True, group_m=8, num_warps=4,
+                               num_stages=4)]  # fmt: skip
             if m <= 512:  # few tiles against a long K: split K across the SMs
                 out += [GemmConfig(128, 128, bk, tma=True, split_k=s, reduce_last=r, **wide)
                         for s in (2, 4) for r in (False, True)]  # fmt: skip
