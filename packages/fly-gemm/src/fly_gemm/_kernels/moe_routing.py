@@ -1,0 +1,295 @@
+"""Device code of the MoE routing: top-k of the router's scores, and the alignment of routed rows by expert.
+
+Selection: a token's k experts are taken one at a time, each the largest remaining score, equal scores to
+the lower expert id (the minimum id among the maxima), so ties give one answer on every device.
+
+Alignment (``moe_align``), in three launches and no host synchronization: the flat rows ``t * k + j`` are
+cut into chunks; (1) each chunk counts its rows per expert; (2) one program adds the counts up: the rows of
+expert e before chunk p, each expert's run padded to a multiple of BLOCK_M and where it starts, the expert
+of every block and the padded count; (3) each chunk writes its rows' flat indices at
+``start[e] + before[p, e] + rank in the chunk``, so an expert's rows stay in ascending order (the result
+does not depend on scheduling). Ids outside [0, E) are not placed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+__all__ = ["launch_topk_softmax", "launch_grouped_topk", "launch_align"]
+
+_NEG_INF = fx.constexpr(float("-inf"))
+
+
+@flyc.func
+def _take_max(v, cols, BIG: fx.constexpr):
+    """(max of each row of v, the lowest column holding it)."""
+    best = fx.max(v, axis=1)
+    idx = fx.min(fx.where(v == best[:, None], cols[None, :], BIG), axis=1)
+    return best, idx
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["T"])
+def _topk_softmax_kernel(
+    logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, stride_wt, stride_wk, stride_it, stride_ik,
+    K: fx.constexpr, RENORM: fx.constexpr, BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr,
+):
+    # fmt: on
+    rt = fx.program_id(0) * BLOCK_T + fx.arange(0, BLOCK_T)
+    re = fx.arange(0, BLOCK_E)
+    t_ok = rt < T
+    e_ok = re < E
+    ptrs = logits_ptr + rt.to(fx.int64)[:, None] * stride_lt + re[None, :] * stride_le
+    x = fx.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(fx.float32)
+    x = fx.where(e_ok[None, :], x, _NEG_INF)  # padding columns; rows past T stay finite (no inf - inf)
+    row_max = fx.max(x, axis=1)
+    p = fx.exp(x - row_max[:, None])
+    p = fx.where(e_ok[None, :], p, 0.0)
+    denom = fx.sum(p, axis=1)
+    # selected on the logits (they rank as the probabilities do, and equal logits stay equal)
+    v = x
+    total = fx.zeros([BLOCK_T], dtype=fx.float32)
+    for j in fx.static_range(K):
+        _, idx = _take_max(v, re, BLOCK_E)
+        hit = re[None, :] == idx[:, None]
+        wj = fx.sum(fx.where(hit, p, 0.0), axis=1)
+        total += wj
+        fx.store(ids_ptr + rt.to(fx.int64) * stride_it + j * stride_ik, idx, mask=t_ok)
+        fx.store(w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk, wj, mask=t_ok)
+        v = fx.where(hit, _NEG_INF, v)
+    # second pass over the k weights written above (same program, same addresses): normalise
+    if RENORM:
+        scale = 1.0 / total
+    else:
+        scale = 1.0 / denom
+    for j in fx.static_range(K):
+        wp = w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk
+        fx.store(wp, fx.load(wp, mask=t_ok, other=0.0) * scale, mask=t_ok)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["T"])
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, stride_wt, stride_wk, stride_it, stride_ik,
+    scaling,
+    K: fx.constexpr, GROUPS: fx.constexpr, GROUP_SIZE: fx.constexpr, TOPK_GROUP: fx.constexpr,
+    HAS_BIAS: fx.constexpr, SIGMOID: fx.constexpr, RENORM: fx.constexpr,
+    BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_G: fx.constexpr,
+):
+    # fmt: on
+    rt = fx.program_id(0) * BLOCK_T + fx.arange(0, BLOCK_T)
+    re = fx.arange(0, BLOCK_E)
+    rg = fx.arange(0, BLOCK_G)
+    t_ok = rt < T
+    e_ok = re < E
+    ptrs = logits_ptr + rt.to(fx.int64)[:, None] * stride_lt + re[None, :] * stride_le
+    x = fx.load(ptrs, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(fx.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + fx.exp(-x))
+    else:
+        xm = fx.where(e_ok[None, :], x, _NEG_INF)
+        p = fx.exp(xm - fx.max(xm, axis=1)[:, None])
+        scores = p / fx.sum(p, axis=1)[:, None]
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + fx.load(bias_ptr + re, mask=e_ok, other=0.0).to(fx.float32)[None, :]
+    choice = fx.where(e_ok[None, :], choice, _NEG_INF)
+    group_of = re // GROUP_SIZE
+    # each group's score: the sum of its two largest choice scores (with a bias), else its largest
+    gscore = fx.full([BLOCK_T, BLOCK_G], float("-inf"), dtype=fx.float32)
+    for g in fx.static_range(GROUPS):
+        inside = group_of[None, :] == g
+        v = fx.where(inside, choice, _NEG_INF)
+        first, idx = _take_max(v, re, BLOCK_E)
+        s = first
+        if HAS_BIAS and GROUP_SIZE > 1:
+            second = fx.max(fx.where(re[None, :] == idx[:, None], _NEG_INF, v), axis=1)
+            s = first + second
+        gscore = fx.where(rg[None, :] == g, s[:, None], gscore)
+    # the TOPK_GROUP best groups; experts of the others are out of the running
+    keep = (rt[:, None] < 0) & (re[None, :] < 0)  # all False
+    for _ in fx.static_range(TOPK_GROUP):
+        _, gi = _take_max(gscore, rg, BLOCK_G)
+        keep = keep | (group_of[None, :] == gi[:, None])
+        gscore = fx.where(rg[None, :] == gi[:, None], _NEG_INF, gscore)
+    v = fx.where(keep & e_ok[None, :], choice, _NEG_INF)
+    total = fx.zeros([BLOCK_T], dtype=fx.float32)
+    for j in fx.static_range(K):
+        _, idx = _take_max(v, re, BLOCK_E)
+        hit = re[None, :] == idx[:, None]
+        wj = fx.sum(fx.where(hit, scores, 0.0), axis=1)
+        total += wj
+        fx.store(ids_ptr + rt.to(fx.int64) * stride_it + j * stride_ik, idx, mask=t_ok)
+        fx.store(w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk, wj, mask=t_ok)
+        v = fx.where(hit, _NEG_INF, v)
+    if RENORM:
+        scale = scaling / total
+    else:
+        scale = total * 0.0 + scaling
+    for j in fx.static_range(K):
+        wp = w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk
+        fx.store(wp, fx.load(wp, mask=t_ok, other=0.0) * scale, mask=t_ok)
+
+
+@flyc.func
+def _chunk_rows(ids_ptr, i, NUMEL, TOPK, stride_it, stride_ik, E, re):
+    """Flat rows i of topk_ids: (expert id, placed?, one-hot [rows, experts] as int32)."""
+    ok = i < NUMEL
+    t = i // TOPK
+    eid = fx.load(ids_ptr + t.to(fx.int64) * stride_it + (i - t * TOPK) * stride_ik, mask=ok, other=-1).to(fx.int32)
+    placed = ok & (eid >= 0) & (eid < E)
+    onehot = ((eid[:, None] == re[None, :]) & placed[:, None]).to(fx.int32)
+    return eid, placed, onehot
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK"])
+def _align_count_kernel(
+    ids_ptr, counts_ptr, NUMEL, TOPK, E, CHUNK, stride_it, stride_ik,
+    SUB: fx.constexpr, BLOCK_E: fx.constexpr,
+):
+    # fmt: on
+    p = fx.program_id(0)
+    re = fx.arange(0, BLOCK_E)
+    count = fx.zeros([BLOCK_E], dtype=fx.int32)
+    for s0 in range(0, CHUNK, SUB):
+        i = p * CHUNK + s0 + fx.arange(0, SUB)
+        _, _, onehot = _chunk_rows(ids_ptr, i, NUMEL, TOPK, stride_it, stride_ik, E, re)
+        count += fx.sum(onehot, axis=0)
+    fx.store(counts_ptr + p * E + re, count, mask=re < E)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["CHUNKS", "BLOCKS"])
+def _align_offsets_kernel(
+    counts_ptr, before_ptr, start_ptr, expert_ids_ptr, npad_ptr, CHUNKS, E, BLOCKS,
+    BLOCK_M: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_B: fx.constexpr,
+):
+    # fmt: on
+    re = fx.arange(0, BLOCK_E)
+    e_ok = re < E
+    run = fx.zeros([BLOCK_E], dtype=fx.int32)
+    for p in range(0, CHUNKS):
+        c = fx.load(counts_ptr + p * E + re, mask=e_ok, other=0)
+        fx.store(before_ptr + p * E + re, run, mask=e_ok)
+        run += c
+    padded = (run + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = fx.cumsum(padded, axis=0)
+    fx.store(start_ptr + re, ends - padded, mask=e_ok)
+    total = fx.sum(padded, axis=0)
+    fx.store(npad_ptr, total)
+    for b0 in range(0, BLOCKS, BLOCK_B):
+        b = b0 + fx.arange(0, BLOCK_B)
+        first_row = b * BLOCK_M
+        # the block's expert: how many experts' runs end at or before its first row
+        eid = fx.sum(((ends[None, :] <= first_row[:, None]) & e_ok[None, :]).to(fx.int32), axis=1)
+        fx.store(expert_ids_ptr + b, fx.where(first_row < total, eid, -1), mask=b < BLOCKS)
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK"])
+def _align_scatter_kernel(
+    ids_ptr, before_ptr, start_ptr, sorted_ptr, NUMEL, TOPK, E, CHUNK, stride_it, stride_ik,
+    SUB: fx.constexpr, BLOCK_E: fx.constexpr,
+):
+    # fmt: on
+    p = fx.program_id(0)
+    re = fx.arange(0, BLOCK_E)
+    seen = fx.zeros([BLOCK_E], dtype=fx.int32)  # rows of each expert earlier in this chunk
+    for s0 in range(0, CHUNK, SUB):
+        i = p * CHUNK + s0 + fx.arange(0, SUB)
+        eid, placed, onehot = _chunk_rows(ids_ptr, i, NUMEL, TOPK, stride_it, stride_ik, E, re)
+        upto = fx.cumsum(onehot, axis=0) - 1 + seen[None, :]
+        rank = fx.sum(onehot * upto, axis=1)
+        e = fx.where(placed, eid, 0)
+        base = fx.load(start_ptr + e, mask=placed, other=0) + fx.load(before_ptr + p * E + e, mask=placed, other=0)
+        fx.store(sorted_ptr + base + rank, i, mask=placed)
+        seen += fx.sum(onehot, axis=0)
+
+
+# ------------------------------------------------------------------ host launchers
+
+
+def _rows_block(block_e: int) -> int:
+    """Tokens a routing program takes: a [BLOCK_T, BLOCK_E] tile of about 4K scores (256 experts: 16 rows)."""
+    return max(1, min(64, 4096 // block_e))
+
+
+@flyc.jit(skip_empty=False)
+def launch_topk_softmax(logits, weights, ids, k: int, renormalize: bool, stream=None):
+    """weights [T, k] fp32, ids [T, k] int32 of logits [T, E]: the softmax's top k (see the module)."""
+    t, e = logits.shape
+    if t == 0:
+        return
+    block_e = flyc.next_power_of_2(e)
+    block_t = _rows_block(block_e)
+    # fmt: off
+    flyc.launch(
+        _topk_softmax_kernel, (flyc.cdiv(t, block_t),),
+        logits, weights, ids, t, e, logits.stride(0), logits.stride(1), weights.stride(0), weights.stride(1),
+        ids.stride(0), ids.stride(1), K=k, RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+    )
+    # fmt: on
+
+
+@flyc.jit(skip_empty=False)
+def launch_grouped_topk(
+    logits, bias, weights, ids, k: int, groups: int, topk_group: int, sigmoid: bool, renormalize: bool,
+    scaling: float, stream=None,
+):  # fmt: skip
+    """weights [T, k] fp32, ids [T, k] int32 of logits [T, E] by DeepSeek-V3's grouped top-k (see the module)."""
+    t, e = logits.shape
+    if t == 0:
+        return
+    block_e = flyc.next_power_of_2(e)
+    block_t = _rows_block(block_e)
+    # fmt: off
+    flyc.launch(
+        _grouped_topk_kernel, (flyc.cdiv(t, block_t),),
+        logits, bias if bias is not None else logits, weights, ids, t, e, logits.stride(0), logits.stride(1),
+        weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), float(scaling),
+        K=k, GROUPS=groups, GROUP_SIZE=e // groups, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
+        SIGMOID=sigmoid, RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_G=flyc.next_power_of_2(groups), num_warps=4,
+    )
+    # fmt: on
+
+
+# Chunks of the alignment: enough of them to spread the counting over the SMs, few enough that the one
+# program adding them up (a loop over chunks) stays short: at most ~128 chunks, of 64-4096 rows.
+_MAX_CHUNKS = 128
+_CHUNK_MIN = 64
+_CHUNK_MAX = 4096
+
+
+def _chunk(numel: int, sub: int) -> int:
+    want = flyc.next_power_of_2(max(1, flyc.cdiv(numel, _MAX_CHUNKS)))
+    return max(sub, _CHUNK_MIN, min(_CHUNK_MAX, want))
+
+
+@flyc.jit(skip_empty=False)
+def launch_align(topk_ids, num_experts: int, block_m: int, sorted_ids, expert_ids, num_padded, stream=None):
+    """Fill ``sorted_ids`` (prefilled with T * k), ``expert_ids`` and ``num_padded`` (see the module) from
+    ``topk_ids`` [T, k] (int32 / int64, any strides)."""
+    t, k = topk_ids.shape
+    numel = t * k
+    block_e = flyc.next_power_of_2(num_experts)
+    sub = max(16, min(64, 8192 // block_e))  # a [SUB, BLOCK_E] one-hot tile of at most 8K ints
+    chunk = _chunk(numel, sub)
+    chunks = max(1, flyc.cdiv(numel, chunk))
+    dev = topk_ids.device
+    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=dev)
+    before = torch.empty(chunks, num_experts, dtype=torch.int32, device=dev)
+    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    s0, s1 = topk_ids.stride(0), topk_ids.stride(1)
+    flyc.launch(_align_count_kernel, (chunks,), topk_ids, counts, numel, k, num_experts, chunk, s0, s1,
+                SUB=sub, BLOCK_E=block_e, num_warps=4)  # fmt: skip
+    blocks = expert_ids.shape[0]
+    flyc.launch(_align_offsets_kernel, (1,), counts, before, start, expert_ids, num_padded, chunks, num_experts,
+                blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=max(16, 4096 // block_e), num_warps=4)  # fmt: skip
+    if numel:
+        flyc.launch(_align_scatter_kernel, (chunks,), topk_ids, before, start, sorted_ids, numel, k, num_experts,
+                    chunk, s0, s1, SUB=sub, BLOCK_E=block_e, num_warps=4)  # fmt: skip

@@ -1,0 +1,136 @@
+"""Plain torch references of fly-gemm's mixture-of-experts ops, imported by tests and benchmarks alike.
+
+Selection rules shared with the kernels: experts are ranked by score, equal scores by the lower expert id
+(a stable sort), so ties give one answer on every device. Expert ids outside ``[0, E)`` (expert
+parallelism's -1: an expert of another rank) contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flydsl_common.reference import torch_activation
+
+__all__ = ["topk_softmax_ref", "grouped_topk_ref", "moe_align_ref", "fused_moe_ref"]
+
+
+def _topk_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the k largest scores a row, ties to the lower id."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def topk_softmax_ref(router_logits: torch.Tensor, k: int, renormalize: bool = True):
+    """(weights fp32 [T, k], ids int32 [T, k]): the softmax over all experts, its k largest (selected on the
+    logits, which rank as the probabilities do), renormalized to sum to 1 a token when asked."""
+    logits = router_logits.double()
+    ids = _topk_stable(logits, k)
+    w = torch.softmax(logits, dim=-1).gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w.float(), ids.to(torch.int32)
+
+
+def grouped_topk_ref(
+    router_logits: torch.Tensor,
+    k: int,
+    num_expert_group: int,
+    topk_group: int,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    scoring: str = "sigmoid",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+):
+    """DeepSeek-V3's routing, in float64: scores ``sigmoid(logits)`` (or the softmax); choice scores = scores
+    + ``correction_bias``; a group's score is the sum of its two largest choice scores (with a bias) or its
+    largest (without, DeepSeek-V2); the ``topk_group`` best groups are kept and the k best experts of those
+    chosen by choice score; the weights are the plain scores of the chosen experts, renormalized when asked,
+    times ``routed_scaling_factor``. Returns (weights fp32 [T, k], ids int32 [T, k])."""
+    logits = router_logits.double()
+    t, e = logits.shape
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.double()[None, :]
+    grouped = choice.view(t, num_expert_group, e // num_expert_group)
+    if correction_bias is not None:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.max(-1).values
+    groups = _topk_stable(group_scores, topk_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep[:, :, None].expand_as(grouped).reshape(t, e)
+    ids = _topk_stable(choice.masked_fill(~keep, float("-inf")), k)
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return (w * routed_scaling_factor).float(), ids.to(torch.int32)
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted_ids, expert_ids, num_padded) as :func:`fly_gemm.moe_routing.moe_align` defines them, in
+    plain torch: the flat indices ``t * k + j`` grouped by expert (ascending within an expert), each
+    expert's run padded to a multiple of ``block_m`` with ``T * k``; the expert of each block (-1 past the
+    padded count); the padded count. Buffers sized as the kernel sizes them."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    numel = flat.numel()
+    size = moe_align_capacity(numel, num_experts, block_m)
+    sorted_ids = torch.full((size,), numel, dtype=torch.int32)
+    expert_ids = torch.full((size // block_m,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        rows = torch.nonzero(flat == e).flatten()
+        if rows.numel() == 0:
+            continue
+        sorted_ids[pos : pos + rows.numel()] = rows.to(torch.int32)
+        padded = -(-rows.numel() // block_m) * block_m
+        expert_ids[pos // block_m : (pos + padded) // block_m] = e
+        pos += padded
+    return sorted_ids, expert_ids, torch.tensor([pos], dtype=torch.int32)
+
+
+def moe_align_capacity(numel: int, num_experts: int, block_m: int) -> int:
+    """The padded worst case of ``numel`` routed rows over ``num_experts`` experts: every non-empty expert
+    (at most min(E, numel) of them) pads at most ``block_m - 1`` rows; a multiple of ``block_m``."""
+    worst = numel + min(num_experts, numel) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The MoE layer in ``dtype`` (fp32 by default), a loop over experts::
+
+        out[t] = sum_j w[t, j] * W2[e] @ (act(W1g[e] @ x[t]) * (W1u[e] @ x[t])),   e = ids[t, j]
+
+    ``w1`` [E, 2I, H] (gate rows first, then up), ``w2`` [E, H, I]. With ``apply_router_weight_on_input``
+    the weight scales the input instead: ``W2[e] @ (act(W1g[e] @ (w x[t])) * (W1u[e] @ (w x[t])))``.
+    Ids outside [0, E) contribute nothing. Returns [T, H] in ``dtype``, on x's device."""
+    t, h = x.shape
+    e_count, two_i, _ = w1.shape
+    inter = two_i // 2
+    out = torch.zeros(t, h, dtype=dtype, device=x.device)
+    ids = topk_ids.long()
+    xs = x.to(dtype)
+    ws = topk_weights.to(dtype)
+    for e in range(e_count):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a = xs[tok]
+        w = ws[tok, slot][:, None]
+        if apply_router_weight_on_input:
+            a = a * w
+        gate_up = a @ w1[e].to(dtype).t()
+        y = torch_activation(gate_up[:, :inter], activation) * gate_up[:, inter:]
+        y = y @ w2[e].to(dtype).t()
+        if not apply_router_weight_on_input:
+            y = y * w
+        out.index_add_(0, tok, y)
+    return out
