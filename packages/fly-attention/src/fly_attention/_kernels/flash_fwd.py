@@ -32,7 +32,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .programs import block_program, head_base, sequence_bounds, softcap_tanh
+from .programs import block_program, head_base, online_update, sequence_bounds
 
 __all__ = ["launch_flash_fwd", "key_blocks", "UNBOUNDED"]
 
@@ -69,25 +69,8 @@ def _attend(
             v = fx.load(v_ptrs)
         else:
             v = fx.load(v_ptrs, mask=(rdv < HEAD_DIM_V)[None, :], other=0.0)
-    s = fx.dot(q, fx.trans(k))  # fp32
-    if SOFTCAP:  # cap * tanh(s * scale / cap), then into log2 units
-        s = softcap_tanh(s * cap_in) * cap_out
-    else:
-        s = s * qk_scale
-    if MASKED:
-        ok = (rn[None, :] >= (rows + lo_off)[:, None]) & (rn[None, :] <= (rows + hi_off)[:, None])
-        ok = ok & (rn < seqlen_k)[None, :]
-        s = fx.where(ok, s, float("-inf"))
-    m_new = fx.maximum(m_i, fx.max(s, 1))
-    # A row that has seen no key yet (every score -inf) subtracts 0 instead of -inf: p and alpha are then
-    # exp2(-inf) = 0, never exp2(-inf - -inf) = NaN.
-    m_use = fx.where(m_new == float("-inf"), 0.0, m_new)
-    p = fx.exp2(s - m_use[:, None])
-    alpha = fx.exp2(m_i - m_use)
-    l_i = l_i * alpha + fx.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = fx.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+    return online_update(acc, l_i, m_i, q, k, v, n0, seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out,
+                         BLOCK_N, MASKED, SOFTCAP)  # fmt: skip
 
 
 @flyc.func

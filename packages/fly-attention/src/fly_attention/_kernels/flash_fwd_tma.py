@@ -35,41 +35,13 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .flash_fwd import UNBOUNDED, key_blocks
-from .programs import block_program, head_base, sequence_bounds, softcap_tanh
+from .programs import block_program, head_base, online_update, sequence_bounds
 
 __all__ = ["launch_flash_fwd_tma", "tma_addressable"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = fx.constexpr(0.6931471805599453)  # a kernel reads module globals only as constexpr
 _TMA_ALIGN = 16  # bytes: TMA's alignment of a descriptor's base and of every stride but the last
-
-
-@flyc.func
-def _update(
-    acc, l_i, m_i, q, k, v, n0, seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out,
-    BLOCK_N: fx.constexpr, MASKED: fx.constexpr, SOFTCAP: fx.constexpr,
-):  # fmt: skip
-    """The online-softmax update of (acc, l, m) by the key block at ``n0`` (tiles already loaded)."""
-    s = fx.dot(q, fx.trans(k))  # fp32
-    if SOFTCAP:  # cap * tanh(s * scale / cap), then into log2 units
-        s = softcap_tanh(s * cap_in) * cap_out
-    else:
-        s = s * qk_scale
-    if MASKED:  # window edges, the diagonal, and the keys past seqlen_k (read as zeros, not -inf)
-        rn = n0 + fx.arange(0, BLOCK_N)
-        ok = (rn[None, :] >= (rows + lo_off)[:, None]) & (rn[None, :] <= (rows + hi_off)[:, None])
-        ok = ok & (rn < seqlen_k)[None, :]
-        s = fx.where(ok, s, float("-inf"))
-    m_new = fx.maximum(m_i, fx.max(s, 1))
-    # A row that has seen no key yet subtracts 0 instead of -inf: p and alpha are then exp2(-inf) = 0,
-    # never exp2(-inf - -inf) = NaN.
-    m_use = fx.where(m_new == float("-inf"), 0.0, m_new)
-    p = fx.exp2(s - m_use[:, None])
-    alpha = fx.exp2(m_i - m_use)
-    l_i = l_i * alpha + fx.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = fx.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
 
 
 # fmt: off
@@ -117,23 +89,23 @@ def _flash_fwd_tma_kernel(
         # its sequence (varlen) visits none and stores nothing (the stores are clipped / masked to seqlen_q).
         kv_end = fx.where(m0 < seqlen_q, kv_end, kv_start)
         for n0 in fx.range(kv_start, kv_end, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0, seqlen_k,
-                                    rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N, True,
-                                    SOFTCAP)  # fmt: skip
+            acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                          seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                          True, SOFTCAP)  # fmt: skip
     else:
         if WINDOWED:  # the left edge of a window: masked
             for n0 in range(kv_start, full_lo, BLOCK_N):
-                acc, l_i, m_i = _update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0, seqlen_k,
-                                        rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N, True,
-                                        SOFTCAP)  # fmt: skip
+                acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                              seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                              True, SOFTCAP)  # fmt: skip
         for n0 in range(full_lo, full_hi, BLOCK_N):  # the inner blocks: no mask at all
-            acc, l_i, m_i = _update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0, seqlen_k,
-                                    rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N, False,
-                                    SOFTCAP)  # fmt: skip
+            acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                          seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                          False, SOFTCAP)  # fmt: skip
         for n0 in range(full_hi, kv_end, BLOCK_N):  # the diagonal / right edge and the ragged end: masked
-            acc, l_i, m_i = _update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0, seqlen_k,
-                                    rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N, True,
-                                    SOFTCAP)  # fmt: skip
+            acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                          seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                          True, SOFTCAP)  # fmt: skip
 
     seen = l_i > 0.0  # rows that saw no key store 0 and lse -inf
     out = (acc / fx.where(seen, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty)

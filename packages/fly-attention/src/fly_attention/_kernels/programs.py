@@ -1,6 +1,6 @@
 """What the attention kernels share on the device: which (batch, head, block) a program owns, its
-sequence's bounds, a head's base pointer, and the softcap's tanh (both directions recompute the same
-scores, so they must share it).
+sequence's bounds, a head's base pointer, the softcap's tanh (both directions recompute the same
+scores, so they must share it), and the 16-bit forwards' online-softmax step.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-__all__ = ["block_program", "sequence_bounds", "head_base", "softcap_tanh"]
+__all__ = ["block_program", "sequence_bounds", "head_base", "softcap_tanh", "online_update"]
 
 
 @flyc.func
@@ -51,3 +51,33 @@ def softcap_tanh(x):
     """tanh(x) in fp32 from one exp2: 1 - 2 / (e^(2x) + 1) (saturates to +-1 without NaN: e^(2x) = inf
     gives 1, 0 gives -1)."""
     return 1.0 - 2.0 / (fx.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@flyc.func
+def online_update(
+    acc, l_i, m_i, q, k, v, n0, seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out,
+    BLOCK_N: fx.constexpr, MASKED: fx.constexpr, SOFTCAP: fx.constexpr,
+):  # fmt: skip
+    """The online-softmax update of (acc, l, m) by the key block at ``n0``, its K and V tiles loaded (by
+    pointers or tensor descriptors): scores in log2 units, the edge mask (window edges, the diagonal, keys
+    past ``seqlen_k``) where ``MASKED``, the running maximum and sum, ``acc`` rescaled and P @ V added."""
+    s = fx.dot(q, fx.trans(k))  # fp32
+    if SOFTCAP:  # cap * tanh(s * scale / cap), then into log2 units
+        s = softcap_tanh(s * cap_in) * cap_out
+    else:
+        s = s * qk_scale
+    if MASKED:
+        rn = n0 + fx.arange(0, BLOCK_N)
+        ok = (rn[None, :] >= (rows + lo_off)[:, None]) & (rn[None, :] <= (rows + hi_off)[:, None])
+        ok = ok & (rn < seqlen_k)[None, :]
+        s = fx.where(ok, s, float("-inf"))
+    m_new = fx.maximum(m_i, fx.max(s, 1))
+    # A row that has seen no key yet subtracts 0 instead of -inf: p and alpha are then exp2(-inf) = 0,
+    # never exp2(-inf - -inf) = NaN.
+    m_use = fx.where(m_new == float("-inf"), 0.0, m_new)
+    p = fx.exp2(s - m_use[:, None])
+    alpha = fx.exp2(m_i - m_use)
+    l_i = l_i * alpha + fx.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = fx.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
