@@ -1,0 +1,223 @@
+"""Benchmarks of ``fused_moe`` (bf16) against the peers issue 37 names, on the shared harness.
+
+Models (E experts, top k, hidden H, intermediate I): Mixtral-8x7B (8, 2, 4096, 14336), Qwen3-30B-A3B (128,
+8, 2048, 768) and DeepSeek-V3 (256, 8, 7168, 2048; grouped top-k: 8 groups, 4 kept, a correction bias).
+Routing is drawn from seeded logits on the CPU by the references (so every provider and the bytes model
+see the same ids).
+
+- ``moe_bf16``: tokens 1024-16384; TFLOP/s of ``6 T k H I`` flops (the two projections of every routed row);
+- ``moe_bf16_decode``: tokens 1-64; the bytes of the routed experts' weights (each read once) plus the
+  activations, against the copy bandwidth.
+
+Providers: ``flydsl`` (:func:`fused_moe`); ``torch`` (what a plain implementation does: sort the routed
+rows by expert, one GEMM pair per expert, weight and add back); ``torch._grouped_mm`` (the same pipeline
+with the two grouped GEMMs of torch, where this torch has them: CUDA, sm_90+); ``dense`` (the ceiling a
+MoE layer can reach: cuBLAS on E dense GEMM pairs of the mean per-expert rows, same N and K, not checked:
+it computes another function). Not wired into :mod:`fly_gemm.bench` yet: call :func:`benches`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flydsl_common.bench import Bench, Case, Provider, Skip, log_uniform
+
+from .moe import fused_moe
+from .moe_reference import fused_moe_ref, grouped_topk_ref, topk_softmax_ref
+
+__all__ = ["benches", "MODELS", "routing", "QUICK_MODEL"]
+
+# name -> (E, k, H, I, grouped top-k (groups, kept) or None)
+MODELS = {
+    "mixtral-8x7b": (8, 2, 4096, 14336, None),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, None),
+    "deepseek-v3": (256, 8, 7168, 2048, (8, 4)),
+}
+QUICK_MODEL = ("tiny", (4, 2, 64, 32, None))  # the interpreter's smoke case: seconds on the CPU
+_TOKENS_LARGE = (1024, 4096, 16384)
+_TOKENS_DECODE = (1, 16, 64)
+_BF16 = torch.bfloat16
+
+
+def _shape(case: Case):
+    p = case.params
+    return p["E"], p["k"], p["H"], p["I"], p["tokens"]
+
+
+def routing(case: Case):
+    """(weights fp32 [T, k], ids int32 [T, k]) of a case, on the CPU: seeded logits through the reference
+    routing of the case's model (softmax top-k, or DeepSeek-V3's grouped top-k with a correction bias)."""
+    e, k, _, _, t = _shape(case)
+    g = torch.Generator().manual_seed(case.params.get("seed", 0))
+    logits = torch.randn(t, e, generator=g)
+    grouped = case.params.get("grouped")
+    if grouped is None:
+        return topk_softmax_ref(logits, k)
+    bias = torch.randn(e, generator=g) * 0.1
+    return grouped_topk_ref(logits, k, grouped[0], grouped[1], correction_bias=bias, routed_scaling_factor=2.5)
+
+
+def _case(model: str, spec, tokens: int, seed: int = 0) -> Case:
+    e, k, h, inter, grouped = spec
+    return Case(f"{model}/T{tokens}", {"model": model, "E": e, "k": k, "H": h, "I": inter, "grouped": grouped,
+                                       "tokens": tokens, "seed": seed})  # fmt: skip
+
+
+def _setup(case: Case, device):
+    e, k, h, inter, t = _shape(case)
+    g = torch.Generator(device=device).manual_seed(case.params.get("seed", 0) + 1)
+    x = torch.randn(t, h, device=device, generator=g, dtype=_BF16)
+    # unit-scale outputs, as a trained layer's; filled in bf16 a slice at a time (DeepSeek-V3's w1 is 15 GB)
+    w1 = torch.empty(e, 2 * inter, h, device=device, dtype=_BF16)
+    w2 = torch.empty(e, h, inter, device=device, dtype=_BF16)
+    for i in range(e):
+        w1[i].normal_(0.0, h**-0.5, generator=g)
+        w2[i].normal_(0.0, inter**-0.5, generator=g)
+    w, ids = routing(case)
+    return x, w1, w2, w.to(device), ids.to(device)
+
+
+def _flops(case: Case) -> int:
+    e, k, h, inter, t = _shape(case)
+    return 6 * t * k * h * inter
+
+
+def _bytes(case: Case) -> int:
+    """Each routed expert's weights read once, x read and the output written once (bf16)."""
+    _, _, h, inter, t = _shape(case)
+    touched = int(torch.unique(routing(case)[1]).numel())
+    return 2 * (touched * 3 * h * inter + 2 * t * h)
+
+
+def _sorted_rows(ids, e):
+    """The routed rows sorted by expert (stable), their tokens and the per-expert counts (on the device)."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    return order, order // ids.shape[1], counts
+
+
+def _torch_loop(t):
+    x, w1, w2, w, ids = t
+    e, inter = w1.shape[0], w1.shape[1] // 2
+
+    def call():
+        order, tok, counts = _sorted_rows(ids, e)
+        xs = x[tok]
+        ys = torch.empty(xs.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
+        start = 0
+        for i, c in enumerate(counts.tolist()):  # a plain implementation reads the counts on the host
+            if c:
+                gate_up = xs[start : start + c] @ w1[i].t()
+                ys[start : start + c] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[i].t()
+                start += c
+        ys = ys.float() * w.reshape(-1)[order, None]
+        return torch.zeros(x.shape, device=x.device, dtype=torch.float32).index_add_(0, tok, ys).to(x.dtype)
+
+    return call
+
+
+def _grouped_mm(t):
+    x, w1, w2, w, ids = t
+    if not hasattr(torch, "_grouped_mm"):
+        raise Skip("this torch has no torch._grouped_mm")
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
+        raise Skip("torch._grouped_mm runs on CUDA sm_90+ only")
+    e, inter = w1.shape[0], w1.shape[1] // 2
+    w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views, as torch._grouped_mm takes them
+
+    def call():
+        order, tok, counts = _sorted_rows(ids, e)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(x[tok], w1t, offs=offs)
+        ys = torch._grouped_mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2t, offs=offs)
+        ys = ys.float() * w.reshape(-1)[order, None]
+        return torch.zeros(x.shape, device=x.device, dtype=torch.float32).index_add_(0, tok, ys).to(x.dtype)
+
+    try:
+        call()
+    except RuntimeError as err:
+        raise Skip(f"torch._grouped_mm refuses this case: {str(err).strip().splitlines()[0][:160]}") from err
+    return call
+
+
+def _dense(t):
+    x, w1, w2, _, ids = t
+    e, inter = w1.shape[0], w1.shape[1] // 2
+    rows = max(1, ids.numel() // e)  # the mean rows an expert
+    a = torch.randn(rows, x.shape[1], device=x.device, dtype=x.dtype)
+    w1t, w2t = [w1[i].t() for i in range(e)], [w2[i].t() for i in range(e)]
+
+    def call():
+        for i in range(e):
+            gate_up = a @ w1t[i]
+            (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2t[i]
+
+    return call
+
+
+def _providers() -> list[Provider]:
+    return [
+        Provider("flydsl", lambda t: lambda: fused_moe(*t), is_ours=True),
+        Provider("torch", _torch_loop),
+        Provider("torch._grouped_mm", _grouped_mm),
+        Provider("dense", _dense, check=False),
+    ]
+
+
+def _reference(t):
+    x, w1, w2, w, ids = t
+    return fused_moe_ref(x, w1, w2, w, ids)
+
+
+def _sweep(tokens_lo: int, tokens_hi: int, models):
+    def sweep(rng: random.Random, count: int) -> list[Case]:
+        cases, seen = [], set()
+        while len(cases) < count:
+            model = rng.choice(sorted(models))
+            tokens = log_uniform(rng, tokens_lo, tokens_hi)
+            if rng.random() < 0.5:
+                tokens |= 1  # odd counts: partial blocks everywhere
+            if (model, tokens) in seen:
+                if len(seen) >= len(models) * (tokens_hi - tokens_lo + 1):
+                    break
+                continue
+            seen.add((model, tokens))
+            cases.append(_case(model, models[model], tokens, seed=rng.randrange(1 << 30)))
+        return cases
+
+    return sweep
+
+
+def _bench(name: str, tokens: Sequence[int], decode: bool, models, sweep_range) -> Bench:
+    return Bench(
+        name=name,
+        cases=[_case(m, spec, t) for m, spec in models.items() for t in tokens],
+        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 8 if decode else 24)],
+        setup=_setup,
+        providers=_providers(),
+        bytes=_bytes if decode else None,
+        flops=_flops,
+        reference=_reference,
+        tolerance=1e-2,
+        x_param="tokens",
+        group_by=("model",),
+        description="fused MoE, bf16, SiLU: "
+        + ("bytes: routed experts' weights + x + out" if decode else "6 T k H I flops"),  # fmt: skip
+        sweep=_sweep(*sweep_range, models),
+        timings=("gpu", "call"),
+    )
+
+
+def benches(models: dict | None = None) -> list[Bench]:
+    """The MoE benches: ``moe_bf16`` (tokens 1024-16384) and ``moe_bf16_decode`` (tokens 1-64) over
+    ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time)."""
+    models = MODELS if models is None else models
+    return [
+        _bench("moe_bf16", _TOKENS_LARGE, False, models, (65, 16384)),
+        _bench("moe_bf16_decode", _TOKENS_DECODE, True, models, (1, 64)),
+    ]

@@ -1,0 +1,72 @@
+"""The MoE benches on the CPU: they build with their peers and models, the routing of a case is the
+references' (so every provider and the bytes model see one set of ids), the sweep repeats from its seed,
+the plain torch peer computes the layer, and a quick run through the harness checks and times the tiny
+case (torch._grouped_mm skipped off CUDA with its reason)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from fly_gemm import moe_bench as mb
+from fly_gemm.moe_reference import fused_moe_ref
+from flydsl.testing import assert_rel_close
+from flydsl_common.bench import run
+
+
+def _by_name():
+    return {b.name: b for b in mb.benches()}
+
+
+def test_benches_build_with_models_and_peers():
+    specs = _by_name()
+    assert set(specs) == {"moe_bf16", "moe_bf16_decode"}
+    for b in specs.values():
+        assert [p.name for p in b.providers] == ["flydsl", "torch", "torch._grouped_mm", "dense"]
+        assert [p.is_ours for p in b.providers] == [True, False, False, False]
+        assert {c.params["model"] for c in b.cases} == set(mb.MODELS)
+    assert max(c.params["tokens"] for c in specs["moe_bf16_decode"].cases) <= 64
+    assert min(c.params["tokens"] for c in specs["moe_bf16"].cases) >= 1024
+    assert specs["moe_bf16_decode"].bytes is not None and specs["moe_bf16"].bytes is None
+
+
+def test_routing_and_bytes_of_a_case():
+    case = next(c for c in _by_name()["moe_bf16_decode"].cases if c.params["model"] == "deepseek-v3")
+    w, ids = mb.routing(case)
+    assert ids.shape == (case.params["tokens"], 8) and w.dtype == torch.float32
+    assert torch.equal(ids, mb.routing(case)[1])
+    touched = torch.unique(ids).numel()
+    e, k, h, inter = 256, 8, 7168, 2048
+    assert 1 <= touched <= min(e, ids.numel()) and k == ids.shape[1]
+    assert _by_name()["moe_bf16_decode"].bytes(case) == 2 * (touched * 3 * h * inter + 2 * ids.shape[0] * h)
+
+
+def test_sweep_repeats_from_its_seed():
+    for b in mb.benches():
+        first = b.sweep(random.Random(3), 12)
+        assert first == b.sweep(random.Random(3), 12)
+        assert first != b.sweep(random.Random(4), 12)
+        assert len({c.name for c in first}) == 12
+        assert any(c.params["tokens"] % 2 for c in first)
+
+
+def test_torch_peer_computes_the_layer():
+    spec = _by_name()["moe_bf16"]
+    case = spec.quick_cases[0]
+    t = spec.setup(case, torch.device("cpu"))
+    ref = fused_moe_ref(*t)
+    assert_rel_close(mb._torch_loop(t)(), ref, tol=1e-2)
+
+
+def test_quick_run_checks_and_times_the_tiny_case():
+    results = run(mb.benches(), quick=True, ceilings={})
+    rows = results.rows()
+    by = {(r.case.split("/")[0], r.provider): r for r in rows}
+    for name in ("flydsl", "torch", "dense"):
+        r = by[(mb.QUICK_MODEL[0], name)]
+        assert r.status == "ok", r
+        assert r.gpu_us > 0 and r.call_us > 0
+    assert by[(mb.QUICK_MODEL[0], "flydsl")].rel_error < 1e-2
+    skipped = by[(mb.QUICK_MODEL[0], "torch._grouped_mm")]
+    assert skipped.status != "ok" and "CUDA" in skipped.reason
