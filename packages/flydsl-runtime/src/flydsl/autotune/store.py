@@ -205,11 +205,18 @@ def atomic_write_json(path: Path, obj: Any, *, indent: int | None = 1) -> None:
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
-    """(object, None) or (None, why it could not be read); missing files raise FileNotFoundError."""
+    """(object, None) or (None, why it could not be read); missing files raise FileNotFoundError.
+
+    A path that runs through a file (a file where the cache folder should be)
+    counts as missing: no entry can be there, and the cache root's own
+    problem is reported once where the root is configured, not once a key.
+    """
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise
+    except NotADirectoryError as exc:
+        raise FileNotFoundError(exc.errno, exc.strerror, str(path)) from exc
     except (OSError, UnicodeDecodeError) as exc:
         return None, f"unreadable ({exc})"
     try:
@@ -400,6 +407,27 @@ class ArtifactFile:
             return table
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """Hold an exclusive advisory lock on ``folder`` (POSIX ``flock`` on the folder itself).
+
+    Serializes read-merge-write updates between processes without leaving a
+    lock file next to the artifacts. Where ``fcntl`` does not exist the
+    update runs unlocked (any reader still sees a whole file).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
 def write_artifact(path: Path, name: str, entries: list[dict]) -> None:
     """Merge ``entries`` into the artifact at ``path`` and write it atomically.
 
@@ -407,10 +435,22 @@ def write_artifact(path: Path, name: str, entries: list[dict]) -> None:
     ``(arch, key)``; the result is sorted by ``(arch, key string)`` and written
     with ``indent=1`` so diffs of regenerated artifacts stay small. A corrupt
     existing file is replaced (with a warning); a file that belongs to another
-    artifact name raises :class:`TuningError`. One writer per file is assumed
-    (read-merge-write), though any reader always sees a whole file.
+    artifact name raises :class:`TuningError`. Concurrent writers (processes
+    tuning different keys into one artifact) are serialized by a lock on the
+    artifact's folder, so none loses another's entries; any reader always
+    sees a whole file.
     """
     path = Path(path)
+    for entry in entries:
+        bad = _entry_problem(entry)
+        if bad is not None:
+            raise ValueError(f"artifact entry {entry!r}: {bad}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(path.parent):
+        _merge_artifact(path, name, entries)
+
+
+def _merge_artifact(path: Path, name: str, entries: list[dict]) -> None:
     merged: dict[tuple[str, str], dict] = {}
     try:
         obj, problem = _read_json(path)
@@ -421,17 +461,14 @@ def write_artifact(path: Path, name: str, entries: list[dict]) -> None:
         if isinstance(obj, dict) and obj.get("name") not in (None, name):
             raise TuningError(f"{path} holds the artifact {obj.get('name')!r}, not {name!r}; refusing to overwrite it")
         if unusable is not None:
-            warnings.warn(f"replacing unusable tuning artifact {path}: {unusable}", TuningWarning, stacklevel=2)
+            warnings.warn(f"replacing unusable tuning artifact {path}: {unusable}", TuningWarning, stacklevel=3)
         elif malformed:
-            warnings.warn(f"dropping {malformed} malformed entries of {path}", TuningWarning, stacklevel=2)
+            warnings.warn(f"dropping {malformed} malformed entries of {path}", TuningWarning, stacklevel=3)
         for entry in old:
             merged[(entry["arch"], key_string(entry["key"]))] = entry
     elif problem != "missing":
-        warnings.warn(f"replacing unusable tuning artifact {path}: {problem}", TuningWarning, stacklevel=2)
+        warnings.warn(f"replacing unusable tuning artifact {path}: {problem}", TuningWarning, stacklevel=3)
     for entry in entries:
-        bad = _entry_problem(entry)
-        if bad is not None:
-            raise ValueError(f"artifact entry {entry!r}: {bad}")
         merged[(entry["arch"], key_string(entry["key"]))] = dict(entry)
     ordered = [merged[slot] for slot in sorted(merged)]
     atomic_write_json(path, {"schema": SCHEMA_VERSION, "name": name, "entries": ordered}, indent=1)
