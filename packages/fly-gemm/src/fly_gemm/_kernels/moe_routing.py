@@ -31,11 +31,39 @@ def _take_max(v, cols, BIG: fx.constexpr):
     return best, idx
 
 
+@flyc.func
+def _select(
+    v, vals, re, rt, t_ok, w_ptr, ids_ptr, stride_wt, stride_wk, stride_it, stride_ik, scale_num, RENORM: fx.constexpr,
+    K: fx.constexpr, BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_K: fx.constexpr,
+):  # fmt: skip
+    """Take the K largest of ``v`` a row (ties to the lower column) and store their columns as ids and their
+    ``vals`` as weights, times ``scale_num`` over the chosen weights' sum (RENORM) or times ``scale_num``.
+    The weights are kept in registers until scaled, so nothing is read back from memory."""
+    rk = fx.arange(0, BLOCK_K)
+    ids = fx.zeros([BLOCK_T, BLOCK_K], dtype=fx.int32)
+    w = fx.zeros([BLOCK_T, BLOCK_K], dtype=fx.float32)
+    for j in fx.static_range(K):
+        _, idx = _take_max(v, re, BLOCK_E)
+        hit = re[None, :] == idx[:, None]
+        wj = fx.sum(fx.where(hit, vals, 0.0), axis=1)
+        ids = fx.where(rk[None, :] == j, idx[:, None], ids)
+        w = fx.where(rk[None, :] == j, wj[:, None], w)
+        v = fx.where(hit, _NEG_INF, v)
+    if RENORM:
+        w = w * (scale_num / fx.sum(w, axis=1))[:, None]
+    else:
+        w = w * scale_num
+    ok = t_ok[:, None] & (rk[None, :] < K)
+    row = rt.to(fx.int64)[:, None]
+    fx.store(ids_ptr + row * stride_it + rk[None, :] * stride_ik, ids, mask=ok)
+    fx.store(w_ptr + row * stride_wt + rk[None, :] * stride_wk, w, mask=ok)
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=["T"])
 def _topk_softmax_kernel(
     logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, stride_wt, stride_wk, stride_it, stride_ik,
-    K: fx.constexpr, RENORM: fx.constexpr, BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr,
+    K: fx.constexpr, RENORM: fx.constexpr, BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_K: fx.constexpr,
 ):
     # fmt: on
     rt = fx.program_id(0) * BLOCK_T + fx.arange(0, BLOCK_T)
@@ -50,24 +78,12 @@ def _topk_softmax_kernel(
     p = fx.where(e_ok[None, :], p, 0.0)
     denom = fx.sum(p, axis=1)
     # selected on the logits (they rank as the probabilities do, and equal logits stay equal)
-    v = x
-    total = fx.zeros([BLOCK_T], dtype=fx.float32)
-    for j in fx.static_range(K):
-        _, idx = _take_max(v, re, BLOCK_E)
-        hit = re[None, :] == idx[:, None]
-        wj = fx.sum(fx.where(hit, p, 0.0), axis=1)
-        total += wj
-        fx.store(ids_ptr + rt.to(fx.int64) * stride_it + j * stride_ik, idx, mask=t_ok)
-        fx.store(w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk, wj, mask=t_ok)
-        v = fx.where(hit, _NEG_INF, v)
-    # second pass over the k weights written above (same program, same addresses): normalise
     if RENORM:
-        scale = 1.0 / total
+        vals = p
     else:
-        scale = 1.0 / denom
-    for j in fx.static_range(K):
-        wp = w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk
-        fx.store(wp, fx.load(wp, mask=t_ok, other=0.0) * scale, mask=t_ok)
+        vals = p / denom[:, None]
+    _select(x, vals, re, rt, t_ok, w_ptr, ids_ptr, stride_wt, stride_wk, stride_it, stride_ik, 1.0, RENORM, K, BLOCK_T,
+            BLOCK_E, BLOCK_K)  # fmt: skip
 
 
 # fmt: off
@@ -77,7 +93,7 @@ def _grouped_topk_kernel(
     scaling,
     K: fx.constexpr, GROUPS: fx.constexpr, GROUP_SIZE: fx.constexpr, TOPK_GROUP: fx.constexpr,
     HAS_BIAS: fx.constexpr, SIGMOID: fx.constexpr, RENORM: fx.constexpr,
-    BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_G: fx.constexpr,
+    BLOCK_T: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_G: fx.constexpr, BLOCK_K: fx.constexpr,
 ):
     # fmt: on
     rt = fx.program_id(0) * BLOCK_T + fx.arange(0, BLOCK_T)
@@ -116,22 +132,8 @@ def _grouped_topk_kernel(
         keep = keep | (group_of[None, :] == gi[:, None])
         gscore = fx.where(rg[None, :] == gi[:, None], _NEG_INF, gscore)
     v = fx.where(keep & e_ok[None, :], choice, _NEG_INF)
-    total = fx.zeros([BLOCK_T], dtype=fx.float32)
-    for j in fx.static_range(K):
-        _, idx = _take_max(v, re, BLOCK_E)
-        hit = re[None, :] == idx[:, None]
-        wj = fx.sum(fx.where(hit, scores, 0.0), axis=1)
-        total += wj
-        fx.store(ids_ptr + rt.to(fx.int64) * stride_it + j * stride_ik, idx, mask=t_ok)
-        fx.store(w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk, wj, mask=t_ok)
-        v = fx.where(hit, _NEG_INF, v)
-    if RENORM:
-        scale = scaling / total
-    else:
-        scale = total * 0.0 + scaling
-    for j in fx.static_range(K):
-        wp = w_ptr + rt.to(fx.int64) * stride_wt + j * stride_wk
-        fx.store(wp, fx.load(wp, mask=t_ok, other=0.0) * scale, mask=t_ok)
+    _select(v, scores, re, rt, t_ok, w_ptr, ids_ptr, stride_wt, stride_wk, stride_it, stride_ik, scaling, RENORM, K,
+            BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
 
 
 @flyc.func
@@ -230,7 +232,8 @@ def launch_topk_softmax(logits, weights, ids, k: int, renormalize: bool, stream=
     flyc.launch(
         _topk_softmax_kernel, (flyc.cdiv(t, block_t),),
         logits, weights, ids, t, e, logits.stride(0), logits.stride(1), weights.stride(0), weights.stride(1),
-        ids.stride(0), ids.stride(1), K=k, RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+        ids.stride(0), ids.stride(1), K=k, RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=flyc.next_power_of_2(k), num_warps=4,
     )
     # fmt: on
 
@@ -253,7 +256,7 @@ def launch_grouped_topk(
         weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), float(scaling),
         K=k, GROUPS=groups, GROUP_SIZE=e // groups, TOPK_GROUP=topk_group, HAS_BIAS=bias is not None,
         SIGMOID=sigmoid, RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_G=flyc.next_power_of_2(groups), num_warps=4,
+        BLOCK_G=flyc.next_power_of_2(groups), BLOCK_K=flyc.next_power_of_2(k), num_warps=4,
     )
     # fmt: on
 
