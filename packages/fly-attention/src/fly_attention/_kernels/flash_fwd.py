@@ -34,7 +34,7 @@ from flydsl_common.device import row_offset
 
 from .programs import block_program, head_base, online_update, sequence_bounds
 
-__all__ = ["launch_flash_fwd", "key_blocks", "UNBOUNDED"]
+__all__ = ["launch_flash_fwd", "forward_arguments", "key_blocks", "UNBOUNDED"]
 
 # The window side that bounds nothing: far past any sequence, and i + off +- UNBOUNDED stays in int32 for
 # sequences up to 2^30 tokens.
@@ -168,13 +168,22 @@ def launch_flash_fwd(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqle
     stride is 1. ``win_left`` / ``win_right``: the window after the host's normalization (causal is
     ``win_right = 0``; -1 is unbounded). ``cfg``: a :class:`fly_attention.autotune.AttnConfig`.
     """
-    varlen = cu_q is not None
     if max_seqlen_q == 0 or batch == 0:
         return
+    grid, args, meta = forward_arguments(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, batch, win_left,
+                                         win_right, softmax_scale, softcap, cfg)  # fmt: skip
+    flyc.launch(_flash_fwd_kernel, grid, *args, **meta)
+
+
+def forward_arguments(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, batch: int,
+                      win_left: int, win_right: int, softmax_scale: float, softcap: float, cfg):  # fmt: skip
+    """(grid, runtime arguments, constexprs and launch options) of a 16-bit forward launch, arguments as
+    :func:`launch_flash_fwd`'s: the pointer kernel's and the TMA kernel's parameters (the latter adds its
+    own options)."""
+    varlen = cu_q is not None
     heads, head_dim = q.shape[-2], q.shape[-1]
     group = heads // k.shape[-2]
     head_dim_v = v.shape[-1]
-    windowed = win_left >= 0
     left = win_left if win_left >= 0 else UNBOUNDED
     right = win_right if win_right >= 0 else UNBOUNDED
     if softcap > 0:
@@ -192,16 +201,13 @@ def launch_flash_fwd(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqle
         slb = lse.stride(0) if lse is not None else 0
     slh = (lse.stride(-2) if varlen else lse.stride(1)) if lse is not None else 0
     num_m = flyc.cdiv(max_seqlen_q, cfg.block_m)
-    grid = (num_m * batch * heads,)
-    # fmt: off
-    flyc.launch(
-        _flash_fwd_kernel, grid,
-        q, k, v, out, lse, cu_q, cu_k,
-        max_seqlen_q, max_seqlen_k, heads, group, num_m, left, right, softmax_scale * _LOG2E, cap_in, cap_out,
-        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+    args = (q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, heads, group, num_m, left, right,
+            softmax_scale * _LOG2E, cap_in, cap_out, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb,
+            slh)  # fmt: skip
+    meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=flyc.next_power_of_2(head_dim),
         BLOCK_DV=flyc.next_power_of_2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        WINDOWED=windowed, SOFTCAP=softcap > 0, VARLEN=varlen, STORE_LSE=lse is not None,
+        WINDOWED=win_left >= 0, SOFTCAP=softcap > 0, VARLEN=varlen, STORE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    # fmt: on
+    )  # fmt: skip
+    return (num_m * batch * heads,), args, meta

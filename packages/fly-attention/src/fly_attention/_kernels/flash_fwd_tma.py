@@ -34,12 +34,11 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .flash_fwd import UNBOUNDED, key_blocks
+from .flash_fwd import forward_arguments, key_blocks
 from .programs import block_program, head_base, online_update, sequence_bounds
 
 __all__ = ["launch_flash_fwd_tma", "tma_addressable"]
 
-_LOG2E = 1.4426950408889634
 _LN2 = fx.constexpr(0.6931471805599453)  # a kernel reads module globals only as constexpr
 _TMA_ALIGN = 16  # bytes: TMA's alignment of a descriptor's base and of every stride but the last
 
@@ -146,42 +145,10 @@ def launch_flash_fwd_tma(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_s
     """Launch the TMA forward; arguments as :func:`.flash_fwd.launch_flash_fwd` (dense or varlen), for
     16-bit tensors that :func:`tma_addressable` takes and a ``cfg`` with ``tma=True`` (``tma_store``,
     ``warp_specialize`` as the kernel's ``TMA_STORE``, ``WARP_SPECIALIZE``)."""
-    varlen = cu_q is not None
     if max_seqlen_q == 0 or batch == 0:
         return
-    heads, head_dim = q.shape[-2], q.shape[-1]
-    group = heads // k.shape[-2]
-    head_dim_v = v.shape[-1]
-    windowed = win_left >= 0
-    left = win_left if win_left >= 0 else UNBOUNDED
-    right = win_right if win_right >= 0 else UNBOUNDED
-    if softcap > 0:
-        cap_in, cap_out = softmax_scale / softcap, softcap * _LOG2E
-    else:
-        cap_in, cap_out = 1.0, 1.0
-    if varlen:
-        sqb = skb = svb = sob = slb = 0
-        (sqs, sqh), (sks, skh), (svs, svh), (sos, soh) = (t.stride()[:2] for t in (q, k, v, out))
-    else:
-        sqb, sqs, sqh = q.stride()[:3]
-        skb, sks, skh = k.stride()[:3]
-        svb, svs, svh = v.stride()[:3]
-        sob, sos, soh = out.stride()[:3]
-        slb = lse.stride(0) if lse is not None else 0
-    slh = (lse.stride(-2) if varlen else lse.stride(1)) if lse is not None else 0
-    num_m = flyc.cdiv(max_seqlen_q, cfg.block_m)
-    grid = (num_m * batch * heads,)
+    grid, args, meta = forward_arguments(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, batch, win_left,
+                                         win_right, softmax_scale, softcap, cfg)  # fmt: skip
     flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
-    # fmt: off
-    flyc.launch(
-        _flash_fwd_tma_kernel, grid,
-        q, k, v, out, lse, cu_q, cu_k,
-        max_seqlen_q, max_seqlen_k, heads, group, num_m, left, right, softmax_scale * _LOG2E, cap_in, cap_out,
-        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=flyc.next_power_of_2(head_dim),
-        BLOCK_DV=flyc.next_power_of_2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        WINDOWED=windowed, SOFTCAP=softcap > 0, VARLEN=varlen, STORE_LSE=lse is not None,
-        TMA_STORE=cfg.tma_store, WARP_SPECIALIZE=cfg.warp_specialize,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    # fmt: on
+    flyc.launch(_flash_fwd_tma_kernel, grid, *args, TMA_STORE=cfg.tma_store, WARP_SPECIALIZE=cfg.warp_specialize,
+                **meta)  # fmt: skip
