@@ -6,7 +6,9 @@
     nox -s lint                     ruff on packages/, ci/ and this file
     nox -s build-gemm               sdist + wheel, twine check, check-wheel-contents
     nox -s isolation-gemm           the wheels alone in a fresh environment, tests run outside packages/
-    nox -s release-gemm             dry run; `-- --publish` tags <distribution>-v<version> and uploads
+    nox -s test-gemm-min            the CPU suite at the lowest declared torch, triton, numpy and siblings
+    nox -s bump-gemm -- minor       set the version, open its CHANGELOG section (patch|minor|major|dev|X.Y.Z)
+    nox -s release-gemm             release checks, build, install test; `-- --tag` then tags (the push publishes)
     nox -t gpu                      every GPU shard (gpu-common, gpu-norm, ...): needs a CUDA GPU
     nox -s gpu-gemm -- --bench      one shard, benchmarks too
     nox -s bench-gemm               benchmarks only
@@ -37,6 +39,9 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "ci"))
 
+import floors  # noqa: E402
+import release as rel  # noqa: E402
+
 from cpu_stack import cpu_torch_problem  # noqa: E402
 from monorepo import PACKAGES, Package, install_order  # noqa: E402
 
@@ -55,6 +60,9 @@ TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "tqdm", "matplotlib")
 CI_TEST_TOOLS = ("pytest", "pyyaml", "nox", "tomli; python_version < '3.11'")  # nox: checks the noxfile
 BUILD_TOOLS = ("build", "twine", "check-wheel-contents")
 PYTEST_FLAGS = ("-p", "no:cacheprovider")
+# The oldest Python we support (requires-python): where the dependency floors are tested,
+# since the oldest torch / numpy releases have wheels for the older Pythons only.
+OLDEST_PYTHON = "3.10"
 
 nox.options.sessions = ["lint", "tests"]  # a bare `nox`
 nox.options.error_on_external_run = True
@@ -133,14 +141,6 @@ def _pytest(session: nox.Session, pkg: Package, *args: str) -> None:
     session.run("pytest", str(tests.relative_to(ROOT)), *PYTEST_FLAGS, *args)
 
 
-def _read_version(pkg: Package) -> str:
-    text = (ROOT / pkg.path / "src" / pkg.module / "_version.py").read_text()
-    m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.M)
-    if not m:
-        raise RuntimeError(f"no __version__ in {pkg.path}/src/{pkg.module}/_version.py")
-    return m.group(1)
-
-
 def _dist_stem(pkg: Package) -> str:
     """The distribution name as wheel and sdist file names spell it."""
     return re.sub(r"[-_.]+", "_", pkg.distribution).lower()
@@ -165,31 +165,13 @@ def _build(session: nox.Session, pkg: Package, outdir: Path) -> tuple[Path, Path
 
 
 def _check_wheel(session: nox.Session, pkg: Package, wheel: Path) -> None:
+    """Layout, version file, entry point, LICENSE and license metadata (ci/release.py: wheel_problems)."""
+    problems = rel.wheel_problems(wheel, pkg, LICENSE.read_bytes())
+    if problems:
+        session.error("\n  ".join(["wheel check failed:", *problems]))
     with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
-        if len(dist_info) != 1:
-            session.error(f"{wheel.name}: expected one .dist-info folder, got {sorted(dist_info)}")
-        info = dist_info.pop()
-        entry_points = zf.read(f"{info}/entry_points.txt").decode() if pkg.gpu else ""
-        metadata = Parser().parsestr(zf.read(f"{info}/METADATA").decode())
-        license_text = zf.read(f"{info}/licenses/LICENSE") if f"{info}/licenses/LICENSE" in names else None
-    top = {n.split("/")[0] for n in names}
-    if "tests" in top:
-        session.error(f"{wheel.name} has a top-level tests/ folder")
-    stray = sorted(t for t in top if t != pkg.module and not t.endswith(".dist-info"))
-    if stray:
-        session.error(f"{wheel.name}: unexpected top-level entries {stray}; only {pkg.module}/ belongs there")
-    if f"{pkg.module}/_version.py" not in names:
-        session.error(f"{wheel.name}: {pkg.module}/_version.py missing")
-    if pkg.gpu and not re.search(rf"^\[flydsl\.families\]\s*\n{pkg.name}\s*=", entry_points, re.M):
-        session.error(f"{wheel.name}: no flydsl.families entry point named {pkg.name!r}")
-    if license_text != LICENSE.read_bytes():
-        session.error(f"{wheel.name}: .dist-info/licenses/LICENSE is {'missing' if license_text is None else 'not'}"
-                      f"{'' if license_text is None else ' the repository LICENSE'}")
-    if metadata.get("License-Expression") != "Apache-2.0" or "LICENSE" not in (metadata.get_all("License-File") or []):
-        session.error(f"{wheel.name}: METADATA lacks License-Expression: Apache-2.0 or License-File: LICENSE")
-    session.log(f"{wheel.name}: top level {sorted(top)}, no tests/")
+        top = sorted({n.split("/")[0] for n in zf.namelist()})
+    session.log(f"{wheel.name}: top level {top}, no tests/, LICENSE present")
 
 
 def _check_sdist(session: nox.Session, pkg: Package, sdist: Path) -> None:
@@ -325,6 +307,9 @@ def _install_current(session: nox.Session, pkg: Package, flags: set[str]) -> Non
 
 
 def _run_benchmarks(session: nox.Session, pkg: Package, args: list[str]) -> None:
+    if not pkg.gpu:  # the runtime: no family benchmarks; its launch-path probe is run by hand
+        session.log(f"{pkg.distribution} registers no benchmarks (benchmarks/ holds probes run by hand)")
+        return
     script = ROOT / pkg.path / "benchmarks" / "run.py"
     if script.is_file():
         session.run(sys.executable, str(script), *args, external=True)
@@ -336,10 +321,128 @@ def _gpu_tests(session: nox.Session, pkg: Package, pytest_args: list[str]) -> No
     tests = str(_tests_dir(pkg).relative_to(ROOT))
     cmd = [sys.executable, "-m", "pytest", tests, "-m", "gpu", *PYTEST_FLAGS]
     collected = _probe([*cmd, "--collect-only", "-q"])
-    if collected.returncode == 5:  # nothing marked gpu: a skeleton family
-        session.warn(f"{tests} has no gpu-marked tests; the shard has nothing to run")
-        return
+    if collected.returncode == 5:  # nothing marked gpu: a shard that runs nothing must not look green
+        session.error(f"{tests} has no gpu-marked tests: a GPU shard with nothing to run fails")
+    if collected.returncode:
+        session.error(f"collecting {tests} failed:\n{collected.stdout[-3000:]}{collected.stderr[-3000:]}")
     session.run(*cmd, "--require-gpu", *pytest_args, external=True)
+
+
+# ---------------------------------------------------------------- releases
+
+
+def _release(session: nox.Session, pkg: Package) -> None:
+    """Refuse what must not be released, then build and install-test the very wheel; tag with --tag.
+
+    Flags (after --): --tag creates the annotated tag; --from-tag TAG is the release workflow
+    (the pushed TAG must be this version's and point at HEAD); --offline compares with local
+    tags only and skips the PyPI look-up. Other arguments go to pytest in the install test.
+    Uploading is the workflow's (PyPI trusted publishing): no token on a developer's machine.
+    """
+    args = list(session.posargs)
+    if "--publish" in args:
+        session.error(f"publishing is the release workflow's: run with -- --tag, then push the tag "
+                      f"({rel.tag_of(pkg, rel.read_version(ROOT, pkg))})")
+    tag_it, offline = "--tag" in args, "--offline" in args
+    tagged = None
+    if "--from-tag" in args:
+        i = args.index("--from-tag")
+        if i + 1 >= len(args):
+            session.error("--from-tag needs the tag")
+        tagged = args[i + 1]
+        del args[i:i + 2]
+    pytest_args = [a for a in args if a not in ("--tag", "--offline")]
+    if tag_it and tagged:
+        session.error("--tag and --from-tag exclude each other: the workflow runs on a tag that exists")
+
+    version = rel.read_version(ROOT, pkg)
+    tag = rel.tag_of(pkg, version)
+    session.log(f"{pkg.distribution} {version}: {'checks, then tag ' + tag if tag_it else 'checks (dry run)'}")
+    if offline:
+        session.warn("--offline: local tags only, sibling lower ends not looked up on PyPI")
+    else:
+        try:
+            session.log(rel.fetch_tags(ROOT))
+        except rel.ReleaseError as e:
+            session.error(str(e))
+    problems, notes = rel.release_problems(ROOT, pkg, tagged=tagged, published=None if offline else rel.pypi_published)
+    for note in notes:
+        session.warn(note)
+    if tag_it or tagged:
+        dirty = _git(session, "status", "--porcelain", "--untracked-files=no", "--", pkg.path).stdout.strip()
+        if dirty:
+            problems.append(f"{pkg.path} has uncommitted changes:\n{dirty}")
+    if problems:
+        session.error("release refused:\n  " + "\n  ".join(problems))
+
+    session.install("-c", CONSTRAINTS, *BUILD_TOOLS)
+    _sdist, wheel = _build(session, pkg, ROOT / "dist" / pkg.name)
+    # The install test runs on the very wheel that is published.
+    _isolation(session, pkg, Path(session.create_tmp()) / "wheelhouse", pytest_args, prebuilt={pkg.name: wheel})
+
+    if tagged:
+        session.log(f"{tagged}: checks, build and install test passed; dist/{pkg.name}/ is what gets published")
+        return
+    tag_cmd = ["git", "tag", "-a", tag, "-m", f"{pkg.distribution} {version}"]
+    if not tag_it:
+        session.log("dry run: all checks passed; `-- --tag` would run: " + " ".join(tag_cmd))
+        return
+    session.run(*tag_cmd, external=True)
+    session.log(f"tagged {tag}. Publish: git push origin {tag} (the release workflow builds, tests and uploads); "
+                f"then open the next version: nox -s bump-{pkg.name} -- dev")
+
+
+def _test_at_floors(session: nox.Session, pkg: Package) -> None:
+    """The package's CPU suite with every declared lower end installed; skips (saying why) where one is missing."""
+    missing = [m for p in install_order(pkg.name) for m in floors.missing_lower_bounds(ROOT, p)]
+    if missing:
+        session.error("cannot test at the floors:\n  " + "\n  ".join(missing))
+    py = str(Path(session.bin) / "python")
+
+    # Our packages: the lower end of each sibling range, from PyPI; the in-repo copy where it is that version.
+    editable, from_pypi = [], []
+    for sib, low, req in floors.sibling_floors(ROOT, pkg):
+        here = rel.Version(rel.read_version(ROOT, sib))
+        found = rel.pypi_published(sib.distribution, low)
+        if found:
+            from_pypi.append(f"{sib.distribution}=={low}")
+        elif here == low:
+            why = "PyPI not reachable" if found is None else "not published"
+            session.log(f"{sib.distribution} {low} ({req}): {why}; the in-repo copy is that version")
+            editable.append(sib)
+        elif found is None:
+            session.skip(f"PyPI not reachable: cannot get {sib.distribution} {low}, the lower end of {req} "
+                         f"(the in-repo copy is {here})")
+        else:
+            session.skip(f"{sib.distribution} {low}, the lower end of {req}, is not published and the in-repo "
+                         f"copy is {here}: release it or raise the lower end")
+
+    # Third-party floors: each must resolve to a wheel here (a CPU build for torch) before anything installs.
+    third = floors.third_party_floors(ROOT, pkg)
+    for floor in third:
+        report = Path(session.create_tmp()) / f"floor-{floor.name}.json"
+        proc = _probe([py, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+                       "--only-binary=:all:", "--report", str(report), floor.pin])
+        if proc.returncode:
+            why = " | ".join(ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")) or proc.stderr[-300:]
+            session.skip(f"{floor.pin} ({'; '.join(floor.required_by)}) has no wheel for Python "
+                         f"{session.python or sys.version.split()[0]} from pip's sources here: {why}")
+        got = json.loads(report.read_text())["install"][0]["metadata"]["version"]
+        if floor.name == "torch" and sys.platform.startswith("linux") and "+cpu" not in got:
+            session.skip(f"{floor.pin}: pip finds only torch {got}, a CUDA build (several GB with its CUDA "
+                         "libraries); the CPU suite needs the CPU build: put PyTorch's CPU wheel index in "
+                         "PIP_EXTRA_INDEX_URL (ci/cpu_stack.py says how)")
+        session.log(f"floor {floor.pin}: {got} ({'; '.join(floor.required_by)})")
+
+    constraints = Path(session.create_tmp()) / "constraints-floors.txt"
+    constraints.write_text(floors.merged_constraints(Path(CONSTRAINTS).read_text(), third))
+    session.install("-c", str(constraints), *(f.name for f in third), "pytest", "pytest-xdist", "hypothesis")
+    if from_pypi:
+        session.install("-c", str(constraints), *from_pypi)
+    session.install("--no-deps", *[a for p in [*editable, pkg] for a in ("-e", str(ROOT / p.path))])
+    session.run("python", "-m", "pip", "check")  # the floors satisfy every declared requirement
+    session.run("python", "-m", "pip", "list")
+    _pytest(session, pkg, *session.posargs)
 
 
 # ------------------------------------------------------------ the sessions
@@ -463,50 +566,38 @@ def _package_sessions(pkg: Package) -> None:
     def isolation(session: nox.Session) -> None:
         _isolation(session, pkg, Path(session.create_tmp()) / "wheelhouse", session.posargs)
 
-    @_session(f"release-{pkg.name}", f"{dist}: release checks, build, install test; tag + upload with -- --publish.",
+    @_session(f"test-{pkg.name}-min",
+              f"{dist}: CPU tests at the lowest declared torch, triton, numpy and sibling versions "
+              f"(Python {OLDEST_PYTHON}); skips, saying why, where a floor is not installable here.",
+              python=OLDEST_PYTHON, tags=["min"], reuse_venv=False)
+    def test_min(session: nox.Session) -> None:
+        _test_at_floors(session, pkg)
+
+    @_session(f"bump-{pkg.name}", f"{dist}: -- patch|minor|major|X.Y.Z sets the version and opens its CHANGELOG "
+              "section; -- dev sets the next .devN.", python=False, tags=["release"])
+    def bump(session: nox.Session) -> None:
+        if len(session.posargs) != 1:
+            session.error(f"usage: nox -s bump-{pkg.name} -- patch|minor|major|dev|X.Y.Z (got {session.posargs})")
+        try:
+            _, _, log = rel.bump(ROOT, pkg, session.posargs[0])
+        except rel.ReleaseError as e:
+            session.error(str(e))
+        for line in log:
+            session.log(line)
+
+    @_session(f"release-{pkg.name}", f"{dist}: release checks, build, install test of the wheel; -- --tag tags "
+              "<distribution>-v<version> (pushing the tag publishes through .github/workflows/release.yml).",
               tags=["release"], reuse_venv=False)
     def release(session: nox.Session) -> None:
-        publish = "--publish" in session.posargs
-        version = _read_version(pkg)
-        tag = f"{pkg.distribution}-v{version}"
-        session.log(f"{pkg.distribution} {version}: {'PUBLISH' if publish else 'dry run (-- --publish to release)'}")
-        if _git(session, "tag", "--list", tag).stdout.strip():
-            session.error(f"tag {tag} exists: bump src/{pkg.module}/_version.py first")
-        changelog = (ROOT / pkg.path / "CHANGELOG.md").read_text()
-        if not re.search(rf"^##\s+\[?{re.escape(version)}\]?(\s|$)", changelog, re.M):
-            session.error(f"{pkg.path}/CHANGELOG.md has no '## {version}' entry")
-        if publish:
-            if _git(session, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
-                session.error("no commit to tag")
-            dirty = _git(session, "status", "--porcelain", "--", pkg.path).stdout.strip()
-            if dirty:
-                session.error(f"{pkg.path} has uncommitted changes:\n{dirty}")
+        _release(session, pkg)
 
-        session.install("-c", CONSTRAINTS, *BUILD_TOOLS)
-        sdist, wheel = _build(session, pkg, ROOT / "dist" / pkg.name)
-        # The install test runs on the very wheel that would be uploaded.
-        pytest_args = [a for a in session.posargs if a != "--publish"]
-        _isolation(session, pkg, Path(session.create_tmp()) / "wheelhouse", pytest_args, prebuilt={pkg.name: wheel})
+    if pkg.shard:
+        _gpu_session(pkg)
+    if pkg.gpu:
+        _bench_session(pkg)
 
-        tag_cmd = ["git", "tag", "-a", tag, "-m", f"{pkg.distribution} {version}"]
-        upload_cmd = ["twine", "upload", str(sdist), str(wheel)]
-        if not publish:
-            session.log("dry run: all checks passed; with -- --publish this would run:")
-            session.log("  " + " ".join(tag_cmd))
-            session.log("  " + " ".join(upload_cmd))
-            session.log(f"  then push the tag: git push origin {tag}")
-            return
-        session.run(*tag_cmd, external=True)
-        try:
-            session.run(*upload_cmd)
-        except nox.command.CommandFailed:
-            _git(session, "tag", "-d", tag, check=False)
-            session.error(f"upload failed; tag {tag} removed again")
-        session.log(f"released {pkg.distribution} {version}; push the tag: git push origin {tag}")
 
-    if not pkg.gpu:
-        return
-
+def _gpu_session(pkg: Package) -> None:
     @_session(f"gpu-{pkg.name}", f"GPU shard {pkg.name}: gpu-marked tests on CUDA (-- --bench adds benchmarks).",
               python=False, tags=["gpu"])
     def gpu(session: nox.Session) -> None:
@@ -516,6 +607,10 @@ def _package_sessions(pkg: Package) -> None:
         _gpu_tests(session, pkg, pytest_args)
         if "--bench" in flags:
             _run_benchmarks(session, pkg, [])
+
+
+def _bench_session(pkg: Package) -> None:
+    dist = pkg.distribution
 
     @_session(f"bench-{pkg.name}", f"{dist}: benchmarks on the GPU (current interpreter); -- args go to them.",
               python=False, tags=["bench"])

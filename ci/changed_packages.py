@@ -16,7 +16,13 @@ Rules (:func:`touched_by`):
   ``.gitignore`` (hatchling builds honour it) and any file not named below
   touch everything: unknown means test it all;
 - documentation at the root (``*.md``, ``*.rst``, ``LICENSE*``, ``docs/``)
-  touches nothing.
+  touches nothing; nor does ``tools/`` (scripts run by hand; no test runs them).
+
+GPU shards (:func:`shard_families`) follow the same rules, less what cannot change
+what a GPU runs: a package's ``README.md``, ``CHANGELOG.md``, ``PERF.md`` and
+``benchmarks/results/`` select no shard (they still touch the package for the CPU
+jobs: the README is the wheel's description); a ``tools/`` path selects the
+families whose ``[[family]] uses`` in ci/matrix.toml lists it (a file or a folder).
 
 Importable: :func:`touched_by`, :func:`packages_for_paths`,
 :func:`changed_paths`, :func:`load_matrix`, :func:`shards`.
@@ -39,7 +45,7 @@ if str(CI_DIR) not in sys.path:
 
 from monorepo import PACKAGES, by_folder, dependents, names  # noqa: E402
 
-__all__ = ["touched_by", "packages_for_paths", "changed_paths", "load_matrix", "shards", "main"]
+__all__ = ["touched_by", "packages_for_paths", "shard_families", "changed_paths", "load_matrix", "shards", "main"]
 
 MATRIX_PATH = CI_DIR / "matrix.toml"
 ALL = frozenset(names())
@@ -70,7 +76,7 @@ def touched_by(path: str) -> frozenset[str]:
         if pkg is None:  # a package folder this list does not know yet: test everything
             return ALL
         return frozenset(d.name for d in dependents(pkg.name))
-    if _is_root_doc(p):
+    if _is_root_doc(p) or p.parts[0] == "tools":
         return frozenset()
     if p.parts[0] == "packages" and p.suffix.lower() in DOC_SUFFIXES:  # packages/README.md and the like
         return frozenset()
@@ -85,6 +91,40 @@ def packages_for_paths(paths: Iterable[str]) -> list[str]:
         if path.strip():
             touched |= touched_by(path)
     return [n for n in names() if n in touched]
+
+
+GPU_IRRELEVANT_FILES = ("README.md", "CHANGELOG.md", "PERF.md")  # at a package's root
+GPU_IRRELEVANT_DIRS = (("benchmarks", "results"),)  # under a package's root
+
+
+def _uses(fam: dict[str, Any], p: PurePosixPath) -> bool:
+    for used in fam.get("uses", []):
+        u = PurePosixPath(used.rstrip("/"))
+        if p == u or u in p.parents:
+            return True
+    return False
+
+
+def shard_families(paths: Iterable[str], matrix: dict[str, Any] | None = None) -> list[str]:
+    """The families (and runtime) whose GPU shards a change to ``paths`` must run, lowest layer first."""
+    matrix = matrix if matrix is not None else load_matrix()
+    selected: set[str] = set()
+    for path in paths:
+        if not path.strip():
+            continue
+        p = _normalize(path)
+        if p.parts and p.parts[0] == "tools":
+            selected |= {f["name"] for f in matrix["family"] if _uses(f, p)}
+            continue
+        if p.parts and p.parts[0] == "packages" and len(p.parts) >= 3 and by_folder(p.parts[1]) is not None:
+            inner = p.parts[2:]
+            if len(inner) == 1 and inner[0] in GPU_IRRELEVANT_FILES:
+                continue
+            if any(inner[: len(d)] == d and len(inner) > len(d) for d in GPU_IRRELEVANT_DIRS):
+                continue
+        selected |= touched_by(path)
+    families = {f["name"] for f in matrix["family"]}
+    return [n for n in names() if n in selected and n in families]
 
 
 # ---------------------------------------------------------------------- git
@@ -147,7 +187,7 @@ def load_matrix(path: Path | str = MATRIX_PATH) -> dict[str, Any]:
     data = _load_toml(Path(path))
     if data.get("schema") != 1:
         raise ValueError(f"{path}: expected schema = 1, got {data.get('schema')!r}")
-    gpu_packages = {p.name for p in PACKAGES if p.gpu}
+    gpu_packages = {p.name for p in PACKAGES if p.shard}
     families = data.get("family")
     archs = data.get("arch")
     if not families or not archs:
@@ -162,6 +202,9 @@ def load_matrix(path: Path | str = MATRIX_PATH) -> dict[str, Any]:
         seen.add(name)
         if fam.get("session") != f"gpu-{name}":
             raise ValueError(f"{path}: family {name!r} must run session 'gpu-{name}', got {fam.get('session')!r}")
+        uses = fam.get("uses", [])
+        if not isinstance(uses, list) or not all(isinstance(u, str) and u.startswith("tools/") for u in uses):
+            raise ValueError(f"{path}: family {name!r}: uses must be a list of tools/ paths, got {uses!r}")
     ids: set[str] = set()
     for arch in archs:
         aid = arch.get("id")
@@ -222,20 +265,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--base", help="git ref to diff against (default: origin/main, else HEAD~1)")
     ap.add_argument("--all", action="store_true", help="every package (scheduled runs, manual runs)")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    ap.add_argument("--shards", action="store_true", help="print the enabled GPU shards of the touched families")
+    ap.add_argument("--shards", action="store_true", help="print the enabled GPU shards the change selects")
+    ap.add_argument("--families", action="store_true",
+                    help="print the families (and runtime) whose GPU shards the change selects")
     ap.add_argument("--matrix", default=str(MATRIX_PATH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    paths: list[str] | None = None
     if args.all:
         touched = names()
     elif args.paths:
-        paths: list[str] = []
+        paths = []
         for p in args.paths:
             paths.extend(sys.stdin.read().splitlines() if p == "-" else [p])
         touched = packages_for_paths(paths)
     else:
-        paths_or_none = changed_paths(args.base)
-        if paths_or_none is None:
+        paths = changed_paths(args.base)
+        if paths is None:
             print(
                 f"changed_packages: cannot diff against {args.base or 'origin/main or HEAD~1'}; "
                 "treating every package as touched",
@@ -243,10 +289,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             touched = names()
         else:
-            touched = packages_for_paths(paths_or_none)
+            touched = packages_for_paths(paths)
 
-    if args.shards:
-        rows = shards(load_matrix(args.matrix), touched)
+    if args.shards or args.families:
+        matrix = load_matrix(args.matrix)
+        families = [f["name"] for f in matrix["family"]] if paths is None else shard_families(paths, matrix)
+        if args.families:
+            print(json.dumps(families) if args.json else " ".join(families))
+            return 0
+        rows = shards(matrix, families)
         if args.json:
             print(json.dumps(rows))
         else:

@@ -19,7 +19,8 @@ class Package:
     distribution: str  # the PyPI name
     module: str  # the import name
     depends: tuple[str, ...] = ()  # our packages it needs, by short name, lowest layer first
-    gpu: bool = True  # has gpu-/bench- sessions and GPU CI shards (the runtime has no kernels)
+    gpu: bool = True  # a kernel family: flydsl.families entry point and bench- session (the runtime has no kernels)
+    shard: bool = True  # has gpu-marked tests, a gpu-<name> session and GPU CI shards (ci/matrix.toml)
 
     @property
     def path(self) -> str:

@@ -7,7 +7,6 @@ installed, cross-checked with ``nox --list --json``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import load_noxfile_sessions
 
 import changed_packages as cp
 import monorepo
@@ -31,7 +31,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 ALL = ["runtime", "common", "norm", "gemm", "attention", "conv"]
 FAMILIES = ["norm", "gemm", "attention", "conv"]
-GPU_PACKAGES = ["common", *FAMILIES]
+GPU_PACKAGES = ["common", *FAMILIES]  # kernel families: entry point, bench- session
+SHARDS = ALL  # every package has gpu-marked tests and a gpu-<name> shard, the runtime included
 
 
 # ------------------------------------------------------------- package list
@@ -40,6 +41,7 @@ GPU_PACKAGES = ["common", *FAMILIES]
 def test_package_list_order_and_names():
     assert monorepo.names() == ALL
     assert [p.name for p in monorepo.PACKAGES if p.gpu] == GPU_PACKAGES
+    assert [p.name for p in monorepo.PACKAGES if p.shard] == SHARDS
 
 
 @pytest.mark.parametrize("pkg", monorepo.PACKAGES, ids=lambda p: p.name)
@@ -89,23 +91,25 @@ def test_install_order_and_dependents():
 
 def test_matrix_parses():
     matrix = cp.load_matrix()
-    assert [f["name"] for f in matrix["family"]] == GPU_PACKAGES
+    assert [f["name"] for f in matrix["family"]] == SHARDS
     archs = {a["id"]: a for a in matrix["arch"]}
     assert archs["sm90"]["enabled"] is True
     for off in ("sm80", "sm100", "gfx942"):
         assert archs[off]["enabled"] is False and archs[off]["reason"]
     enabled = cp.shards(matrix)
-    assert {s["id"] for s in enabled} == {f"{f}-sm90" for f in GPU_PACKAGES}
+    assert {s["id"] for s in enabled} == {f"{f}-sm90" for f in SHARDS}
     assert all(s["runner"] == ["self-hosted", "gpu", "sm90"] for s in enabled)
-    assert len(cp.shards(matrix, include_disabled=True)) == len(GPU_PACKAGES) * len(archs)
+    assert len(cp.shards(matrix, include_disabled=True)) == len(SHARDS) * len(archs)
 
 
 @pytest.mark.parametrize(
     "text, problem",
     [
         ("schema = 2", "schema"),
-        ('schema = 1\n[[family]]\nname = "runtime"\nsession = "gpu-runtime"\n'
+        ('schema = 1\n[[family]]\nname = "nope"\nsession = "gpu-nope"\n'
          '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["sm90"]\n', "not a GPU package"),
+        ('schema = 1\n[[family]]\nname = "norm"\nsession = "gpu-norm"\nuses = ["packages/x"]\n'
+         '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["sm90"]\n', "tools/ paths"),
         ('schema = 1\n[[family]]\nname = "norm"\nsession = "gpu-gemm"\n'
          '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["sm90"]\n', "must run session"),
         ('schema = 1\n[[family]]\nname = "norm"\nsession = "gpu-norm"\n'
@@ -181,7 +185,7 @@ def test_cli_shards(capsys):
         }
     ]
     every = json.loads(_run_cli(capsys, "--shards", "--json", "packages/flydsl-runtime/src/flydsl/env.py"))
-    assert [r["family"] for r in every] == GPU_PACKAGES
+    assert [r["family"] for r in every] == SHARDS
     assert json.loads(_run_cli(capsys, "--shards", "--json", "README.md")) == []
     text = _run_cli(capsys, "--shards", "packages/fly-conv/x.py")
     assert text.split() == ["conv-sm90", "gpu-conv", "self-hosted,gpu,sm90"]
@@ -218,29 +222,7 @@ def test_changed_paths_from_git(tmp_path):
 
 
 def _noxfile_sessions(monkeypatch) -> dict[str, dict]:
-    """Load noxfile.py against a stand-in ``nox`` that records every session it defines."""
-    found: dict[str, dict] = {}
-
-    def session(func=None, /, **kw):
-        def record(f):
-            name = kw.get("name") or f.__name__
-            assert name not in found, f"session {name} defined twice"
-            found[name] = {"tags": list(kw.get("tags") or []), "python": kw.get("python", None), "doc": f.__doc__}
-            return f
-
-        return record(func) if func is not None else record
-
-    stub = types.ModuleType("nox")
-    stub.session = session
-    stub.options = types.SimpleNamespace()
-    stub.Session = object
-    stub.command = types.SimpleNamespace(CommandFailed=RuntimeError)
-    monkeypatch.setitem(sys.modules, "nox", stub)
-    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    found["__options__"] = vars(stub.options)
-    return found
+    return load_noxfile_sessions(monkeypatch)
 
 
 def test_noxfile_sessions(monkeypatch):
@@ -248,21 +230,26 @@ def test_noxfile_sessions(monkeypatch):
     options = sessions.pop("__options__")
     expected = {"tests", "lint", "demo", "test-ci"}
     for name in ALL:
-        expected |= {f"test-{name}", f"build-{name}", f"isolation-{name}", f"release-{name}"}
+        expected |= {f"test-{name}", f"test-{name}-min", f"build-{name}", f"isolation-{name}", f"release-{name}",
+                     f"bump-{name}"}
+    for name in SHARDS:
+        expected.add(f"gpu-{name}")
     for name in GPU_PACKAGES:
-        expected |= {f"gpu-{name}", f"bench-{name}"}
+        expected.add(f"bench-{name}")
     assert set(sessions) == expected
     assert options["sessions"] == ["lint", "tests"]
     for name, s in sessions.items():
         assert s["doc"], f"{name} has no description for `nox -l`"
-        if name.startswith(("gpu-", "bench-")):
+        if name.startswith(("gpu-", "bench-", "bump-")):
             assert s["python"] is False, f"{name} must run in the current interpreter"
+        elif name.endswith("-min"):
+            assert s["python"] == "3.10", f"{name}: the floors are tested on the oldest supported Python"
         else:
             assert s["python"] is None
     assert "gpu" in sessions["gpu-norm"]["tags"]
     assert "cpu" in sessions["tests"]["tags"]
     gpu_tagged = {n for n, s in sessions.items() if "gpu" in s["tags"]}
-    assert gpu_tagged == {f"gpu-{n}" for n in GPU_PACKAGES}
+    assert gpu_tagged == {f"gpu-{n}" for n in SHARDS}
 
 
 def test_every_shard_has_its_session(monkeypatch):
@@ -283,7 +270,7 @@ def test_noxfile_agrees_with_real_nox(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     listed = {s["session"]: s for s in json.loads(proc.stdout)}
     assert sorted(listed) == expected
-    assert {n for n, s in listed.items() if "gpu" in s["tags"]} == {f"gpu-{n}" for n in GPU_PACKAGES}
+    assert {n for n, s in listed.items() if "gpu" in s["tags"]} == {f"gpu-{n}" for n in SHARDS}
 
 
 # ----------------------------------------------------------- the workflow
@@ -311,14 +298,24 @@ def test_workflow_gpu_jobs_match_the_matrix(workflow):
         assert job["runs-on"] == shard["runner"]
         assert re.search(rf"nox -s {re.escape(shard['session'])}(\s|$)", _runs(job))
         assert job["needs"] == "changes"
-        assert f"'{shard['family']}'" in job["if"]
+        # the fork gate first, then the families the change selects for GPU shards
+        assert job["if"] == (f"needs.changes.outputs.gpu == 'true' && "
+                             f"contains(fromJSON(needs.changes.outputs.families), '{shard['family']}')")
         assert job["timeout-minutes"] == shard["timeout_minutes"]
 
 
 def test_workflow_cpu_build_and_lint_jobs(workflow):
     jobs = workflow["jobs"]
-    cpu = [j for j in jobs.values() if "nox -s test-${{ matrix.package }}" in _runs(j)]
+    cpu = [j for j in jobs.values() if "nox -s test-${{ matrix.package }} " in _runs(j)]
     assert len(cpu) == 1 and cpu[0]["strategy"]["matrix"]["package"] == ALL, "one CPU job per package"
+    assert cpu[0]["strategy"]["matrix"]["python"] == ["3.10", "3.13"], "the oldest and newest supported Python"
+    assert "--force-python ${{ matrix.python }}" in _runs(cpu[0])
+    (floor,) = [j for j in jobs.values() if "nox -s test-${{ matrix.package }}-min" in _runs(j)]
+    assert floor["strategy"]["matrix"]["package"] == ALL
+    (setup,) = [s for s in floor["steps"] if s.get("uses", "").startswith("actions/setup-python")]
+    assert setup["with"]["python-version"] == "3.10"
+    assert jobs["changelog"]["if"] == "github.event_name == 'pull_request'"
+    assert "ci/changelog_check.py --base" in _runs(jobs["changelog"]) and "--labels" in _runs(jobs["changelog"])
     build = [j for j in jobs.values() if "nox -s build-${{ matrix.package }}" in _runs(j)]
     assert len(build) == 1 and build[0]["strategy"]["matrix"]["package"] == ALL
     assert "isolation-${{ matrix.package }}" in _runs(build[0])
