@@ -4,7 +4,8 @@
 per-tensor / per-row / per-column scales, bias and activation fused into the
 kernel's epilogue; ``linear(x, weight, bias, activation)`` on N-D inputs and
 the ``FlyLinear`` module (autograd for fp16 / bf16). :class:`GemmConfig` is the
-launch configuration. See the package README for the API table and status.
+launch configuration. Mixture of experts: ``topk_softmax`` / ``grouped_topk`` routing, ``moe_align`` and
+``fused_moe`` (bf16 / fp16). See the package README for the API table and status.
 """
 
 from ._version import __version__
@@ -13,10 +14,15 @@ from .builders import compile_preshuffle_gemm
 from .gemm import gemm
 from .linear import linear
 from .modules import FlyLinear
+from .moe import fused_moe
+from .moe_config import MoeConfig
+from .moe_reference import fused_moe_ref
+from .moe_routing import MoeAlignment, grouped_topk, moe_align, topk_softmax
 from .prepack import PackedWeight, prepack
 from .reference import gemm_ref
 
 __all__ = [
     "__version__", "gemm", "linear", "FlyLinear", "prepack", "PackedWeight", "compile_preshuffle_gemm", "gemm_ref",
-    "GemmConfig",
+    "GemmConfig", "fused_moe", "topk_softmax", "grouped_topk", "moe_align", "MoeAlignment", "MoeConfig",
+    "fused_moe_ref",
 ]  # fmt: skip
