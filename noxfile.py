@@ -41,7 +41,6 @@ sys.path.insert(0, str(ROOT / "ci"))
 
 import floors  # noqa: E402
 import release as rel  # noqa: E402
-
 from cpu_stack import cpu_torch_problem  # noqa: E402
 from monorepo import PACKAGES, Package, install_order  # noqa: E402
 

@@ -21,9 +21,8 @@ CI_DIR = Path(__file__).resolve().parent
 if str(CI_DIR) not in sys.path:
     sys.path.insert(0, str(CI_DIR))
 
-from release import lower_end, requirements, sibling_requirements  # noqa: E402
-
 from monorepo import PACKAGES, Package, install_order  # noqa: E402
+from release import lower_end, requirements, sibling_requirements  # noqa: E402
 
 OURS = {canonicalize_name(p.distribution) for p in PACKAGES}
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import changelog_check as cc
-import floors
 import pytest
 from conftest import ROOT
 
 import changed_packages as cp
+import changelog_check as cc
+import floors
 import monorepo
 
 ALL = monorepo.names()

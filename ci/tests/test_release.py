@@ -9,10 +9,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import release as rel
 from conftest import ROOT, load_noxfile_sessions
 
 import monorepo
+import release as rel
 
 PACKAGES = monorepo.PACKAGES
 GEMM = monorepo.by_name("gemm")
