@@ -36,10 +36,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if x.dim() == 1:
         return x.view(1, n)
+    m = x.shape[:-1].numel()  # not -1: with N = 0 the row count cannot be inferred
     try:
-        return x.view(-1, n)
+        return x.view(m, n)
     except RuntimeError:  # leading dims not collapsible into one stride
-        return x.reshape(-1, n)
+        return x.reshape(m, n)
 
 
 @dataclass(frozen=True)
