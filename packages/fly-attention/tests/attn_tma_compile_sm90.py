@@ -2,8 +2,7 @@
 of its own: ``FLYDSL_INTERPRET=0 python attn_tma_compile_sm90.py``. Every config of
 ``fly_attention.autotune.tma_candidates`` at head dims 64, 128 and 256, plus padded head dims and a value head
 dim of its own. Prints one line a variant: ``ok <variant> <shared bytes> REG:<n> STACK:<n> <marks>``, the
-marks being ``tma`` (``cp.async.bulk.tensor`` in the PTX), ``wgmma`` and ``ws`` (warp-specialised:
-``setmaxnreg`` or more warps than launched), or ``FAIL <variant> <error>``."""
+marks being ``tma`` (``cp.async.bulk.tensor`` in the PTX) and ``wgmma``, or ``FAIL <variant> <error>``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def compile_variant(d, dv, cfg: AttnConfig, windowed, softcap, varlen, lse, dtyp
     const = {
         "HEAD_DIM": d, "HEAD_DIM_V": dv, "BLOCK_D": triton.next_power_of_2(d), "BLOCK_DV": triton.next_power_of_2(dv),
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "WINDOWED": windowed, "SOFTCAP": softcap, "VARLEN": varlen,
-        "STORE_LSE": lse, "TMA_STORE": cfg.tma_store, "WARP_SPECIALIZE": cfg.warp_specialize,
+        "STORE_LSE": lse, "TMA_STORE": cfg.tma_store,
     }  # fmt: skip
     if not lse:
         const["lse_ptr"] = None
@@ -62,15 +61,13 @@ def compile_variant(d, dv, cfg: AttnConfig, windowed, softcap, varlen, lse, dtyp
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def marks(compiled, cfg: AttnConfig) -> str:
+def marks(compiled) -> str:
     ptx = compiled.asm["ptx"]
     out = []
     if "cp.async.bulk.tensor" in ptx:
         out.append("tma")
     if "wgmma.mma_async" in ptx:
         out.append("wgmma")
-    if "setmaxnreg" in ptx or compiled.metadata.num_warps != cfg.num_warps:
-        out.append("ws")
     return ",".join(out) or "-"
 
 
@@ -81,7 +78,7 @@ ALL_OFF = (False, False, False, False, "bf16")
 HEAD_DIMS = (64, 128, 256)
 # the head dims that are not powers of two (padded tiles) and a value head dim of its own, at 128 x 64 tiles
 EXTRA = [((80, 80), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), (True, False, False, True, "fp16")),
-         ((96, 96), AttnConfig(128, 64, num_warps=4, num_stages=3, tma=True, warp_specialize=True), ALL_ON),
+         ((96, 96), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), ALL_ON),
          ((192, 128), AttnConfig(128, 64, num_warps=8, num_stages=2, tma=True, tma_store=True), ALL_ON)]
 
 
@@ -108,9 +105,9 @@ if __name__ == "__main__":
         if i % count != shard:
             continue
         tag = f"{i} d{d}/{dv} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-        tag += f" store={int(cfg.tma_store)} ws={int(cfg.warp_specialize)} opts={int(opts[0])}"
+        tag += f" store={int(cfg.tma_store)} opts={int(opts[0])}"
         try:
             c = compile_variant(d, dv, cfg, *opts)
-            print("ok", tag, c.metadata.shared, usage(c), marks(c, cfg), flush=True)
+            print("ok", tag, c.metadata.shared, usage(c), marks(c), flush=True)
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", tag, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

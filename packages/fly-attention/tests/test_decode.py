@@ -453,6 +453,9 @@ def test_gpu_replayed_calls_match_the_reference(device, splits, monkeypatch):
     replayed = []
     real = direct._Plan.replay
     monkeypatch.setattr(direct._Plan, "replay", lambda plan, args: replayed.append(1) or real(plan, args))
+    # The poisoning fill of the outputs is a torch op a replay would not redo, so a recording that sees it makes
+    # no plan: plain allocations here (the first call's output is still checked against the reference).
+    monkeypatch.setattr(decode_mod, "_empty", torch.empty)
     decode_mod._REPLAYS.clear()
     outs = []
     for seed in range(4):  # the first call records, the next ones replay

@@ -1,7 +1,6 @@
 """The TMA forward (``AttnConfig(tma=True)``, ``_kernels/flash_fwd_tma.py``) against the fp32 reference: every
-option of the 16-bit forward, dense and varlen, in each of its three forms (descriptor loads; the output
-stored through a descriptor too; the warp-specialised form, whose single all-masked key loop is its own code
-path even where the interpreter ignores the specialisation itself).
+option of the 16-bit forward, dense and varlen, in each of its two forms (descriptor loads; the output
+stored through a descriptor too).
 
 CPU runs go through Triton's interpreter, which runs device-side tensor descriptors (out-of-shape rows and
 columns read as zeros, stores clipped): the pointer kernel is made to fail in these tests, so a pass is the
@@ -34,13 +33,11 @@ _BASE = AttnConfig(32, 16, num_warps=4, num_stages=1, tma=True)
 FORMS = {
     "loads": _BASE,
     "store": dataclasses.replace(_BASE, tma_store=True),
-    "ws": dataclasses.replace(_BASE, warp_specialize=True),
 }
 _GPU_BASE = AttnConfig(128, 64, num_warps=8, num_stages=2, tma=True)
 GPU_FORMS = {
     "loads": _GPU_BASE,
     "store": dataclasses.replace(_GPU_BASE, tma_store=True),
-    "ws": dataclasses.replace(_GPU_BASE, num_warps=4, warp_specialize=True),
 }
 
 
@@ -164,14 +161,8 @@ def test_tma_configs_are_refused_where_the_kernel_cannot_run():
     assert not config_valid(cfg, 128, 128, torch.float8_e4m3fn, sm90)  # 16-bit only
     assert not config_valid(cfg, 36, 36, torch.bfloat16, sm90)  # rows not whole 16-byte units
     assert not config_valid(cfg, 64, 36, torch.bfloat16, sm90)
-    ws = dataclasses.replace(cfg, num_warps=4, warp_specialize=True)
-    assert config_valid(ws, 128, 128, torch.bfloat16, sm90)
-    # what Triton's Hopper warp specialisation does not specialise: 8 warps a group, 64 query rows
-    assert not config_valid(dataclasses.replace(ws, num_warps=8), 128, 128, torch.bfloat16, sm90)
-    assert not config_valid(dataclasses.replace(ws, block_m=64), 128, 128, torch.bfloat16, sm90)
-    # the options are the TMA kernel's
-    for opt in ({"tma_store": True}, {"warp_specialize": True}):
-        assert not config_valid(AttnConfig(128, 64, num_warps=4, **opt), 128, 128, torch.bfloat16, sm90)
+    # the descriptor store is the TMA kernel's option
+    assert not config_valid(AttnConfig(128, 64, num_warps=4, tma_store=True), 128, 128, torch.bfloat16, sm90)
     assert not config_valid(AttnConfig(128, 128, num_warps=8, num_stages=4, tma=True), 128, 128, torch.bfloat16,
                             sm90)  # shared memory  # fmt: skip
 
@@ -185,11 +176,11 @@ def test_an_invalid_tma_config_is_named(device):
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256])
 def test_tma_candidates(d):
     """A handful a head dim, each valid for sm_90 and a TMA config; both tile shapes where shared memory has
-    room for them, with and without warp specialisation; nothing for fp8 or a GPU without TMA."""
+    room for them, with and without the descriptor store; nothing for fp8 or a GPU without TMA."""
     cands = tma_candidates(d, torch.bfloat16, flydsl.arch.SM90)
     assert 2 <= len(cands) <= 16 and len(set(cands)) == len(cands)
     assert all(c.tma and config_valid(c, d, d, torch.bfloat16, flydsl.arch.SM90) for c in cands)
-    assert any(c.warp_specialize for c in cands) and any(not c.warp_specialize for c in cands)
+    assert any(c.tma_store for c in cands) and any(not c.tma_store for c in cands)
     if d <= 128:
         assert {c.block_n for c in cands} == {64, 128}
     assert tma_candidates(d, torch.float8_e4m3fn, flydsl.arch.SM90) == []
@@ -209,8 +200,7 @@ def test_the_default_stays_the_pointer_kernel():
 def test_tma_kernel_compiles_for_sm90_with_tma_wgmma_and_no_spill():
     """Each variant of attn_tma_compile_sm90.py (every candidate) compiles for sm_90 in a process of its own
     (two in parallel): K / V / Q moved by ``cp.async.bulk.tensor``, both dots as wgmma, no stack (a register
-    spill); the warp-specialised configs launch more warps than asked (a producer group and two consumer
-    groups) and the others do not; and ``smem_bytes`` bounds the shared memory each takes."""
+    spill); and ``smem_bytes`` bounds the shared memory each takes."""
     import os
     import re
     import subprocess
@@ -240,7 +230,6 @@ def test_tma_kernel_compiles_for_sm90_with_tma_wgmma_and_no_spill():
         shared, stack, marks = int(m.group(1)), int(m.group(3)), m.group(4).split(",")
         assert stack == 0, line
         assert "tma" in marks and "wgmma" in marks, line
-        assert ("ws" in marks) == cfg.warp_specialize, line
         assert shared <= smem_bytes(cfg, d, dv, torch.bfloat16), line
 
 
@@ -257,7 +246,7 @@ _GPU_CANDIDATES = [(d, c) for d in (64, 128, 256) for c in _candidates(d)]
 def _cand_id(dc):
     d, c = dc
     tiles = f"{c.block_m}x{c.block_n}-w{c.num_warps}-s{c.num_stages}"
-    return f"d{d}-{tiles}-store{int(c.tma_store)}-ws{int(c.warp_specialize)}"
+    return f"d{d}-{tiles}-store{int(c.tma_store)}"
 
 
 @pytest.mark.gpu

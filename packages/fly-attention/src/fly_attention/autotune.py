@@ -28,8 +28,6 @@ _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 _ACC_PER_THREAD = 192
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 _TMA_ELEMS = 8  # 16 bytes of a 16-bit dtype: TMA's unit of a row
-_WS_WARPS = 4  # warps a warp group (what Triton's Hopper warp specialisation splits the loop for)
-_WS_BLOCK_M = 128
 
 
 @dataclass(frozen=True)
@@ -42,51 +40,40 @@ class AttnConfig:
     num_stages: int = 2  # software-pipeline depth of the key loop (K and V tiles in shared memory)
     # The 16-bit TMA kernel (_kernels/flash_fwd_tma.py; sm_90+): Q, K and V tiles through tensor descriptors.
     # Tensors TMA cannot address (a base or a stride not a multiple of 16 bytes) run the pointer kernel with
-    # the same tiles. Its options: store the output through a descriptor too (an output tile of shared
-    # memory), and Triton's automatic warp specialisation of the key loop (a producer warp group issuing the
-    # loads, two consumer warp groups of num_warps each splitting the 128 query rows: 3 * num_warps launched).
+    # the same tiles. Its option: store the output through a descriptor too (an output tile of shared memory).
+    # (Triton 3.6's automatic warp specialisation of the key loop was tried: every such config gave NaN on
+    # the H200, so it is not offered.)
     tma: bool = False
     tma_store: bool = False
-    warp_specialize: bool = False
 
 
 # Shared memory of the TMA kernel past its tiles, from sm_90 compiles (tests/attn_tma_compile_sm90.py checks
-# that smem_bytes bounds every candidate's): 1 KB of barriers and alignment; warp specialisation adds 15.4-16.3
-# KB at d 64-128 and 32.3 KB at d 256 (modelled as half a block_m x max(128, d, dv) tile and 512 bytes).
+# that smem_bytes bounds every candidate's): 1 KB of barriers and alignment.
 _TMA_SMEM_SLACK = 1024
-_WS_SMEM_SLACK = 512
 
 
 def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
     """Shared memory a config takes: the Q tile once, a K and a V tile per pipeline stage (padded dims); for
     the TMA kernel its barriers, with ``tma_store`` the output tile its descriptor store goes through (after
-    the key loop, in the loop's freed buffers when it fits there, as sm_90 compiles place it), and with
-    ``warp_specialize`` what the specialised loop adds."""
+    the key loop, in the loop's freed buffers when it fits there, as sm_90 compiles place it)."""
     d, dv = flyc.next_power_of_2(head_dim), flyc.next_power_of_2(head_dim_v)
     tiles = cfg.block_m * d + cfg.num_stages * cfg.block_n * (d + dv)
     if cfg.tma_store:
         tiles = max(tiles, cfg.block_m * dv)
-    if cfg.warp_specialize:
-        tiles += cfg.block_m * max(128, d, dv) // 2
-    slack = (_TMA_SMEM_SLACK if cfg.tma else 0) + (_WS_SMEM_SLACK if cfg.warp_specialize else 0)
-    return tiles * dtype.itemsize + slack
+    return tiles * dtype.itemsize + (_TMA_SMEM_SLACK if cfg.tma else 0)
 
 
 def _tma_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
-    """The TMA kernel's own conditions: its options only with ``tma``; 16-bit inputs; head dims that are
+    """The TMA kernel's own conditions: its option only with ``tma``; 16-bit inputs; head dims that are
     multiples of 8 elements (rows of whole 16-byte units: TMA's strides, and no descriptor store spilling into
-    the next head); a GPU with TMA (sm_90+) or the interpreter. On a GPU, warp specialisation wants what
-    Triton 3.6's Hopper pass specialises (sm_90 compiles): 4 warps a group (with 8 it leaves the loop as it
-    is) and 128 query rows (two consumer groups of 64)."""
+    the next head); a GPU with TMA (sm_90+) or the interpreter."""
     if not cfg.tma:
-        return not (cfg.tma_store or cfg.warp_specialize)
+        return not cfg.tma_store
     if dtype not in _TMA_DTYPES or head_dim % _TMA_ELEMS or head_dim_v % _TMA_ELEMS:
         return False
     if arch.is_interpreter:
         return True
-    if arch.backend != "cuda" or (arch.capability or (0,)) < (9, 0):
-        return False
-    return not cfg.warp_specialize or (cfg.num_warps == _WS_WARPS and cfg.block_m == _WS_BLOCK_M)
+    return arch.backend == "cuda" and (arch.capability or (0,)) >= (9, 0)
 
 
 def _launchable(blocks: tuple, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int) -> bool:
@@ -110,8 +97,6 @@ def config_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.d
     if arch.is_interpreter:
         return True
     threads = 32 * cfg.num_warps
-    if cfg.warp_specialize:  # the rows are split over two consumer groups of num_warps each
-        threads *= 2
     dv = flyc.next_power_of_2(head_dim_v)
     if dtype == torch.float8_e4m3fn:
         # fp8: P @ V is a second fp8 dot that reduces over the key block (at least 32 on sm_90's fp8
@@ -167,10 +152,10 @@ def _default_fp8(d: int) -> AttnConfig:
 
 def tma_candidates(head_dim: int, dtype: torch.dtype, arch: flydsl.arch.Arch) -> list[AttnConfig]:
     """The TMA configs worth timing against the default (head_dim_v = head_dim): 128 x 64 and 128 x 128
-    tiles, 2-4 stages, 8 warps, and each warp-specialised (4 warps a group, 12 launched), and the 128 x 64
-    ones with the output stored through a descriptor; those :func:`config_valid` takes (shared memory
-    bounds the stages at large head dims; none for fp8, head dims not multiples of 8, or a GPU without
-    TMA). None of them is measured yet: the default stays the pointer kernel until one wins on the H200."""
+    tiles, 2-4 stages, 8 warps, and the 128 x 64 ones with the output stored through a descriptor; those
+    :func:`config_valid` takes (shared memory bounds the stages at large head dims; none for fp8, head dims
+    not multiples of 8, or a GPU without TMA). The default stays the pointer kernel until one of them wins
+    on the H200."""
     out = []
     for block_n in (64, 128):
         for stages in (2, 3, 4):
@@ -178,7 +163,6 @@ def tma_candidates(head_dim: int, dtype: torch.dtype, arch: flydsl.arch.Arch) ->
             out.append(plain)
             if block_n == 64:
                 out.append(dataclasses.replace(plain, tma_store=True))
-            out.append(dataclasses.replace(plain, num_warps=_WS_WARPS, warp_specialize=True))
     return [c for c in out if config_valid(c, head_dim, head_dim, dtype, arch)]
 
 

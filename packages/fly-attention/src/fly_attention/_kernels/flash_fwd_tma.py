@@ -20,10 +20,6 @@ error).
 ``TMA_STORE``: the output tile is stored through a descriptor too (clipped to ``[seqlen_q, head_dim_v]``;
 the head dims are multiples of 8 elements, so no store reaches past a row into the next head), at the cost
 of an output tile of shared memory (sm_90 compiles place it in the key loop's freed buffers).
-``WARP_SPECIALIZE``: the key loop is given to Triton's automatic warp specialisation (a producer warp group
-issuing the loads, two consumer warp groups of 64 rows doing the math); Triton 3.6's Hopper pass takes only
-a kernel whose one loop is its whole control flow, so that form walks every visited key block masked, in one
-loop, with no early return.
 """
 
 from __future__ import annotations
@@ -52,16 +48,15 @@ def _flash_fwd_tma_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     HEAD_DIM: fx.constexpr, HEAD_DIM_V: fx.constexpr, BLOCK_D: fx.constexpr, BLOCK_DV: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, WINDOWED: fx.constexpr, SOFTCAP: fx.constexpr,
-    VARLEN: fx.constexpr, STORE_LSE: fx.constexpr, TMA_STORE: fx.constexpr, WARP_SPECIALIZE: fx.constexpr,
+    VARLEN: fx.constexpr, STORE_LSE: fx.constexpr, TMA_STORE: fx.constexpr,
 ):
     # fmt: on
     b, h, pid_m = block_program(fx.program_id(0), num_m, heads, True)
     h_kv = h // group
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
-    if not WARP_SPECIALIZE:  # (the warp-specialised loop must be the kernel's only control flow)
-        if m0 >= seqlen_q:  # varlen: a sequence shorter than the grid's
-            return
+    if m0 >= seqlen_q:  # varlen: a sequence shorter than the grid's
+        return
     rows = m0 + fx.arange(0, BLOCK_M)
     # One (batch, head)'s rows as a 2-D tensor each: out-of-shape rows and columns read as zeros.
     q_desc = fx.make_tensor_descriptor(head_base(q_ptr, b, q_start, h, stride_qb, stride_qs, stride_qh),
@@ -81,30 +76,19 @@ def _flash_fwd_tma_kernel(
     acc = fx.zeros([BLOCK_M, BLOCK_DV], dtype=fx.float32)
     l_i = fx.zeros([BLOCK_M], dtype=fx.float32)
     m_i = fx.full([BLOCK_M], float("-inf"), dtype=fx.float32)
-    if WARP_SPECIALIZE:
-        # Triton 3.6's Hopper warp specialisation takes a kernel whose only control flow is that one loop (sm_90
-        # compiles fail in the pass with a second loop before or after it, or an early return; a mask under an
-        # `if` inside it leaves the loop unspecialised): every visited block runs masked, and a program past
-        # its sequence (varlen) visits none and stores nothing (the stores are clipped / masked to seqlen_q).
-        kv_end = fx.where(m0 < seqlen_q, kv_end, kv_start)
-        for n0 in fx.range(kv_start, kv_end, BLOCK_N, warp_specialize=True):
+    if WINDOWED:  # the left edge of a window: masked
+        for n0 in range(kv_start, full_lo, BLOCK_N):
             acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
                                           seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
                                           True, SOFTCAP)  # fmt: skip
-    else:
-        if WINDOWED:  # the left edge of a window: masked
-            for n0 in range(kv_start, full_lo, BLOCK_N):
-                acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
-                                              seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
-                                              True, SOFTCAP)  # fmt: skip
-        for n0 in range(full_lo, full_hi, BLOCK_N):  # the inner blocks: no mask at all
-            acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
-                                          seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
-                                          False, SOFTCAP)  # fmt: skip
-        for n0 in range(full_hi, kv_end, BLOCK_N):  # the diagonal / right edge and the ragged end: masked
-            acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
-                                          seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
-                                          True, SOFTCAP)  # fmt: skip
+    for n0 in range(full_lo, full_hi, BLOCK_N):  # the inner blocks: no mask at all
+        acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                      seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                      False, SOFTCAP)  # fmt: skip
+    for n0 in range(full_hi, kv_end, BLOCK_N):  # the diagonal / right edge and the ragged end: masked
+        acc, l_i, m_i = online_update(acc, l_i, m_i, q, k_desc.load([n0, 0]), v_desc.load([n0, 0]), n0,
+                                      seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
+                                      True, SOFTCAP)  # fmt: skip
 
     seen = l_i > 0.0  # rows that saw no key store 0 and lse -inf
     out = (acc / fx.where(seen, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty)
@@ -143,12 +127,11 @@ def launch_flash_fwd_tma(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_s
                          win_left: int, win_right: int, softmax_scale: float, softcap: float, cfg,
                          stream=None):  # fmt: skip
     """Launch the TMA forward; arguments as :func:`.flash_fwd.launch_flash_fwd` (dense or varlen), for
-    16-bit tensors that :func:`tma_addressable` takes and a ``cfg`` with ``tma=True`` (``tma_store``,
-    ``warp_specialize`` as the kernel's ``TMA_STORE``, ``WARP_SPECIALIZE``)."""
+    16-bit tensors that :func:`tma_addressable` takes and a ``cfg`` with ``tma=True`` (``tma_store`` as the
+    kernel's ``TMA_STORE``)."""
     if max_seqlen_q == 0 or batch == 0:
         return
     grid, args, meta = forward_arguments(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, batch, win_left,
                                          win_right, softmax_scale, softcap, cfg)  # fmt: skip
     flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
-    flyc.launch(_flash_fwd_tma_kernel, grid, *args, TMA_STORE=cfg.tma_store, WARP_SPECIALIZE=cfg.warp_specialize,
-                **meta)  # fmt: skip
+    flyc.launch(_flash_fwd_tma_kernel, grid, *args, TMA_STORE=cfg.tma_store, **meta)
