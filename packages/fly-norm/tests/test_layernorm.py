@@ -304,7 +304,7 @@ def test_custom_ops_pass_opcheck(device):
     w, b = affine(33, torch.float32, device)
     torch.library.opcheck(torch.ops.fly_norm.layer_norm_fwd.default, (x, w, b, x * 0.5, 1e-5, 0.0, True))
     _, _, mean, rstd = torch.ops.fly_norm.layer_norm_fwd(x, w, b, None, 1e-5, 0.0, True)
-    args = (x * 2, None, x, w, mean, rstd, 0.0, True, True, torch.float32, torch.float32)
+    args = (x * 2, None, x, w, mean, rstd, 0.0, True, True, torch.float32, torch.float32, torch.float32)
     torch.library.opcheck(torch.ops.fly_norm.layer_norm_bwd.default, args)
     args = (x, w, b, None, torch.ones(33, device=device), 1e-5, torch.float8_e4m3fn)
     torch.library.opcheck(torch.ops.fly_norm.layer_norm_quant.default, args)

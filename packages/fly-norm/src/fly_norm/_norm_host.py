@@ -656,14 +656,16 @@ def norm_backward(
     dweight_dtype: torch.dtype,
     config_for: ConfigFor,
     config: RowConfig | None = None,
+    dbias_dtype: torch.dtype | None = None,
 ):
     """(dx, dweight, dbias) from the saved normalized input ``h`` and its row statistics.
 
     ``dres`` is the gradient flowing into residual_out (or None); it is added
-    to dx, which is then also the residual's gradient. dweight/dbias come back
-    in ``dweight_dtype`` (empty when not needed).
+    to dx, which is then also the residual's gradient. dweight comes back in
+    ``dweight_dtype``, dbias in ``dbias_dtype`` (default: ``dweight_dtype``);
+    each empty when not needed.
     """
-    dx, dw, db = fake_backward(h, need_dw, need_db, dweight_dtype, dx_dtype)
+    dx, dw, db = fake_backward(h, need_dw, need_db, dweight_dtype, dx_dtype, dbias_dtype)
     if h.numel() == 0:
         dw.zero_()
         db.zero_()
@@ -733,9 +735,12 @@ def fake_quant_forward(x, residual, qdtype):
     return q, x.new_empty(x.shape[:-1], dtype=torch.float32), h
 
 
-def fake_backward(h, need_dw: bool, need_db: bool, dweight_dtype, dx_dtype):
+def fake_backward(h, need_dw: bool, need_db: bool, dweight_dtype, dx_dtype, dbias_dtype=None):
+    """(dx, dweight, dbias) allocated: dbias in ``dbias_dtype`` (default: ``dweight_dtype``), never rounded
+    through the weight's dtype when the bias has a wider one."""
     n = h.shape[-1]
     dx = h.new_empty(h.shape, dtype=dx_dtype)
     dw = h.new_empty(n, dtype=dweight_dtype) if need_dw else h.new_empty(0, dtype=torch.float32)
-    db = h.new_empty(n, dtype=dweight_dtype) if need_db else h.new_empty(0, dtype=torch.float32)
+    db_dtype = dweight_dtype if dbias_dtype is None else dbias_dtype
+    db = h.new_empty(n, dtype=db_dtype) if need_db else h.new_empty(0, dtype=torch.float32)
     return dx, dw, db

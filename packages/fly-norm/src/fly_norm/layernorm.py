@@ -117,11 +117,14 @@ def _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, store_sta
 
 
 def _layer_norm_bwd(dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype,
-                    dweight_dtype):  # fmt: skip
-    """(dx, dweight or empty, dbias or empty): the backward op's body, also run by the eager autograd path."""
+                    dweight_dtype, dbias_dtype):  # fmt: skip
+    """(dx, dweight or empty, dbias or empty): the backward op's body, also run by the eager autograd path.
+    dweight comes in ``dweight_dtype``, dbias in ``dbias_dtype`` (each its parameter's: an fp32 bias's
+    gradient is not rounded through a 16-bit weight's dtype)."""
     return shared.norm_backward(
         dy, dresidual_out, h, weight, mean, rstd, weight_offset, is_rms=False, need_dw=need_dweight,
         need_db=need_dbias, dx_dtype=dx_dtype, dweight_dtype=dweight_dtype, config_for=_bwd_config,
+        dbias_dtype=dbias_dtype,
     )  # fmt: skip
 
 
@@ -138,16 +141,20 @@ def _layer_norm_bwd_op(
     need_dbias: bool,
     dx_dtype: torch.dtype,
     dweight_dtype: torch.dtype,
+    dbias_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight or empty, dbias or empty)."""
+    """(dx, dweight or empty, dbias or empty). ``dbias_dtype`` None: ``dweight_dtype`` (the op's schema before
+    it had the argument, which graphs compiled then and kept in Inductor's on-disk caches still call)."""
     return _layer_norm_bwd(
-        dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype, dweight_dtype
+        dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype, dweight_dtype,
+        dbias_dtype,
     )
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype, dweight_dtype):
-    return shared.fake_backward(h, need_dweight, need_dbias, dweight_dtype, dx_dtype)
+def _(dy, dresidual_out, h, weight, mean, rstd, weight_offset, need_dweight, need_dbias, dx_dtype, dweight_dtype,
+      dbias_dtype=None):  # fmt: skip
+    return shared.fake_backward(h, need_dweight, need_dbias, dweight_dtype, dx_dtype, dbias_dtype)
 
 
 @torch.library.custom_op("fly_norm::layer_norm_quant", mutates_args=())
@@ -193,9 +200,10 @@ def _setup_context(ctx, inputs, output):
     # fill kernels a backward otherwise); dy and dh then come as None where their output went unused.
     ctx.set_materialize_grads(False)
     ctx.residual_dtype = None if residual is None else residual.dtype
-    # dweight and dbias come back in their parameter's dtype (fp32 when absent).
+    # dweight and dbias come back in their own parameter's dtype (fp32 when absent), each computed in it: dbias
+    # is never rounded through a 16-bit weight's dtype when the bias is fp32.
     ctx.param_dtype = torch.float32 if weight is None else weight.dtype
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.bias_dtype = torch.float32 if bias is None else bias.dtype
     ctx.eager = False  # through the custom op (traced, meta): its backward op too
 
 
@@ -208,12 +216,12 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     fused = ctx.residual_dtype is not None
     grad_dtype = torch.promote_types(ctx.x_dtype, ctx.residual_dtype) if fused else ctx.x_dtype
     args = (dy, dh if fused else None, h, weight, mean, rstd, ctx.weight_offset, need_w, need_b, grad_dtype,
-            ctx.param_dtype)  # fmt: skip
+            ctx.param_dtype, ctx.bias_dtype)  # fmt: skip
     if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
         dx, dw, db = _BWD_REPLAYS.eager(_layer_norm_bwd, *args)
     else:
         dx, dw, db = torch.ops.fly_norm.layer_norm_bwd(*args)
-    grads_w_b = (dw if need_w else None, db.to(ctx.bias_dtype) if need_b else None)
+    grads_w_b = (dw if need_w else None, db if need_b else None)
     # One gradient serves x and the residual (the residual's is dh plus the normalization's).
     dres = dx.to(ctx.residual_dtype) if fused and need_r else None
     return dx.to(ctx.x_dtype), *grads_w_b, dres, None, None, None
