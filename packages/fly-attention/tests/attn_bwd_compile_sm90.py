@@ -84,8 +84,8 @@ VARIANTS = [
     (64, 64, 32, 64, 64, 32, 4, 2, False, False, False, "bf16"),
     (128, 128, 32, 64, 64, 32, 4, 2, True, True, True, "bf16"),
     (80, 80, 32, 64, 64, 32, 4, 2, True, False, False, "fp16"),
-    (192, 128, 16, 32, 32, 64, 8, 1, True, True, False, "bf16"),
-    (256, 256, 16, 32, 32, 64, 8, 1, True, True, True, "fp16"),
+    (192, 128, 32, 32, 32, 32, 4, 2, True, True, False, "bf16"),
+    (256, 256, 32, 32, 32, 32, 4, 2, True, True, True, "fp16"),
 ]
 
 if __name__ == "__main__":

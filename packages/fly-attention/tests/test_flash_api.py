@@ -173,7 +173,7 @@ def test_default_config_is_valid_and_pure(d, dv, arch, dtype):
             assert cfg == default_config(d, dv, sq, sk, causal, dtype, arch)  # a function of its arguments only
             if arch.is_hopper and sq >= 1000:
                 assert cfg.block_m in (64, 128) and 64 <= cfg.block_n <= 128 and cfg.num_warps in (4, 8)
-                assert 2 <= cfg.num_stages <= 3
+                assert 2 <= cfg.num_stages <= 4
             if sq == 1 and not arch.is_interpreter:
                 assert cfg.block_m == 16  # a decode-size query block, not 128 rows of padding
 

@@ -118,8 +118,12 @@ def default_config(
         cfg = _default_fp8(d)
     else:
         cfg = _default_16bit(d)
-    if seqlen_q <= 64:  # decode-like queries: no program of mostly padded rows
-        cfg = dataclasses.replace(cfg, block_m=max(_DOT_MIN, flyc.next_power_of_2(max(seqlen_q, 1))))
+    if seqlen_q <= 64:  # decode-like queries: no program of mostly padded rows (the pointer kernel: the TMA
+        # kernel's small-row tiles were never run on a GPU)
+        cfg = AttnConfig(max(_DOT_MIN, flyc.next_power_of_2(max(seqlen_q, 1))), cfg.block_n, cfg.num_warps,
+                         min(cfg.num_stages, 3))  # fmt: skip
+    if cfg.tma and not _tma_valid(cfg, head_dim, head_dim_v, dtype, arch):  # no TMA here, or not for these dims
+        cfg = dataclasses.replace(cfg, tma=False)
     # seqlen_k and causal take no part yet: nothing has been measured that would choose by them
     while not config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -130,13 +134,18 @@ def default_config(
 
 def _default_16bit(d: int) -> AttnConfig:
     # Measured on the H200 (bf16, 16K tokens, seqlen 4096, causal and not; a grid of 64 / 128 query rows,
-    # 32-128 keys, 4 / 8 warps, 2-4 stages): 128 x 64 with 8 warps led at every head dim: d 64 423 / 364
-    # TFLOP/s (3 stages; 128 x 128 / 2 stages: 292 / 243), d 128 463 / 406 (3 stages), d 256 451 / 394 (2
-    # stages, 254-255 registers without spilling in sm_90 compiles; 64 x 64: 236 / 214). At seqlen 1024
-    # and 16384 (d 128) the leaders were within 2% of it.
-    if d <= 128:
+    # 32-128 keys, 4 / 8 warps, 2-4 stages): 128 x 64 with 8 warps led the pointer kernel at every head dim:
+    # d 64 423 / 364 TFLOP/s (3 stages), d 128 463 / 406 (3 stages), d 256 451 / 394 (2 stages).
+    # The TMA kernel at the same tiles, timed against it in one run (B 4, S 4096, 16 heads; non-causal /
+    # causal): d 64 even (423 / 349 with 4 stages against 418 / 348), d 128 500 / 418 with 4 stages against
+    # 455 / 402 (128 x 128 with 3 stages: 516 / 434, but its pointer twin, which serves layouts TMA cannot
+    # address, was never measured), d 256 501 / 456 with 2 stages against 449 / 417. cuDNN in that run:
+    # 475 / 411, 611 / 530, 667 / 593.
+    if d <= 64:
         return AttnConfig(128, 64, num_warps=8, num_stages=3)
-    return AttnConfig(128, 64, num_warps=8, num_stages=2)
+    if d <= 128:
+        return AttnConfig(128, 64, num_warps=8, num_stages=4, tma=True)
+    return AttnConfig(128, 64, num_warps=8, num_stages=2, tma=True)
 
 
 def _default_fp8(d: int) -> AttnConfig:
@@ -225,12 +234,14 @@ def default_bwd_config(
     # program stepping 32 queries, 64 rows a dQ program stepping 32 keys, 4 warps, 2 stages ran 300 / 282
     # TFLOP/s (non-causal / causal), level with the best of the others (128 keys stepping 64 queries, 8
     # warps, 3 stages: 301 / 264) and 3x the 8-warp tiles of 32 keys (95 / 92). d 64 takes the same (not
-    # measured apart); above 128, sm_90 compiles decide (32 keys x 16 queries spill 24 bytes with 2 stages
-    # and fit with 1): not measured yet.
+    # measured apart). At d 256 (same sizes; eleven configs): 32 x 32 tiles in both kernels, 4 warps, 2
+    # stages ran 120 / 119 TFLOP/s, second to 64 x 64 tiles with 8 warps and 1 stage (132 / 123), whose dQ
+    # kernel spills 360-544 bytes in sm_90 compiles where this one's spills none; the 16 x 32 tiles of 8 warps
+    # this replaced ran 56 / 54 (cuDNN: 384 / 361).
     if d <= 128:
         cfg = AttnBwdConfig(32, 64, 64, 32, num_warps=4, num_stages=2)
     else:
-        cfg = AttnBwdConfig(16, 32, 32, 64, num_warps=8, num_stages=1)
+        cfg = AttnBwdConfig(32, 32, 32, 32, num_warps=4, num_stages=2)
     # seqlen and causal take no part yet: nothing has been measured that would choose by them
     while not bwd_config_valid(cfg, head_dim, head_dim_v, dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
