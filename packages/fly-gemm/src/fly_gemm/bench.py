@@ -49,6 +49,7 @@ from torch import nn
 from flydsl.testing import default_device
 from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, log_uniform, main_for, results_dir
 
+from . import moe_bench
 from .autotune import TUNE_NK
 from .gemm import gemm
 from .linear import linear
@@ -590,6 +591,7 @@ def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
 
     Five benches have a sweep, so the family's 60 shapes split 12 a bench: bf16 at M > 16, bf16 decode
     (M = 1-16), fp8 and int8 (a third of each at M = 1-16) and ``linear`` (bias and activation drawn too).
+    The MoE benches (:mod:`.moe_bench`) time fixed model shapes only.
     """
     return [
         _bf16_bench("gemm_bf16", _M_LARGE, decode=False, sweep=_gemm_sweep(sweep_range, "large")),
@@ -597,6 +599,7 @@ def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
         _fp8_bench(_gemm_sweep(sweep_range, "mixed")),
         _int8_bench(_gemm_sweep(sweep_range, "mixed")),
         _linear_bench(_linear_sweep(sweep_range)),
+        *moe_bench.benches(interpreter=sweep_range == CPU_SWEEP),
         _host_bench(),
     ]
 

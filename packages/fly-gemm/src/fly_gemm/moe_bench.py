@@ -13,7 +13,7 @@ Providers: ``flydsl`` (:func:`fused_moe`); ``torch`` (what a plain implementatio
 rows by expert, one GEMM pair per expert, weight and add back); ``torch._grouped_mm`` (the same pipeline
 with the two grouped GEMMs of torch, where this torch has them: CUDA, sm_90+); ``dense`` (the ceiling a
 MoE layer can reach: cuBLAS on E dense GEMM pairs of the mean per-expert rows, same N and K, not checked:
-it computes another function). Not wired into :mod:`fly_gemm.bench` yet: call :func:`benches`.
+it computes another function). Part of the family's run (:func:`fly_gemm.bench.benches`).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def _sweep(tokens_lo: int, tokens_hi: int, models):
     return sweep
 
 
-def _bench(name: str, tokens: Sequence[int], decode: bool, models, sweep_range) -> Bench:
+def _bench(name: str, tokens: Sequence[int], decode: bool, models, sweep_range, sweep_models) -> Bench:
     return Bench(
         name=name,
         cases=[_case(m, spec, t) for m, spec in models.items() for t in tokens],
@@ -208,16 +208,21 @@ def _bench(name: str, tokens: Sequence[int], decode: bool, models, sweep_range) 
         group_by=("model",),
         description="fused MoE, bf16, SiLU: "
         + ("bytes: routed experts' weights + x + out" if decode else "6 T k H I flops"),  # fmt: skip
-        sweep=_sweep(*sweep_range, models),
+        sweep=_sweep(*sweep_range, sweep_models),
         timings=("gpu", "call"),
     )
 
 
-def benches(models: dict | None = None) -> list[Bench]:
+def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Bench]:
     """The MoE benches: ``moe_bf16`` (tokens 1024-16384) and ``moe_bf16_decode`` (tokens 1-64) over
-    ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time)."""
+    ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time).
+    ``interpreter``: the sweeps draw the quick model at up to 24 tokens (sizes the CPU runs in seconds)."""
     models = MODELS if models is None else models
+    if interpreter:
+        large, decode, drawn = (17, 24), (1, 16), dict([QUICK_MODEL])
+    else:
+        large, decode, drawn = (65, 16384), (1, 64), models
     return [
-        _bench("moe_bf16", _TOKENS_LARGE, False, models, (65, 16384)),
-        _bench("moe_bf16_decode", _TOKENS_DECODE, True, models, (1, 64)),
+        _bench("moe_bf16", _TOKENS_LARGE, False, models, large, drawn),
+        _bench("moe_bf16_decode", _TOKENS_DECODE, True, models, decode, drawn),
     ]
