@@ -9,38 +9,24 @@ scales as numbers / one-element / per-row / per-column tensors, ``out``, an expl
 stress the numerics (large magnitudes, rows of one value, NaN).
 
 Profiles: ``cpu`` (the interpreter, small shapes) and ``gpu`` (more cases, larger shapes); ``FLY_FUZZ_EXAMPLES``
-and ``FLY_FUZZ_SEED`` override the count and the seed, which every test prints.
+and ``FLY_FUZZ_SEED`` override the count and the seed, which every test prints (``flydsl.testing.fuzz``).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
 
 from fly_gemm import FlyLinear, GemmConfig, gemm, gemm_ref, linear, prepack
 from fly_gemm._staging import _MIN_ELEMENTS, _TILED_SMALL_M
 from flydsl.errors import FlyDSLError
 from flydsl.testing import assert_rel_close, default_device, empty_poisoned, gpu_available, tolerance
+from flydsl.testing.fuzz import banner, fuzz
 from flydsl_common.reference import activation_ref, quantize_per_token_ref
 
 GPU = gpu_available()
-SEED = int(os.environ.get("FLY_FUZZ_SEED", "40"))
-EXAMPLES = {"cpu": 80, "gpu": 500}
-PROFILE = "gpu" if GPU else "cpu"
-MAX_EXAMPLES = int(os.environ.get("FLY_FUZZ_EXAMPLES", EXAMPLES[PROFILE]))
-FUZZ = settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-    # Shrinking a failure through the interpreter takes minutes (each step reruns kernels): off unless asked
-    # for (FLY_FUZZ_SHRINK=1); the failing draw is printed whole either way.
-    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("FLY_FUZZ_SHRINK") == "1"],
-)
 DEVICE = default_device()
 IN_DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]
 ACTIVATIONS = [None, "relu", "silu", "gelu_tanh", "gelu"]
@@ -55,7 +41,7 @@ SMALL = 70 if not GPU else 600
 
 @pytest.fixture(autouse=True, scope="module")
 def _print_seed():
-    print(f"fly-gemm fuzz: profile {PROFILE}, {MAX_EXAMPLES} examples a test, seed {SEED} (FLY_FUZZ_EXAMPLES)")
+    print(banner("fly-gemm"))
 
 
 def _size(lo=0):
@@ -125,8 +111,7 @@ CPU_CONFIGS = [None, GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=True),
                GemmConfig(16, 32, 32, group_m=1, num_stages=1, split_k=2)]  # fmt: skip
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_gemm(data):
     m, n, k = data.draw(mnk())
@@ -199,8 +184,7 @@ def test_fuzz_gemm(data):
     _check(c, ref, _tol(resolved_out), nan_rows)
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_linear(data):
     """linear on N-D inputs (fp16 / bf16 through the kernel, fp32 through torch), bias, activation, weight as
@@ -266,8 +250,7 @@ def test_fuzz_linear(data):
         assert_rel_close(bg.grad, dpre.sum(0), tol=tol, name="dbias")
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_fly_linear(data):
     """FlyLinear against nn.Linear (fp64, the same parameters) then the activation; prepacked layers run

@@ -1,0 +1,69 @@
+"""The fuzzing profile every family's property-based tests share (needs ``hypothesis``, a test extra).
+
+Two profiles, chosen by the device: ``cpu`` (the interpreter: 80 cases a test, small shapes) and ``gpu``
+(500 cases a test). ``FLY_FUZZ_EXAMPLES`` and ``FLY_FUZZ_SEED`` override the count and the seed (40);
+``FLY_FUZZ_SHRINK=1`` turns shrinking on. Usage::
+
+    from flydsl.testing.fuzz import fuzz, banner
+
+    @fuzz
+    @given(...)
+    def test_op(...): ...
+
+A fixed seed gives the same cases whatever ran before in the process: Hypothesis (6.1xx) also draws
+numbers and strings found in the source of every local module loaded so far, so a test's cases would
+depend on which other tests imported what first (seen: a fly-norm case reached only in the full suite).
+That pool is emptied here, where this Hypothesis has it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, seed, settings
+
+from . import gpu_available
+
+__all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "banner"]
+
+SEED = int(os.environ.get("FLY_FUZZ_SEED", "40"))
+PROFILE = "gpu" if gpu_available() else "cpu"
+MAX_EXAMPLES = int(os.environ.get("FLY_FUZZ_EXAMPLES", {"cpu": 80, "gpu": 500}[PROFILE]))
+FUZZ = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    # Shrinking a failure through the interpreter takes minutes (each step reruns kernels): off unless asked
+    # for; the failing draw is printed whole either way.
+    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("FLY_FUZZ_SHRINK") == "1"],
+)
+
+
+def fuzz(test):
+    """The shared settings and seed on a ``@given`` test."""
+    return seed(SEED)(FUZZ(test))
+
+
+def banner(family: str) -> str:
+    """The line a fuzz module prints once: profile, case count, seed, and how to change them."""
+    return (f"{family} fuzz: profile {PROFILE}, {MAX_EXAMPLES} examples a test, seed {SEED} "
+            f"(FLY_FUZZ_SEED, FLY_FUZZ_EXAMPLES, FLY_FUZZ_SHRINK)")  # fmt: skip
+
+
+def _no_local_constants() -> None:
+    try:
+        from hypothesis.internal.conjecture import providers as p
+
+        def empty():  # the shape of Hypothesis's own empty pool
+            return p.Constants(integers=p.SortedSet(), floats=p.SortedSet(key=p.float_to_int), bytes=p.SortedSet(),
+                               strings=p.SortedSet())  # fmt: skip
+
+        empty()
+    except (ImportError, AttributeError, TypeError):  # another Hypothesis: nothing to turn off
+        return
+    if hasattr(p, "_get_local_constants"):
+        p._get_local_constants = empty
+
+
+_no_local_constants()
