@@ -11,6 +11,7 @@
     nox -s release-gemm             release checks, build, install test; `-- --tag` then tags (the push publishes)
     nox -t gpu                      every GPU shard (gpu-common, gpu-norm, ...): needs a CUDA GPU
     nox -s gpu-gemm -- --bench      one shard, benchmarks too
+    nox -s sanitize-gemm            the shard's tests under compute-sanitizer (-- --tool memcheck: one tool)
     nox -s bench-gemm               benchmarks only
     nox -s demo                     every installed family's kernels on small problems against torch
 
@@ -592,6 +593,7 @@ def _package_sessions(pkg: Package) -> None:
 
     if pkg.shard:
         _gpu_session(pkg)
+        _sanitize_session(pkg)
     if pkg.gpu:
         _bench_session(pkg)
 
@@ -606,6 +608,49 @@ def _gpu_session(pkg: Package) -> None:
         _gpu_tests(session, pkg, pytest_args)
         if "--bench" in flags:
             _run_benchmarks(session, pkg, [])
+
+
+# compute-sanitizer's tools, each a full pass over a GPU suite (memcheck: out-of-bounds and misaligned device
+# accesses; racecheck: shared-memory hazards; initcheck: reads of device memory nothing wrote; synccheck:
+# barriers in divergent code).
+SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+
+
+def _sanitize_session(pkg: Package) -> None:
+    @_session(f"sanitize-{pkg.name}",
+              f"{pkg.distribution}: the gpu-marked tests under compute-sanitizer ({', '.join(SANITIZER_TOOLS)}); "
+              "-- --tool NAME runs one tool; other args go to pytest.", python=False, tags=["sanitize"])
+    def sanitize(session: nox.Session) -> None:
+        flags, rest = _split_gpu_posargs(session.posargs)
+        tools, pytest_args = _sanitizer_tools(session, rest)
+        _require_gpu(session)
+        tool = shutil.which("compute-sanitizer")
+        if tool is None:
+            session.error("compute-sanitizer is not on PATH (it ships with the CUDA toolkit)")
+        _install_current(session, pkg, flags)
+        tests = str(_tests_dir(pkg).relative_to(ROOT))
+        # Without torch's caching allocator every tensor is its own allocation, so an access past a tensor's end
+        # is an access past an allocation, which memcheck sees (inside a cached block it would not).
+        env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+        for name in tools:
+            session.log(f"compute-sanitizer --tool {name}: {tests}")
+            session.run(tool, "--tool", name, "--error-exitcode", "97", "--target-processes", "all",
+                        "--print-limit", "20", sys.executable, "-m", "pytest", tests, "-m", "gpu", *PYTEST_FLAGS,
+                        "--require-gpu", *pytest_args, env=env, external=True)  # fmt: skip
+
+
+def _sanitizer_tools(session: nox.Session, args: list[str]) -> tuple[list[str], list[str]]:
+    """(the compute-sanitizer tools to run, the remaining pytest arguments) from ``--tool NAME`` options."""
+    tools, rest, it = [], [], iter(args)
+    for a in it:
+        if a == "--tool":
+            name = next(it, None)
+            if name not in SANITIZER_TOOLS:
+                session.error(f"--tool: expected one of {', '.join(SANITIZER_TOOLS)}, got {name!r}")
+            tools.append(name)
+        else:
+            rest.append(a)
+    return tools or list(SANITIZER_TOOLS), rest
 
 
 def _bench_session(pkg: Package) -> None:

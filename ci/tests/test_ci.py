@@ -233,14 +233,14 @@ def test_noxfile_sessions(monkeypatch):
         expected |= {f"test-{name}", f"test-{name}-min", f"build-{name}", f"isolation-{name}", f"release-{name}",
                      f"bump-{name}"}
     for name in SHARDS:
-        expected.add(f"gpu-{name}")
+        expected |= {f"gpu-{name}", f"sanitize-{name}"}
     for name in GPU_PACKAGES:
         expected.add(f"bench-{name}")
     assert set(sessions) == expected
     assert options["sessions"] == ["lint", "tests"]
     for name, s in sessions.items():
         assert s["doc"], f"{name} has no description for `nox -l`"
-        if name.startswith(("gpu-", "bench-", "bump-")):
+        if name.startswith(("gpu-", "sanitize-", "bench-", "bump-")):
             assert s["python"] is False, f"{name} must run in the current interpreter"
         elif name.endswith("-min"):
             assert s["python"] == "3.10", f"{name}: the floors are tested on the oldest supported Python"
@@ -352,3 +352,15 @@ def test_ci_run_is_the_readme_test_command():
     assert command in run
     assert command in (ROOT / "README.md").read_text()
     assert (ROOT / ".ci" / "run").stat().st_mode & 0o111, ".ci/run must be executable"
+
+
+def test_sanitize_workflow_covers_every_shard(monkeypatch):
+    """.github/workflows/sanitize.yml runs `nox -s sanitize-<family>` for exactly the families with a GPU
+    shard, each a session of the noxfile."""
+    yaml = pytest.importorskip("yaml")
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "sanitize.yml").read_text())
+    job = flow["jobs"]["sanitize"]
+    assert set(job["strategy"]["matrix"]["family"]) == set(SHARDS)
+    assert "nox -s sanitize-${{ matrix.family }}" in _runs(job)
+    sessions = _noxfile_sessions(monkeypatch)
+    assert {f"sanitize-{n}" for n in SHARDS} <= set(sessions)
