@@ -245,3 +245,24 @@ def test_gpu_cuda_graph_capture(device):
         torch.cuda.synchronize()
         assert_rel_close(out.float(), ref_q.to(device), tol=tolerance(q.dtype))
         assert_rel_close(kc.float(), ref_kc.float().to(device), tol=tolerance(q.dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_calls_match_the_reference(device, monkeypatch):
+    """Plain eager calls replay the first call's launch (flydsl.direct): every replay, on fresh inputs and
+    caches of the same layouts, writes the caches and returns a fresh rotated q as the reference does."""
+    from flydsl import direct
+
+    replayed = []
+    real = direct._Plan.replay
+    monkeypatch.setattr(direct._Plan, "replay", lambda plan, args: replayed.append(1) or real(plan, args))
+    # The poisoning fill is a torch op a replay would not redo, so a recording that sees it makes no plan:
+    # plain allocations here (check() still finds a NaN or a wrong row in any output).
+    monkeypatch.setattr(rope_mod, "_empty", torch.empty)
+    rope_mod._REPLAYS.clear()
+    outs = []
+    for seed in range(4):  # the first call records, the next ones replay
+        outs.append(check(make(256, 32, 8, 128, 128, 16, dtype=torch.bfloat16, device=device, pad=3, seed=seed),
+                          k_scale=None))  # fmt: skip
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    assert len(replayed) == 3, "the calls after the first were not replayed"
