@@ -1,19 +1,26 @@
 """``fused_moe`` against the fp32 loop-over-experts reference by relative error (poisoned outputs, so an
 unwritten row fails): fp16 and bf16, SiLU / GELU, the router weight on the output or the input, k = 1-4,
 odd hidden and intermediate sizes, experts with no tokens, every token on one expert, int32 and int64 ids,
--1 slots (expert parallelism), strided operands, out= (and out=x), several tile configs, zero tokens, meta
-tensors; bad input named by argument. GPU cases at the models' sizes (Mixtral 8x7B, DeepSeek-V3 routing on
-64 and 256 experts, Qwen3-30B-A3B) carry the ``gpu`` marker."""
+-1 slots (expert parallelism), strided operands, out= (and out=x), 16-bit and strided router weights, several
+tile configs, zero tokens, meta tensors, fresh routing call after call (the alignment's padded bound above
+the real row count); bad input named by argument; a host path of allocations, views and flyc launches only
+(no host synchronization: what CUDA graph capture and flydsl.direct's replays need). GPU cases at the
+models' sizes (Mixtral 8x7B, DeepSeek-V3 routing on 64 and 256 experts, Qwen3-30B-A3B), CUDA graph capture
+and replayed eager calls carry the ``gpu`` marker."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import flydsl.compiler as flyc
+from fly_gemm import moe as moe_mod
 from fly_gemm.moe import fused_moe
 from fly_gemm.moe_config import MoeConfig
-from fly_gemm.moe_reference import fused_moe_ref
+from fly_gemm.moe_reference import fused_moe_ref, topk_softmax_ref
 from fly_gemm.moe_routing import grouped_topk, topk_softmax
+from flydsl import direct
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl.testing import assert_rel_close, default_device, empty_poisoned, tolerance
 
@@ -97,6 +104,75 @@ def test_fused_moe_strided_operands_and_out_is_x():
     y = fused_moe(inplace, w1, w2, w, ids, out=inplace)
     assert y is inplace
     _check(y, x, w1, w2, w, ids)
+
+
+def test_fused_moe_router_weights_16bit_and_strided():
+    """The GEMM reads the router weights in place (no converted copy): bf16 / fp16, transposed storage."""
+    x, w1, w2, w, ids = _layer(11, 48, 32, 6, 3, torch.float16, seed=13)
+    for wd in (w.to(torch.bfloat16), w.to(torch.float16).t().contiguous().t()):
+        for on_input in (False, True):
+            y = fused_moe(x, w1, w2, wd, ids, apply_router_weight_on_input=on_input,
+                          out=empty_poisoned(11, 48, dtype=torch.float16, device=DEV))  # fmt: skip
+            _check(y, x, w1, w2, wd, ids, apply_router_weight_on_input=on_input)
+
+
+def test_fused_moe_fresh_routing_each_call():
+    """Calls of one shape with fresh inputs and routing (as a decode loop makes them): the buffers are sized for
+    the alignment's bound (T * k + E * (block_m - 1)), far above the rows in use at small T, and each call's
+    result matches the reference; the routing of one call leaves nothing behind for the next."""
+    cfg = MoeConfig(16, 32, 32, group_m=1)
+    for t in (1, 9):
+        for seed in range(2):
+            x, w1, w2, w, ids = _layer(t, 40, 24, 32, 4, torch.bfloat16, seed=100 * t + seed)
+            if seed == 1:
+                ids[:, 0] = 31  # every token on the last expert too
+            y = fused_moe(x, w1, w2, w, ids, config=cfg, out=empty_poisoned(t, 40, dtype=torch.bfloat16,
+                          device=DEV))  # fmt: skip
+            _check(y, x, w1, w2, w, ids)
+
+
+_SYNCS = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "equal", "is_nonzero", "masked_select",
+          "_to_copy", "copy_"}  # fmt: skip
+
+
+class _HostOps(TorchDispatchMode):
+    """Every torch op of the host path; a read of a tensor's value on the host fails at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in _SYNCS:
+            raise AssertionError(f"fused_moe's host path ran {func}: a device synchronization / copy")
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("t,ids_dtype,on_input", [(1, torch.int32, False), (16, torch.int64, True),
+                                                  (300, torch.int32, False)])  # fmt: skip
+def test_fused_moe_host_path_has_no_sync_and_only_allocates(monkeypatch, t, ids_dtype, on_input):
+    """What CUDA graph capture and flydsl.direct's replay of an eager call need: no op reads a tensor's value on
+    the host (``.item()``, ``int(t)``, ``nonzero``...: ``aten._local_scalar_dense`` and kin, a sync on a GPU),
+    no fill or copy; every torch op an allocation or a view; the six kernels launched through flyc.launch. The
+    kernels are recorded, not run (their values are the other tests'); the CPU-only read of the ids'
+    values (an error check that a GPU call never makes: ``check_id_values`` reads device ids never) is
+    left out, as it is on a GPU."""
+    launches = []
+    monkeypatch.setattr(flyc, "launch", lambda kernel, grid, *a, **kw: launches.append(kernel))
+    monkeypatch.setattr(moe_mod, "check_id_values", lambda ids, e: None)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    w1 = torch.randn(32, 96, 64, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(32, 64, 48, generator=g).to(torch.bfloat16)
+    w, ids = topk_softmax_ref(torch.randn(t, 32, generator=g), 8)
+    ids = ids.to(ids_dtype)
+    with _HostOps() as mode:
+        fused_moe(x, w1, w2, w, ids, apply_router_weight_on_input=on_input)
+    foreign = [op for op in mode.ops if op not in direct._ALLOCATIONS and op not in direct._VIEWS]
+    assert not foreign, f"torch ops other than allocations and views: {foreign}"
+    assert sum(op in direct._ALLOCATIONS for op in mode.ops) <= 4  # out, the alignment's buffer, 2 row buffers
+    assert len(launches) == 6, launches
 
 
 @pytest.mark.parametrize(
@@ -194,3 +270,59 @@ def test_fused_moe_gpu_deterministic_and_all_on_one_expert():
     ids = torch.zeros_like(ids)
     ids[:, 1] = 3
     _check(fused_moe(x, w1, w2, w, ids), x, w1, w2, w, ids)
+
+
+def _gpu_routing(t, e, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    w, ids = topk_softmax(torch.randn(t, e, device="cuda", generator=g), k)
+    return x, w, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_fused_moe_gpu_cuda_graph_capture(t):
+    """Captured once at Qwen3-30B-A3B's decode shapes, replayed with new tokens and new routing of the same
+    shapes (one replay with every token on the same 8 experts): nothing of the call depends on the routing on
+    the host or synchronizes, so each replay matches the reference (the output poisoned before each)."""
+    x, w1, w2, w, ids = _gpu_layer(t, 2048, 768, 128, 8, seed=21)
+    out = torch.empty_like(x)
+    fused_moe(x, w1, w2, w, ids, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, w1, w2, w, ids, out=out)
+    for seed in range(3):
+        nx, nw, nids = _gpu_routing(t, 128, 8, seed)
+        if seed == 2:
+            nids = torch.arange(120, 128, device="cuda", dtype=torch.int32).expand(t, 8).contiguous()
+        x.copy_(nx)
+        w.copy_(nw)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, w1, w2, w, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,with_out", [(1, False), (16, False), (16, True)])
+def test_fused_moe_gpu_replayed_calls_match_the_reference(monkeypatch, t, with_out):
+    """Plain eager calls replay the first call's launches (flydsl.direct): every later call, on fresh tokens and
+    routing of the same layouts, is a replay, matches the reference and returns a fresh output (or the
+    ``out`` given). Plain allocations only: a poisoning fill inside a recorded call would make it decline."""
+    replayed = []
+    real = direct._Plan.replay
+    monkeypatch.setattr(direct._Plan, "replay", lambda plan, args: replayed.append(1) or real(plan, args))
+    moe_mod._REPLAYS.clear()
+    _, w1, w2, _, _ = _gpu_layer(1, 2048, 768, 128, 8, seed=5)
+    outs = []
+    for seed in range(4):  # the first call records, the next ones replay
+        x, w, ids = _gpu_routing(t, 128, 8, 10 + seed)
+        out = torch.empty_like(x) if with_out else None
+        y = fused_moe(x, w1, w2, w, ids, out=out)
+        assert out is None or y is out
+        _check(y, x, w1, w2, w, ids)
+        outs.append(y)
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    assert len(replayed) == 3, "the calls after the first were not replayed"

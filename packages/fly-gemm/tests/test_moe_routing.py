@@ -1,18 +1,19 @@
 """MoE routing on the CPU interpreter against the plain torch references: the softmax top-k and DeepSeek-V3's
 grouped top-k (ties to the lower id, k = 1 and k = E, renormalized or not, strided and 16-bit logits, zero
 tokens), the alignment by expert (exact against the reference for int32 and int64 ids, experts with no
-rows, every row to one expert, -1 slots left out, empty input, the padded worst case), and bad input named
-by argument."""
+rows, every row to one expert, -1 slots left out, empty input, the padded worst case; every element of
+poisoned buffers written, the padding included), and bad input named by argument."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fly_gemm._kernels.moe_routing import align_scratch_size, launch_align
 from fly_gemm.moe_reference import grouped_topk_ref, moe_align_ref, topk_softmax_ref
 from fly_gemm.moe_routing import grouped_topk, moe_align, moe_align_capacity, topk_softmax
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
-from flydsl.testing import assert_rel_close, default_device
+from flydsl.testing import assert_rel_close, default_device, empty_poisoned
 
 DEV = default_device()
 
@@ -146,6 +147,26 @@ def test_moe_align_empty():
     got = moe_align(torch.empty(0, 2, dtype=torch.int32, device=DEV), 8, 16)
     assert got.sorted_ids.numel() == 0 and got.expert_ids.numel() == 0
     assert got.num_padded.cpu().tolist() == [0]
+
+
+# (T, k, E, block_m): one chunk; many chunks, each filling its share of the padding; every row on one expert
+@pytest.mark.parametrize("t,k,e,block_m", [(3, 2, 8, 16), (700, 2, 16, 32), (300, 4, 4, 64)])
+def test_launch_align_writes_every_element(t, k, e, block_m):
+    """The kernels fill sorted_ids' padding themselves (no host-side fill to redo in a replay or a graph):
+    poisoned buffers, every element against the reference."""
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
+    if e == 4:
+        ids.fill_(2)
+    ids = ids.to(DEV)
+    ref = moe_align_ref(ids, e, block_m)
+    size = moe_align_capacity(t * k, e, block_m)
+    got = (empty_poisoned(size, dtype=torch.int32, device=DEV), empty_poisoned(size // block_m, dtype=torch.int32,
+           device=DEV), empty_poisoned(1, dtype=torch.int32, device=DEV))  # fmt: skip
+    scratch = empty_poisoned(align_scratch_size(t * k, e), dtype=torch.int32, device=DEV)
+    launch_align(ids, e, block_m, *got, scratch)
+    for name, a, b in zip(("sorted_ids", "expert_ids", "num_padded"), got, ref, strict=True):
+        assert torch.equal(a.cpu(), b), f"{name}:\n{a.cpu()}\n{b}"
 
 
 def test_moe_align_capacity_is_the_padded_worst_case():

@@ -13,7 +13,10 @@ arguments (every bad input named before anything launches), aligns the routed ro
 3. ``out[t] = sum_j down[t * k + j]`` in fp32 in order of j (deterministic; no atomics).
 
 Layouts are vLLM's, so models port without repacking: ``w1`` [E, 2I, H] with the gate rows first, ``w2``
-[E, H, I]. Nothing synchronizes with the host (buffers are sized for the alignment's worst case).
+[E, H, I]. Nothing synchronizes with the host (buffers are sized for the alignment's worst case), so a
+call can be captured in a CUDA graph; the host path is allocations and flyc launches only (six kernels:
+three of the alignment, two GEMMs, the reduce), so a plain eager call of a kind seen before is replayed
+from the first one's recording (:mod:`flydsl.direct`).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from __future__ import annotations
 import torch
 
 import flydsl.arch
+from flydsl import direct
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl_common.device import activation_code
 
 from ._kernels.moe_gemm import launch_moe_gemm, launch_moe_sum
 from .moe_config import MoeConfig, default_moe_config, moe_config_valid
-from .moe_routing import check_topk_ids, moe_align
+from .moe_routing import align, check_id_values, check_topk_ids
 
 __all__ = ["fused_moe", "MOE_DTYPES", "MOE_ACTIVATIONS"]
 
@@ -75,7 +79,7 @@ def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, bl
         if tuple(out.shape) != (t, h):
             raise ShapeError(f"out: expected [{t}, {h}] (x's shape), got {describe(out)}")
     check_same_device(x=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
-    check_topk_ids(topk_ids, e)  # the values, where reading them costs no device synchronization
+    check_id_values(topk_ids, e)  # on the CPU only, where reading them costs no device synchronization
     return e, inter, h, t, topk_ids.shape[1]
 
 
@@ -125,6 +129,28 @@ def fused_moe(
         w, ids = topk_softmax(router_logits, 2)
         y = fused_moe(x, w1, w2, w, ids)   # Mixtral: x [T, 4096], w1 [8, 28672, 4096], w2 [8, 4096, 14336]
     """
+    if (type(apply_router_weight_on_input) is bool and type(activation) is str and w1_scale is None
+            and w2_scale is None and block_shape is None and (config is None or type(config) is MoeConfig)
+            and all(type(a) in _PLAIN for a in (x, w1, w2, topk_weights, topk_ids))
+            and (out is None or type(out) in _PLAIN)):  # fmt: skip
+        # every argument hashable and of a type the key tells apart (a bool, not an int equal to it)
+        return _REPLAYS.eager(_fused_moe, x, w1, w2, topk_weights, topk_ids, activation,
+                              apply_router_weight_on_input, out, config)  # fmt: skip
+    return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+                      w1_scale, w2_scale, block_shape)  # fmt: skip
+
+
+# Plain eager calls of a kind seen before (every operand's layout, the options, the stream) replay the first
+# call's launches (flydsl.direct): no argument checks, config choice, alignment sizing or launch keying,
+# which are most of a decode call's host time. Calls under CUDA graph capture, torch.compile or a dispatch
+# mode, and calls on the CPU, take the general path below.
+_REPLAYS = direct.Replays("fly_gemm.fused_moe")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+               w1_scale=None, w2_scale=None, block_shape=None):  # fmt: skip
+    """The general path: checks, config, alignment and the launches (allocations and flyc launches only)."""
     e, inter, h, t, k = _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out)
     if not isinstance(apply_router_weight_on_input, bool):
         raise ArgumentError(f"apply_router_weight_on_input: expected a bool, got {apply_router_weight_on_input!r}")
@@ -140,16 +166,16 @@ def fused_moe(
     if not moe_config_valid(config, x.dtype, arch):
         raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(x.dtype)} on {arch.name}")
     numel = t * k
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, config.block_m)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # flat [T * k]: row t * k + j
+    sorted_ids, expert_ids, num_padded = align(topk_ids, e, config.block_m)
     act = activation_code(activation)
     inter_rows = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    launch_moe_gemm(x, w1, inter_rows, sorted_ids, expert_ids, num_padded, weights, k, numel, gather_a=True,
+    launch_moe_gemm(x, w1, inter_rows, sorted_ids, expert_ids, num_padded, topk_weights, k, numel, gather_a=True,
                     gated=True, act=act, mul_weight=apply_router_weight_on_input, cfg=config)  # fmt: skip
     # fp32 rows for the reduce: one rounding fewer on the way out, for bytes small beside stage 2's flops
     # (2 * I flops an element written: 1536 for Qwen3-30B's I = 768)
     down = torch.empty(numel, h, dtype=torch.float32, device=x.device)
-    launch_moe_gemm(inter_rows, w2, down, sorted_ids, expert_ids, num_padded, weights, k, numel, gather_a=False,
-                    gated=False, act=0, mul_weight=not apply_router_weight_on_input, cfg=config)  # fmt: skip
+    launch_moe_gemm(inter_rows, w2, down, sorted_ids, expert_ids, num_padded, topk_weights, k, numel,
+                    gather_a=False, gated=False, act=0, mul_weight=not apply_router_weight_on_input,
+                    cfg=config)  # fmt: skip
     launch_moe_sum(down, topk_ids, out, e)
     return out

@@ -12,6 +12,7 @@ inputs; 3-4 pipeline stages; grouped tile order so the blocks of one expert shar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ def moe_smem_bytes(cfg: MoeConfig, in_dtype: torch.dtype) -> int:
     return (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * in_dtype.itemsize * cfg.num_stages
 
 
+@functools.lru_cache(maxsize=1024)  # pure: the general path of every call asks it
 def moe_config_valid(cfg: MoeConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
     """The one validity predicate (default, tests, a future tuner): power-of-two tiles of at least 16 (the
     dot's minimum), a warp count Triton takes, at least one stage, shared memory within the arch's."""
@@ -56,6 +58,7 @@ def moe_config_valid(cfg: MoeConfig, in_dtype: torch.dtype, arch: flydsl.arch.Ar
     return moe_smem_bytes(cfg, in_dtype) <= arch.smem_per_block
 
 
+@functools.lru_cache(maxsize=1024)  # pure: the general path of every call asks it
 def default_moe_config(
     tokens: int, num_experts: int, n: int, k: int, topk: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch
 ) -> MoeConfig:

@@ -15,7 +15,7 @@ import torch
 from flydsl.checks import check_same_device, check_tensor, describe
 from flydsl.errors import ArgumentError, ShapeError
 
-from ._kernels.moe_routing import launch_align, launch_grouped_topk, launch_topk_softmax
+from ._kernels.moe_routing import align_scratch_size, launch_align, launch_grouped_topk, launch_topk_softmax
 from .moe_reference import moe_align_capacity
 
 __all__ = ["topk_softmax", "grouped_topk", "moe_align", "MoeAlignment", "moe_align_capacity"]
@@ -136,12 +136,45 @@ def check_topk_ids(topk_ids, num_experts: int | None = None) -> None:
     """``topk_ids``: int32 / int64 ``[T, k]``. With ``num_experts``, on the CPU (where reading the values
     costs no device synchronization), every id in [0, E) or -1 (an expert of another rank)."""
     check_tensor("topk_ids", topk_ids, dtypes=_ID_DTYPES, ndim=2)
-    if num_experts is not None and topk_ids.device.type == "cpu" and topk_ids.numel():
+    if num_experts is not None:
+        check_id_values(topk_ids, num_experts)
+
+
+def check_id_values(topk_ids, num_experts: int) -> None:
+    """On the CPU only, every id in [0, E) or -1: there the values are read on the host, a read that on a GPU
+    would be a synchronization (and would break CUDA graph capture), so device ids are never read here."""
+    if topk_ids.device.type == "cpu" and topk_ids.numel():
         bad = (topk_ids >= num_experts) | (topk_ids < -1)
         if bool(bad.any()):
             v = int(topk_ids[bad][0])
             raise ArgumentError(f"topk_ids: expected expert ids in [0, {num_experts}) (or -1: not on this rank), "
                                 f"got {v}")  # fmt: skip
+
+
+def _aligned(n: int) -> int:
+    """n int32 elements rounded up to 16 bytes, so that every part of the alignment's one buffer starts
+    16-byte aligned (what Triton specializes a pointer on)."""
+    return -(-n // 4) * 4
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """:func:`moe_align` with no argument checks (the caller checked them), for ``fused_moe``'s path: one
+    int32 allocation holds the results and the kernels' scratch, and nothing else runs on the host."""
+    t, k = topk_ids.shape
+    size = moe_align_capacity(t * k, num_experts, block_m)
+    blocks = size // block_m
+    # [scratch | sorted_ids | expert_ids | num_padded]: the scratch first, so the kernels take the buffer
+    # itself for it (one view fewer to make on the host)
+    at_sorted = _aligned(align_scratch_size(t * k, num_experts))
+    at_experts = at_sorted + _aligned(size)
+    at_npad = at_experts + _aligned(blocks)
+    buf = torch.empty(at_npad + 1, dtype=torch.int32, device=topk_ids.device)
+    sorted_ids = buf[at_sorted : at_sorted + size]
+    expert_ids = buf[at_experts : at_experts + blocks]
+    num_padded = buf[at_npad:]
+    if buf.device.type != "meta":
+        launch_align(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num_padded, buf)
+    return MoeAlignment(sorted_ids, expert_ids, num_padded)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
@@ -153,6 +186,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     the rows in use. Sized from shapes, with no host synchronization: ``sorted_ids`` holds
     :func:`moe_align_capacity` rows (the padded worst case), past ``num_padded`` padding and -1 blocks.
     Ids outside [0, E) (-1: an expert of another rank) are left out; on the CPU other values raise.
+    The three results are views of one buffer.
 
     Args:
         topk_ids: int32 / int64 ``[T, k]``, any strides.
@@ -165,13 +199,5 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     check_topk_ids(topk_ids)
     _positive_int("num_experts", num_experts, "E")
     _positive_int("block_m", block_m, "rows a block")
-    check_topk_ids(topk_ids, num_experts)
-    t, k = topk_ids.shape
-    size = moe_align_capacity(t * k, num_experts, block_m)
-    dev = topk_ids.device
-    sorted_ids = torch.full((size,), t * k, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    if dev.type != "meta":
-        launch_align(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num_padded)
-    return MoeAlignment(sorted_ids, expert_ids, num_padded)
+    check_id_values(topk_ids, num_experts)
+    return align(topk_ids, num_experts, block_m)

@@ -32,7 +32,7 @@ __all__ = ["launch_moe_gemm", "launch_moe_sum"]
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ids_ptr, npad_ptr, w_ptr,
     N, K, NUMEL, num_blocks, TOPK, up_offset,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_wt, stride_wk,
     GATHER_A: fx.constexpr, GATED: fx.constexpr, ACT: fx.constexpr, MUL_WEIGHT: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
@@ -67,7 +67,11 @@ def _moe_gemm_kernel(
             a_ptrs += a_step
             b_ptrs += b_step
         if MUL_WEIGHT:
-            w = fx.load(w_ptr + rows, mask=m_ok, other=0.0).to(fx.float32)
+            # the router weight [t, j] of row t * k + j, read in place (any dtype and strides): no converted
+            # copy is made on the host
+            w_t = rows // TOPK
+            w_ptrs = w_ptr + row_offset(w_t, stride_wt) + row_offset(rows - w_t * TOPK, stride_wk)
+            w = fx.load(w_ptrs, mask=m_ok, other=0.0).to(fx.float32)
             acc = acc * w[:, None]
             if GATED:
                 acc_up = acc_up * w[:, None]
@@ -107,7 +111,7 @@ def launch_moe_gemm(
 ):  # fmt: skip
     """One grouped GEMM (see the module): ``c[row] = epilogue(A[row or row // topk] @ w[e]^T)`` over the
     aligned blocks. ``w`` [E, N', K] (stage 1: N' = 2N, gate rows then up rows); ``c`` [T * k, N];
-    ``weights``: the router weights as a flat fp32 [T * k] (read with ``mul_weight``)."""
+    ``weights``: the router weights [T, k], fp32 / bf16 / fp16, any strides (read with ``mul_weight``)."""
     n = c.shape[1]
     k = a.shape[1]
     blocks = expert_ids.shape[0]
@@ -119,7 +123,7 @@ def launch_moe_gemm(
         a, w, c, sorted_ids, expert_ids, num_padded, weights,
         n, k, numel, blocks, topk, n * w.stride(1),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
+        weights.stride(0), weights.stride(1), GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.launch_options(),
     )
     # fmt: on

@@ -4,21 +4,21 @@ Selection: a token's k experts are taken one at a time, each the largest remaini
 the lower expert id (the minimum id among the maxima), so ties give one answer on every device.
 
 Alignment (``moe_align``), in three launches and no host synchronization: the flat rows ``t * k + j`` are
-cut into chunks; (1) each chunk counts its rows per expert; (2) one program adds the counts up: the rows of
-expert e before chunk p, each expert's run padded to a multiple of BLOCK_M and where it starts, the expert
-of every block and the padded count; (3) each chunk writes its rows' flat indices at
+cut into chunks; (1) each chunk counts its rows per expert, and fills its share of ``sorted_ids`` with the
+padding value ``T * k`` (so the buffer needs no fill of its own: a host-side fill would be a fourth launch
+and a torch op that a direct replay of the call cannot redo); (2) one program adds the counts up: the rows
+of expert e before chunk p, each expert's run padded to a multiple of BLOCK_M and where it starts, the
+expert of every block and the padded count; (3) each chunk writes its rows' flat indices at
 ``start[e] + before[p, e] + rank in the chunk``, so an expert's rows stay in ascending order (the result
 does not depend on scheduling). Ids outside [0, E) are not placed.
 """
 
 from __future__ import annotations
 
-import torch
-
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
-__all__ = ["launch_topk_softmax", "launch_grouped_topk", "launch_align"]
+__all__ = ["launch_topk_softmax", "launch_grouped_topk", "launch_align", "align_scratch_size"]
 
 _NEG_INF = fx.constexpr(float("-inf"))
 
@@ -148,13 +148,19 @@ def _chunk_rows(ids_ptr, i, NUMEL, TOPK, stride_it, stride_ik, E, re):
 
 
 # fmt: off
-@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK"])
+@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK", "CAP", "FILL"])
 def _align_count_kernel(
-    ids_ptr, counts_ptr, NUMEL, TOPK, E, CHUNK, stride_it, stride_ik,
-    SUB: fx.constexpr, BLOCK_E: fx.constexpr,
+    ids_ptr, counts_ptr, sorted_ptr, NUMEL, TOPK, E, CHUNK, CAP, FILL, stride_it, stride_ik,
+    SUB: fx.constexpr, BLOCK_E: fx.constexpr, FILL_BLOCK: fx.constexpr,
 ):
     # fmt: on
     p = fx.program_id(0)
+    # this program's share of sorted_ids, [p * FILL, (p + 1) * FILL), to the padding value; the scatter
+    # (a later launch on the stream) overwrites the placed rows
+    pad = fx.zeros([FILL_BLOCK], dtype=fx.int32) + NUMEL
+    for f0 in range(0, FILL, FILL_BLOCK):
+        j = p * FILL + f0 + fx.arange(0, FILL_BLOCK)
+        fx.store(sorted_ptr + j, pad, mask=j < CAP)
     re = fx.arange(0, BLOCK_E)
     count = fx.zeros([BLOCK_E], dtype=fx.int32)
     for s0 in range(0, CHUNK, SUB):
@@ -167,10 +173,12 @@ def _align_count_kernel(
 # fmt: off
 @flyc.kernel(do_not_specialize=["CHUNKS", "BLOCKS"])
 def _align_offsets_kernel(
-    counts_ptr, before_ptr, start_ptr, expert_ids_ptr, npad_ptr, CHUNKS, E, BLOCKS,
+    counts_ptr, expert_ids_ptr, npad_ptr, CHUNKS, E, BLOCKS,
     BLOCK_M: fx.constexpr, BLOCK_E: fx.constexpr, BLOCK_B: fx.constexpr,
 ):
     # fmt: on
+    before_ptr = counts_ptr + CHUNKS * E  # the scratch: counts [CHUNKS, E], before [CHUNKS, E], start [E]
+    start_ptr = before_ptr + CHUNKS * E
     re = fx.arange(0, BLOCK_E)
     e_ok = re < E
     run = fx.zeros([BLOCK_E], dtype=fx.int32)
@@ -192,12 +200,14 @@ def _align_offsets_kernel(
 
 
 # fmt: off
-@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK"])
+@flyc.kernel(do_not_specialize=["NUMEL", "CHUNK", "CHUNKS"])
 def _align_scatter_kernel(
-    ids_ptr, before_ptr, start_ptr, sorted_ptr, NUMEL, TOPK, E, CHUNK, stride_it, stride_ik,
+    ids_ptr, scratch_ptr, sorted_ptr, NUMEL, TOPK, E, CHUNK, CHUNKS, stride_it, stride_ik,
     SUB: fx.constexpr, BLOCK_E: fx.constexpr,
 ):
     # fmt: on
+    before_ptr = scratch_ptr + CHUNKS * E
+    start_ptr = before_ptr + CHUNKS * E
     p = fx.program_id(0)
     re = fx.arange(0, BLOCK_E)
     seen = fx.zeros([BLOCK_E], dtype=fx.int32)  # rows of each expert earlier in this chunk
@@ -266,6 +276,7 @@ def launch_grouped_topk(
 _MAX_CHUNKS = 128
 _CHUNK_MIN = 64
 _CHUNK_MAX = 4096
+_FILL_BLOCK = 1024  # sorted_ids elements a counting program fills a step
 
 
 def _chunk(numel: int, sub: int) -> int:
@@ -273,26 +284,40 @@ def _chunk(numel: int, sub: int) -> int:
     return max(sub, _CHUNK_MIN, min(_CHUNK_MAX, want))
 
 
+def _sub(num_experts: int) -> int:
+    """Rows of a [SUB, BLOCK_E] one-hot tile of at most 8K ints."""
+    return max(16, min(64, 8192 // flyc.next_power_of_2(num_experts)))
+
+
+def align_scratch_size(numel: int, num_experts: int) -> int:
+    """int32 elements of the scratch :func:`launch_align` takes for ``numel`` routed rows: each chunk's
+    counts and rows before it, per expert, and each expert's start."""
+    chunks = max(1, flyc.cdiv(numel, _chunk(numel, _sub(num_experts))))
+    return (2 * chunks + 1) * num_experts
+
+
 @flyc.jit(skip_empty=False)
-def launch_align(topk_ids, num_experts: int, block_m: int, sorted_ids, expert_ids, num_padded, stream=None):
-    """Fill ``sorted_ids`` (prefilled with T * k), ``expert_ids`` and ``num_padded`` (see the module) from
-    ``topk_ids`` [T, k] (int32 / int64, any strides)."""
+def launch_align(
+    topk_ids, num_experts: int, block_m: int, sorted_ids, expert_ids, num_padded, scratch, stream=None
+):  # fmt: skip
+    """Fill ``sorted_ids`` (its padding too), ``expert_ids`` and ``num_padded`` (see the module) from
+    ``topk_ids`` [T, k] (int32 / int64, any strides); ``scratch``: int32, at least
+    :func:`align_scratch_size` elements, its first ones used (the caller's, so that a call allocates once)."""
     t, k = topk_ids.shape
     numel = t * k
     block_e = flyc.next_power_of_2(num_experts)
-    sub = max(16, min(64, 8192 // block_e))  # a [SUB, BLOCK_E] one-hot tile of at most 8K ints
+    sub = _sub(num_experts)
     chunk = _chunk(numel, sub)
     chunks = max(1, flyc.cdiv(numel, chunk))
-    dev = topk_ids.device
-    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=dev)
-    before = torch.empty(chunks, num_experts, dtype=torch.int32, device=dev)
-    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    cap = sorted_ids.shape[0]
+    fill = flyc.cdiv(flyc.cdiv(cap, chunks), _FILL_BLOCK) * _FILL_BLOCK
     s0, s1 = topk_ids.stride(0), topk_ids.stride(1)
-    flyc.launch(_align_count_kernel, (chunks,), topk_ids, counts, numel, k, num_experts, chunk, s0, s1,
-                SUB=sub, BLOCK_E=block_e, num_warps=4)  # fmt: skip
+    # the scratch (one buffer, no views made on the host): counts [chunks, E], before [chunks, E], start [E]
+    flyc.launch(_align_count_kernel, (chunks,), topk_ids, scratch, sorted_ids, numel, k, num_experts, chunk, cap,
+                fill, s0, s1, SUB=sub, BLOCK_E=block_e, FILL_BLOCK=_FILL_BLOCK, num_warps=4)  # fmt: skip
     blocks = expert_ids.shape[0]
-    flyc.launch(_align_offsets_kernel, (1,), counts, before, start, expert_ids, num_padded, chunks, num_experts,
-                blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=max(16, 4096 // block_e), num_warps=4)  # fmt: skip
+    flyc.launch(_align_offsets_kernel, (1,), scratch, expert_ids, num_padded, chunks, num_experts, blocks,
+                BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=max(16, 4096 // block_e), num_warps=4)  # fmt: skip
     if numel:
-        flyc.launch(_align_scatter_kernel, (chunks,), topk_ids, before, start, sorted_ids, numel, k, num_experts,
-                    chunk, s0, s1, SUB=sub, BLOCK_E=block_e, num_warps=4)  # fmt: skip
+        flyc.launch(_align_scatter_kernel, (chunks,), topk_ids, scratch, sorted_ids, numel, k, num_experts, chunk,
+                    chunks, s0, s1, SUB=sub, BLOCK_E=block_e, num_warps=4)  # fmt: skip
