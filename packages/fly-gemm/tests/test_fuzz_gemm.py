@@ -8,8 +8,8 @@ of wider storage, ``b_layout="kn"``), dtypes, the optional arguments (bias and i
 scales as numbers / one-element / per-row / per-column tensors, ``out``, an explicit config) and values that
 stress the numerics (large magnitudes, rows of one value, NaN).
 
-Profiles: ``cpu`` (the interpreter, small shapes) and ``gpu`` (more cases, larger shapes); ``FLY_FUZZ_EXAMPLES``
-and ``FLY_FUZZ_SEED`` override the count and the seed, which every test prints (``flydsl.testing.fuzz``).
+Profiles: ``cpu`` (the interpreter, small shapes) and ``gpu`` (more cases, larger shapes); ``FLYDSL_FUZZ_EXAMPLES``
+and ``FLYDSL_FUZZ_SEED`` override the count and the seed, which every test prints (``flydsl.testing.fuzz``).
 """
 
 from __future__ import annotations

@@ -6,17 +6,15 @@ rows sliced out of wider storage, 3-D, transposed where the op takes it), dtypes
 values that stress the numerics (large and tiny magnitudes, rows of one value, NaN, -inf in softmax).
 
 Two profiles: ``cpu`` (the interpreter; small case counts, widths up to the CPU thresholds) and ``gpu`` (more
-cases, the GPU's split / staged / resident thresholds too), chosen by the device; ``FLY_FUZZ_EXAMPLES``
-and ``FLY_FUZZ_SEED`` override the count and the seed, which every test prints.
+cases, the GPU's split / staged / resident thresholds too), chosen by the device; ``FLYDSL_FUZZ_EXAMPLES``
+and ``FLYDSL_FUZZ_SEED`` override the count and the seed, which every test prints (``flydsl.testing.fuzz``).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
 from norm_helpers import assert_quant_matches, reference_grads
 
@@ -32,22 +30,10 @@ from fly_norm.reference import (
 )
 from flydsl.errors import FlyDSLError
 from flydsl.testing import assert_rel_close, default_device, gpu_available, tolerance
+from flydsl.testing.fuzz import banner, fuzz
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 GPU = gpu_available()
-SEED = int(os.environ.get("FLY_FUZZ_SEED", "40"))
-EXAMPLES = {"cpu": 80, "gpu": 500}
-PROFILE = "gpu" if GPU else "cpu"
-MAX_EXAMPLES = int(os.environ.get("FLY_FUZZ_EXAMPLES", EXAMPLES[PROFILE]))
-FUZZ = settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-    # Shrinking a failure through the interpreter takes minutes (each step reruns kernels): off unless asked
-    # for (FLY_FUZZ_SHRINK=1); the failing draw is printed whole either way.
-    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("FLY_FUZZ_SHRINK") == "1"],
-)
 
 # Widths where a path or a config changes, +-1: the row kernels' buckets (powers of two), the single pass's
 # limit, the backward's single pass (SPLIT_MIN_N_BWD - 1) and softmax's backward split, the packed single
@@ -63,7 +49,7 @@ DEVICE = default_device()
 
 @pytest.fixture(autouse=True, scope="module")
 def _print_seed():
-    print(f"fly-norm fuzz: profile {PROFILE}, {MAX_EXAMPLES} examples a test, seed {SEED} (FLY_FUZZ_SEED)")
+    print(banner("fly-norm"))
 
 
 @st.composite
@@ -234,22 +220,19 @@ def _assert_grad_close(got, ref, terms: float, tol: float, name: str):
     assert err <= tol, f"{name}: error {err:.3e} (relative to max(||ref||, ||terms||)) exceeds {tol:.1e}"
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_rms_norm(data):
     _run_norm(data.draw(norm_cases(layer=False)), False, data.draw)
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_layer_norm(data):
     _run_norm(data.draw(norm_cases(layer=True)), True, data.draw)
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_norm_quant(data):
     """rms_norm_quant / layer_norm_quant: int8 and fp8 e4m3, with and without weight, bias, smooth scale and
@@ -289,8 +272,7 @@ def test_fuzz_norm_quant(data):
         assert_rel_close(got[2], ref[2], tol=tolerance(dtype), name="residual_out")
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_softmax(data):
     """softmax over any dim and layout, forward and backward; -inf entries, rows of only -inf (NaN, as
@@ -340,8 +322,7 @@ def test_fuzz_softmax(data):
         _assert_grad_close(xg.grad, gx, terms, tolerance(dtype), "dx")
 
 
-@seed(SEED)
-@FUZZ
+@fuzz
 @given(data=st.data())
 def test_fuzz_modules(data):
     """FlyRMSNorm / FlyLayerNorm / FlySoftmax against the torch module they replace, same parameters, in fp64

@@ -17,7 +17,7 @@ SRC = pathlib.Path(flydsl.__file__).parent
 
 def test_every_variable_is_documented_and_typed():
     for name, var in env.VARS.items():
-        assert name.startswith("FLYDSL_") and var.help and var.type_name in {"bool", "path", "level", "str"}
+        assert name.startswith("FLYDSL_") and var.help and var.type_name in {"bool", "int", "path", "level", "str"}
     assert {"FLYDSL_INTERPRET", "FLYDSL_CACHE_DIR", "FLYDSL_AUTOTUNE"} <= set(env.VARS)
 
 

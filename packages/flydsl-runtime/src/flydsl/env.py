@@ -30,6 +30,13 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"environment variable {name}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
 
 
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
+
+
 def _parse_path(name: str, raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -52,7 +59,9 @@ class Var:
 
     @property
     def type_name(self) -> str:
-        return {_parse_bool: "bool", _parse_path: "path", _parse_level: "level"}.get(self.parse, "str")
+        return {_parse_bool: "bool", _parse_int: "int", _parse_path: "path", _parse_level: "level"}.get(
+            self.parse, "str"
+        )
 
 
 VARS: dict[str, Var] = {
@@ -91,6 +100,24 @@ VARS: dict[str, Var] = {
             _parse_bool,
             lambda: True,
             "0 hides the progress bar of tuning searches.",
+        ),
+        Var(
+            "FLYDSL_FUZZ_SEED",
+            _parse_int,
+            lambda: 40,
+            "The seed of the families' property-based fuzz tests (flydsl.testing.fuzz).",
+        ),
+        Var(
+            "FLYDSL_FUZZ_EXAMPLES",
+            _parse_int,
+            lambda: None,
+            "Cases a fuzz test draws; unset: 80 where kernels run in the interpreter, 500 on a GPU.",
+        ),
+        Var(
+            "FLYDSL_FUZZ_SHRINK",
+            _parse_bool,
+            lambda: False,
+            "1 lets Hypothesis shrink a failing fuzz case (minutes through the interpreter).",
         ),
         Var(
             "FLYDSL_LOG_LEVEL",

@@ -1,8 +1,8 @@
 """The fuzzing profile every family's property-based tests share (needs ``hypothesis``, a test extra).
 
 Two profiles, chosen by the device: ``cpu`` (the interpreter: 80 cases a test, small shapes) and ``gpu``
-(500 cases a test). ``FLY_FUZZ_EXAMPLES`` and ``FLY_FUZZ_SEED`` override the count and the seed (40);
-``FLY_FUZZ_SHRINK=1`` turns shrinking on. Usage::
+(500 cases a test). ``FLYDSL_FUZZ_EXAMPLES`` and ``FLYDSL_FUZZ_SEED`` override the count and the seed (40);
+``FLYDSL_FUZZ_SHRINK=1`` turns shrinking on. Usage::
 
     from flydsl.testing.fuzz import fuzz, banner
 
@@ -18,17 +18,16 @@ That pool is emptied here, where this Hypothesis has it.
 
 from __future__ import annotations
 
-import os
-
 from hypothesis import HealthCheck, Phase, seed, settings
 
+from .. import env
 from . import gpu_available
 
 __all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "banner"]
 
-SEED = int(os.environ.get("FLY_FUZZ_SEED", "40"))
+SEED = env.get("FLYDSL_FUZZ_SEED")
 PROFILE = "gpu" if gpu_available() else "cpu"
-MAX_EXAMPLES = int(os.environ.get("FLY_FUZZ_EXAMPLES", {"cpu": 80, "gpu": 500}[PROFILE]))
+MAX_EXAMPLES = env.get("FLYDSL_FUZZ_EXAMPLES") or {"cpu": 80, "gpu": 500}[PROFILE]
 FUZZ = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,
@@ -36,7 +35,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     # Shrinking a failure through the interpreter takes minutes (each step reruns kernels): off unless asked
     # for; the failing draw is printed whole either way.
-    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("FLY_FUZZ_SHRINK") == "1"],
+    phases=[p for p in Phase if p is not Phase.shrink or env.get("FLYDSL_FUZZ_SHRINK")],
 )
 
 
@@ -48,7 +47,7 @@ def fuzz(test):
 def banner(family: str) -> str:
     """The line a fuzz module prints once: profile, case count, seed, and how to change them."""
     return (f"{family} fuzz: profile {PROFILE}, {MAX_EXAMPLES} examples a test, seed {SEED} "
-            f"(FLY_FUZZ_SEED, FLY_FUZZ_EXAMPLES, FLY_FUZZ_SHRINK)")  # fmt: skip
+            f"(FLYDSL_FUZZ_SEED, FLYDSL_FUZZ_EXAMPLES, FLYDSL_FUZZ_SHRINK)")  # fmt: skip
 
 
 def _no_local_constants() -> None:
