@@ -7,38 +7,21 @@ from __future__ import annotations
 
 # flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
 from fly_attention._kernels.flash_bwd import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage, signature
 
 _FLOATS = ("qk_scale", "cap_in", "cap_out", "dk_scale", "dq_scale")
+_PTR_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
 
 
 def compile_kernel(fn, const, dtype="bf16", warps=8, stages=2):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     names = fn.arg_names
     const = {n: c for n, c in const.items() if n in names}
-    sig = {}
-    for n in names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ("lse_ptr", "delta_ptr"):
-            sig[n] = "*fp32"
-        elif n in ("cu_q_ptr", "cu_k_ptr"):
-            sig[n] = "*i32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*" + dtype
-        elif n in _FLOATS:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    sig = signature(fn, _PTR_TYPES, pointer="*" + dtype, floats=_FLOATS)
     # as real launches specialize: 16-byte aligned pointers, strides multiples of 16 elements (not the lse's
     # head stride, a sequence length)
     aligned = [n for n in names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                and n not in ("stride_lh", "stride_lb")]  # fmt: skip
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return compile_sm90(fn, sig, const, divisible_by_16(aligned), num_warps=warps, num_stages=stages)
 
 
 def compile_variant(d, dv, dkdv_m, dkdv_n, dq_m, dq_n, warps, stages, windowed, softcap, varlen, dtype="bf16"):
@@ -55,27 +38,8 @@ def compile_variant(d, dv, dkdv_m, dkdv_n, dq_m, dq_n, warps, stages, windowed, 
         ("dq", _bwd_dq_kernel, {"BLOCK_M": dq_m, "BLOCK_N": dq_n, "WINDOWED": windowed}),
     ):
         k = compile_kernel(fn, {**base, **extra}, dtype, warps, stages)
-        out.append((name, k.metadata.shared, _usage(k)))
+        out.append((name, k.metadata.shared, resource_usage(k)))
     return out
-
-
-def _usage(compiled) -> str:
-    """'REG:n STACK:n ...' from the cubin (cuobjdump, shipped with Triton); STACK > 0 is a spill."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        out = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return m.group(0) if m else "REG:? STACK:?"
 
 
 # (d, dv, dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, warps, stages, windowed, softcap, varlen, dtype):

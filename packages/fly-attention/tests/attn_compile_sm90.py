@@ -7,15 +7,13 @@ from __future__ import annotations
 
 # flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
 from fly_attention._kernels.flash_fwd import _flash_fwd_kernel
+from flydsl.testing.sm90 import compile_sm90, divisible_by_16, signature
 
-_PTRS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
 _FLOATS = ("qk_scale", "cap_in", "cap_out")
 
 
 def compile_variant(d, dv, block_m, block_n, warps, stages, windowed, softcap, varlen, lse, dtype="bf16"):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn = _flash_fwd_kernel
     names = fn.arg_names
@@ -28,27 +26,13 @@ def compile_variant(d, dv, block_m, block_n, warps, stages, windowed, softcap, v
         const["lse_ptr"] = None
     if not varlen:
         const["cu_q_ptr"] = const["cu_k_ptr"] = None
-    sig = {}
-    for n in names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in _PTRS:
-            sig[n] = "*" + dtype
-        elif n == "lse_ptr":
-            sig[n] = "*fp32"
-        elif n in ("cu_q_ptr", "cu_k_ptr"):
-            sig[n] = "*i32"
-        elif n in _FLOATS:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    sig = signature(fn, {"lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}, pointer="*" + dtype,
+                    floats=_FLOATS)  # fmt: skip
     # What a launch on real tensors specializes on: 16-byte aligned pointers and strides that are multiples
     # of 16 elements (as [B, S, H, D] tensors with H * D a multiple of 16 have); without it the loads cannot
     # be vectorized, and Triton pipelines no load narrower than 4 bytes.
     aligned = [n for n in names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return compile_sm90(fn, sig, const, divisible_by_16(aligned), num_warps=warps, num_stages=stages)
 
 
 # (d, dv, block_m, block_n, warps, stages, windowed, softcap, varlen, lse, dtype): the defaults of each head-dim

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
 from fly_attention._kernels.flash_fwd_fp8 import MIN_BLOCK_D, _flash_fwd_fp8_kernel
+from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage, signature
 
 _FP8_PTRS = ("q_ptr", "k_ptr", "vt_ptr")
 _FLOATS = ("qk_scale", "cap_in", "cap_out", "out_scale")
@@ -15,8 +16,6 @@ _FLOATS = ("qk_scale", "cap_in", "cap_out", "out_scale")
 
 def compile_variant(d, dv, block_m, block_n, warps, stages, windowed, softcap, lse, descales, out="bf16"):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn = _flash_fwd_fp8_kernel
     names = fn.arg_names
@@ -30,47 +29,14 @@ def compile_variant(d, dv, block_m, block_n, warps, stages, windowed, softcap, l
         const["lse_ptr"] = None
     if not descales:
         const["q_ds_ptr"] = const["k_ds_ptr"] = const["v_ds_ptr"] = None
-    sig = {}
-    for n in names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in _FP8_PTRS:
-            sig[n] = "*fp8e4nv"
-        elif n == "o_ptr":
-            sig[n] = "*" + out
-        elif n.endswith("_ptr"):  # lse and the descales
-            sig[n] = "*fp32"
-        elif n in _FLOATS:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    # the other pointers (lse and the descales) are fp32
+    sig = signature(fn, {**dict.fromkeys(_FP8_PTRS, "*fp8e4nv"), "o_ptr": "*" + out}, pointer="*fp32", floats=_FLOATS)
     # As real launches specialize: 16-byte aligned tensors, strides multiples of 16 ([B, S, H, D] with H * D a
     # multiple of 16; the transposed V's rows padded to 16 bytes); not the lse's (a sequence length) and not the
     # descales' pointers (one fp32 value: 4-byte alignment is all a launch promises).
     aligned = [n for n in names if n not in const and (n in _FP8_PTRS or n == "o_ptr" or n.startswith("stride_"))
                and n not in ("stride_lb", "stride_lh")]  # fmt: skip
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
-def usage(compiled) -> str:
-    """'REG:n STACK:n' from the cubin (cuobjdump, shipped with Triton); STACK > 0 is a spill."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        res = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    return m.group(0) if m else "REG:? STACK:?"
+    return compile_sm90(fn, sig, const, divisible_by_16(aligned), num_warps=warps, num_stages=stages)
 
 
 def wgmma_counts(ptx: str) -> tuple[int, int]:
@@ -108,6 +74,6 @@ if __name__ == "__main__":
             fp8, total = wgmma_counts(k.asm["ptx"])
             if ptx_dir is not None:
                 (ptx_dir / f"fp8_{i}.ptx").write_text(k.asm["ptx"])
-            print("ok", i, k.metadata.shared, usage(k), f"wgmma_e4m3:{fp8} wgmma:{total}", flush=True)
+            print("ok", i, k.metadata.shared, resource_usage(k), f"wgmma_e4m3:{fp8} wgmma:{total}", flush=True)
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", i, v, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

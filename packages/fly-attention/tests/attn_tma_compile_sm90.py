@@ -9,23 +9,20 @@ from __future__ import annotations
 import sys
 
 import torch
-from attn_fp8_compile_sm90 import usage
 
 import flydsl.arch
 
 # flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
 from fly_attention._kernels.flash_fwd_tma import _flash_fwd_tma_kernel
 from fly_attention.autotune import AttnConfig, config_valid, tma_candidates
+from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage, signature
 
-_PTRS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
 _FLOATS = ("qk_scale", "cap_in", "cap_out")
 HOPPER = flydsl.arch.SM90
 
 
 def compile_variant(d, dv, cfg: AttnConfig, windowed, softcap, varlen, lse, dtype="bf16"):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn = _flash_fwd_tma_kernel
     names = fn.arg_names
@@ -38,27 +35,12 @@ def compile_variant(d, dv, cfg: AttnConfig, windowed, softcap, varlen, lse, dtyp
         const["lse_ptr"] = None
     if not varlen:
         const["cu_q_ptr"] = const["cu_k_ptr"] = None
-    sig = {}
-    for n in names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in _PTRS:
-            sig[n] = "*" + dtype
-        elif n == "lse_ptr":
-            sig[n] = "*fp32"
-        elif n in ("cu_q_ptr", "cu_k_ptr"):
-            sig[n] = "*i32"
-        elif n in _FLOATS:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    sig = signature(fn, {"lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}, pointer="*" + dtype,
+                    floats=_FLOATS)  # fmt: skip
     # What a launch of TMA-addressable tensors specializes on: 16-byte aligned pointers, strides multiples of
     # 16 elements (as [B, S, H, D] tensors with H * D a multiple of 16 have).
     aligned = [n for n in names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(fn, sig, const, divisible_by_16(aligned), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def marks(compiled) -> str:
@@ -108,6 +90,6 @@ if __name__ == "__main__":
         tag += f" store={int(cfg.tma_store)} opts={int(opts[0])}"
         try:
             c = compile_variant(d, dv, cfg, *opts)
-            print("ok", tag, c.metadata.shared, usage(c), marks(c), flush=True)
+            print("ok", tag, c.metadata.shared, resource_usage(c), marks(c), flush=True)
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", tag, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

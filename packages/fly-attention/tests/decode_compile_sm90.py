@@ -9,24 +9,19 @@ from __future__ import annotations
 # flydsl (through fly_attention) chooses compiled Triton before triton is imported: triton only inside functions
 from fly_attention._kernels.decode import _decode_kernel, _decode_merge_kernel
 from fly_attention._kernels.rope_cache import _rope_cache_kernel
+from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage
 
 _FLOATS = ("qk_scale", "cap_in", "cap_out", "k_mul", "v_mul")
 
 
 def _compile(fn, sig_of, const, warps, stages):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     names = fn.arg_names
-    sig = {n: "constexpr" if n in const else sig_of(n) for n in names}
+    sig = {n: sig_of(n) for n in names if n not in const}
     # What a launch on real tensors specializes on: 16-byte aligned pointers and strides that are multiples
     # of 16 elements (head_dim 128 caches); without it the loads cannot be vectorized.
     aligned = [n for n in names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                and n not in ("stride_sl", "stride_bt")]  # fmt: skip
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return compile_sm90(fn, sig, const, divisible_by_16(aligned), num_warps=warps, num_stages=stages)
 
 
 def decode_variant(d, block_m, block_n, page, kv="bf16", split=False, multi_q=False, windowed=False, softcap=False,
@@ -70,25 +65,6 @@ def rope_variant(d, rot, block_h, page, neox=True, cache="bf16", scales=False):
     return _compile(_rope_cache_kernel, lambda n: ptr_types.get(n) or ("fp32" if n in floats else "i32"), const, 4, 1)
 
 
-def _usage(compiled) -> str:
-    """'REG:n STACK:n' from the cubin (cuobjdump, shipped with Triton)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        out = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return m.group(0) if m else "REG:? STACK:?"
-
-
 # The default of head dim 128 in bf16 and fp8 paged, dense, and with every option on
 VARIANTS = [
     lambda: decode_variant(128, 16, 64, 16),
@@ -105,6 +81,6 @@ if __name__ == "__main__":
     for make in VARIANTS:
         try:
             k = make()
-            print("ok", k.name, k.metadata.shared, _usage(k), flush=True)
+            print("ok", k.name, k.metadata.shared, resource_usage(k), flush=True)
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)
