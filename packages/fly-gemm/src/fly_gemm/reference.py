@@ -6,7 +6,7 @@ import torch
 
 from flydsl_common.reference import activation_ref
 
-__all__ = ["gemm_ref"]
+__all__ = ["gemm_ref", "grouped_gemm_ref"]
 
 
 def gemm_ref(a, b, *, bias=None, activation=None, scale_a=None, scale_b=None, b_layout="nk") -> torch.Tensor:
@@ -25,3 +25,20 @@ def gemm_ref(a, b, *, bias=None, activation=None, scale_a=None, scale_b=None, b_
     if bias is not None:
         c = c + bias.double()[None, :]
     return activation_ref(c, activation)
+
+
+def grouped_gemm_ref(a, b, offsets) -> torch.Tensor:
+    """The grouped GEMM in float32, a loop over groups: row block g is ``a[start_g:end_g] @ b[g]^T`` with
+    ``end_g = offsets[g]`` (``b`` ``[G, N, K]``); rows past the last offset are zeros. Offsets are read as
+    :func:`fly_gemm.grouped_gemm`'s kernels read them (running maxima clamped to ``[0, M]``). Differentiable:
+    fp32 leaves ``a`` and ``b`` get the reference gradients."""
+    m = a.shape[0]
+    ends = offsets.detach().to("cpu", torch.int64).clamp(0, m)
+    ends = ends.cummax(0).values.tolist() if ends.numel() else []
+    a32, b32 = a.float(), b.float()
+    parts, start = [], 0
+    for g, end in enumerate(ends):
+        parts.append(a32[start:end] @ b32[g].t())
+        start = end
+    parts.append(a32.new_zeros(m - start, b.shape[1]))
+    return torch.cat(parts)
