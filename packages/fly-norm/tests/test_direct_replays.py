@@ -1,6 +1,6 @@
 """Training steps whose forward-with-grad and backward are replayed from their first call's recording
 (flydsl.direct), on a GPU: every step against fp64 autograd with fresh inputs, at widths the row kernels
-serve (replayed) and at a width the split paths serve (which decline replays: general path, still right).
+serve and at widths the split paths serve (their slots zeroed by a launch of the recorded call's own).
 
 (The recording and replay machinery itself is tested on the CPU in flydsl-runtime's test_direct.py.)
 """
@@ -78,7 +78,15 @@ def test_fused_residual_steps(device):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax"])
-def test_wide_rows_stay_right(device, op):
-    """Rows wide enough for the split paths (pooled buffers: no replay) give the same answers every step."""
-    for seed in range(3):
-        _step(op, 2, 131072, device, seed)
+@pytest.mark.parametrize("m,n", [(2, 131072), (11, 87371), (69, 91776), (21, 17045)])
+def test_wide_rows_replay_and_stay_right(device, op, m, n):
+    """Rows wide enough for the split paths (staged, tiled, slices, resident) are replayed too: a recorded call
+    takes fresh slots zeroed by a launch of its own, not the pools' (lent for one call), and every step's
+    answers stay right."""
+    mod = _MODULES[op]
+    mod._FWD_REPLAYS.clear()
+    mod._BWD_REPLAYS.clear()
+    for seed in range(4):
+        _step(op, m, n, device, seed)
+    for table in (mod._FWD_REPLAYS, mod._BWD_REPLAYS):
+        assert any(type(p).__name__ == "_Plan" for p in table.plans.values()), f"{table.name}: not replayed"

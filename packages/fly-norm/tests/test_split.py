@@ -22,6 +22,7 @@ from fly_norm.reference import (
 )
 from fly_norm.routing import Path, resident_config, route
 from fly_norm.softmax import softmax, softmax_bwd, softmax_bwd_config, softmax_config, softmax_fwd
+from flydsl import direct
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
 
 
@@ -253,16 +254,35 @@ def test_split_softmax_extremes():
     torch.testing.assert_close(y[1:].double().sum(-1), torch.ones(3, dtype=torch.float64, device="cuda"))
 
 
-def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypatch):
-    """The host side on any machine: the grid never exceeds one wave; rows wider than a wave's slices decline."""
+def _fake_split_launches(monkeypatch, per_sm: int) -> list:
+    """launch_split's launches recorded, not run (grids; a zeroing launch as ("zero", words)), on a fake device
+    of 10 SMs holding ``per_sm`` programs each."""
     import types
 
     from fly_norm import _split_host as split
 
     launched = []
-    monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 2)
-    monkeypatch.setattr(split.flyc, "launch", lambda kernel, grid, *a, **k: launched.append(grid))
+
+    def launch(kernel, grid, *a, **k):
+        if kernel is split.zero_slots_kernel:
+            slots, words = a
+            assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == words
+            assert grid == (-(-words // k["BLOCK"]),) and "launch_pdl" not in k
+            launched.append(("zero", words))
+        else:
+            launched.append(grid)
+
+    monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: per_sm)
+    monkeypatch.setattr(split.flyc, "launch", launch)
     monkeypatch.setattr(split.flydsl.arch, "current", lambda device: types.SimpleNamespace(sm_count=10))
+    return launched
+
+
+def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypatch):
+    """The host side on any machine: the grid never exceeds one wave; rows wider than a wave's slices decline."""
+    from fly_norm import _split_host as split
+
+    launched = _fake_split_launches(monkeypatch, 2)
     seen_groups = []
 
     def build(slots, parts, pp, groups):
@@ -280,6 +300,26 @@ def test_split_grid_is_one_wave_and_falls_back_when_a_row_does_not_fit(monkeypat
     monkeypatch.setattr(split.flyc, "programs_per_sm", lambda kernel, *a, **k: 32)  # a wave of 320
     too_many = torch.empty(2, (split.SPLIT_MAX_PARTS + 1) * 1024)  # fits the wave, but too many slices
     assert split.launch_split(None, too_many, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+
+
+def test_recorded_split_launch_zeroes_its_own_slots(monkeypatch):
+    """In a call flydsl.direct records, fresh slots are an allocation zeroed by a launch of their own just
+    before the kernel's (a torch.zeros would keep the call from being replayed); none when nothing launches,
+    none for slots a pool lends (all zeros already)."""
+    from fly_norm import _split_host as split
+
+    launched = _fake_split_launches(monkeypatch, 2)
+    monkeypatch.setattr(split, "_recording", lambda: True)
+    build = lambda slots, parts, pp, groups: ((), {})  # noqa: E731
+    few = torch.empty(3, 5 * 1024)  # 5 slices of 1024 columns (8 slots a row and stat), a group a row
+    assert split.launch_split(None, few, 2, build, 1024, "cpu") == 3
+    assert launched == [("zero", 3 * 2 * 8), (15,)]
+    wide = torch.empty(2, 21 * 1024)  # more slices than a wave of 20: nothing launched, nothing zeroed
+    assert split.launch_split(None, wide, 2, build, 1024, "cpu") == 0 and len(launched) == 2
+    pooled = torch.zeros(3 * 2 * 8, dtype=torch.int64)
+    assert split.launch_split(None, few, 2, build, 1024, "cpu", slots_of=lambda words: pooled[:words]) == 3
+    assert launched[2:] == [(15,)]
+    assert split.take_slots(10, "cpu") is None and split.take_fwd_slots(10, "cpu") is None  # nothing lent
 
 
 # ------------------------------------------- the split kernels' arithmetic on any machine
@@ -702,6 +742,17 @@ def test_staged_paths_replay_in_a_cuda_graph(is_rms):
             assert_rel_close(g, r, tol=2 * tolerance(torch.bfloat16), name=f"{name} {seed}")
 
 
+@pytest.mark.parametrize("words", [1, 1023, 1024, 2500])
+def test_zero_slots_zeroes_every_word_and_nothing_past(device, words):
+    """The recorded split calls' slot zeroing (split.zero_slots): every word of the buffer 0, the words past it
+    (the rest of a larger allocation) untouched."""
+    from fly_norm import _split_host as split
+
+    buf = torch.full((words + 64,), -7, dtype=torch.int64, device=device)
+    split.zero_slots(buf[:words])
+    assert (buf[:words] == 0).all() and (buf[words:] == -7).all()
+
+
 @pytest.mark.parametrize("p", [1, 7, 66, 256, 257, 600])
 @pytest.mark.parametrize("n", [1, 33, 1000])
 def test_column_sums_of_any_shape(device, p, n):
@@ -732,23 +783,25 @@ def test_staged_backward_pooled_slots_over_many_calls(monkeypatch, is_rms):
     from fly_norm import _split_host as split
 
     monkeypatch.setattr(split, "_POOLS", {})
-    for i, (m, n) in enumerate([(64, 16386), (64, 16386), (300, 32768), (5, 16386), (130, 32768)]):
-        x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=i) + 0.5
-        w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
-        b = None if is_rms else randn(n, dtype=torch.bfloat16, device="cuda", seed=2).requires_grad_()
-        dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=10 + i)
-        xs = x.clone().requires_grad_()
-        out = rms_norm(xs, w) if is_rms else layer_norm(xs, w, b)
-        out.backward(dy)
-        torch.cuda.synchronize()
-        (entry,) = split._POOLS.values()
-        assert not entry.lent and (entry.buf == 0).all(), f"call {i}"
-        leaves = (x, w) if is_rms else (x, w, b)
-        fn = (lambda a, c: rms_norm_ref(a, c)) if is_rms else (lambda a, c, d: layer_norm_ref(a, c, d))
-        ref = reference_grads(fn, leaves, (dy,))
-        got = (xs.grad, w.grad) if is_rms else (xs.grad, w.grad, b.grad)
-        for g, r, name in zip(got, ref, ("dx", "dweight", "dbias"), strict=False):
-            assert_rel_close(g, r, tol=2 * tolerance(torch.bfloat16), name=f"{name} {i}")
+    # on the general path: a recorded (and so a replayed) call takes fresh slots, never the pool's
+    with direct.general_path_only():
+        for i, (m, n) in enumerate([(64, 16386), (64, 16386), (300, 32768), (5, 16386), (130, 32768)]):
+            x = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=i) + 0.5
+            w = randn(n, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_()
+            b = None if is_rms else randn(n, dtype=torch.bfloat16, device="cuda", seed=2).requires_grad_()
+            dy = randn(m, n, dtype=torch.bfloat16, device="cuda", seed=10 + i)
+            xs = x.clone().requires_grad_()
+            out = rms_norm(xs, w) if is_rms else layer_norm(xs, w, b)
+            out.backward(dy)
+            torch.cuda.synchronize()
+            (entry,) = split._POOLS.values()
+            assert not entry.lent and (entry.buf == 0).all(), f"call {i}"
+            leaves = (x, w) if is_rms else (x, w, b)
+            fn = (lambda a, c: rms_norm_ref(a, c)) if is_rms else (lambda a, c, d: layer_norm_ref(a, c, d))
+            ref = reference_grads(fn, leaves, (dy,))
+            got = (xs.grad, w.grad) if is_rms else (xs.grad, w.grad, b.grad)
+            for g, r, name in zip(got, ref, ("dx", "dweight", "dbias"), strict=False):
+                assert_rel_close(g, r, tol=2 * tolerance(torch.bfloat16), name=f"{name} {i}")
 
 
 def _softmax_extremes(m, n, seed):

@@ -13,7 +13,6 @@ import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
-from flydsl import direct
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 from ._exchange_host import slot_lanes
@@ -25,6 +24,7 @@ from ._kernels.split import (
     norm_fwd_staged_kernel,
     softmax_bwd_split_kernel,
     softmax_fwd_split_kernel,
+    zero_slots_kernel,
 )
 from ._row_plans import pdl_options, word_aligned
 from .routing import Path, Route, resident_config, split_route
@@ -251,7 +251,10 @@ def launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: 
     with ``groups=None`` to size the wave (buffers that depend on the group count may then be any fresh
     fp32 tensor: only dtypes and alignment decide the compiled specialization), then with the count.
     ``programs`` (tests of a wait's give-up path): launch only the wave's first programs. ``slots_of(words)``:
-    where the zeroed slots come from (default: a fresh torch.zeros).
+    all-zero slots lent by a pool, or None; by default, and where it gives None, fresh slots: a
+    ``torch.zeros``, or, in a call that :mod:`flydsl.direct` records, an allocation that :func:`zero_slots`
+    zeroes just before the kernel's launch (a torch op other than an allocation would keep the call from
+    being replayed).
     """
     m, n = rows.shape
     parts = flyc.cdiv(n, slice_cols)
@@ -259,7 +262,14 @@ def launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: 
         return 0
     pp = flyc.next_power_of_2(parts)
     words = m * stat_cols * pp
-    zeros = torch.zeros(words, dtype=torch.int64, device=device) if slots_of is None else slots_of(words)
+    lent = None if slots_of is None else slots_of(words)
+    fresh = lent is None and _recording()  # zeroed by a launch of this call's own
+    if lent is not None:
+        zeros = lent
+    elif fresh:
+        zeros = torch.empty(words, dtype=torch.int64, device=device)
+    else:
+        zeros = torch.zeros(words, dtype=torch.int64, device=device)
     slots = zeros.view(m, stat_cols * pp)
     args, meta = build(slots, parts, pp, None)
     wave = flyc.programs_per_sm(kernel, *args, **meta) * flydsl.arch.current(device).sm_count
@@ -267,8 +277,25 @@ def launch_split(kernel, rows, stat_cols, build, slice_cols, device, tile_rows: 
         return 0
     groups = min(flyc.cdiv(m, tile_rows), wave // parts)
     args, meta = build(slots, parts, pp, groups)
+    if fresh:
+        zero_slots(zeros)
     flyc.launch(kernel, (programs or groups * parts,), *args, **meta)
     return groups
+
+
+_ZERO_BLOCK = 1024  # int64 words a program of zero_slots_kernel
+
+
+def zero_slots(slots: torch.Tensor) -> None:
+    """Zero a fresh contiguous int64 slot buffer on the current stream: one small launch, where a
+    ``torch.zeros`` has its fill kernel; recorded with the call's other launches, so its replays zero their
+    own slots. A plain launch, not PDL: the buffer may reuse memory that the kernel before it on the stream
+    still reads. Only recorded calls take this path (outside a recording, torch.zeros: under CUDA graph
+    capture, say, nothing must compile)."""
+    words = slots.numel()
+    if words:
+        flyc.launch(zero_slots_kernel, (flyc.cdiv(words, _ZERO_BLOCK),), slots, words, BLOCK=_ZERO_BLOCK,
+                    num_warps=4)  # fmt: skip
 
 
 def norm_split_route(x2, y2, w, b, r2, s, is_rms, quantized: bool) -> Route:
@@ -334,7 +361,11 @@ def launch_fwd_split(
 #
 # A buffer taken and not yet handed back (another thread on the stream, or an exception between) is not
 # lent again: such a launch takes fresh zeros. Under CUDA graph capture (a replay would find the buffers as
-# the capture left them) and past the pools' bound: fresh zeros.
+# the capture left them) and past the pools' bound: fresh zeros. A call that flydsl.direct records takes
+# fresh slots too, zeroed by a launch of the call's own (launch_split, zero_slots): its replays then take and
+# give back nothing, where a lent buffer would keep the call on the general path every time (0.3-0.9 ms a
+# backward call on the H200's sweep shapes, against ~0.1-0.2 ms replayed); the zeroing launch costs what
+# torch.zeros' fill kernel does (~1-2 us with its gap), the pool's saving, given up for those calls.
 
 _POOL_LOCK = threading.Lock()
 _POOLS: dict = {}  # backward: (device, stream) -> _Slots
@@ -359,6 +390,12 @@ class _SlotPair:
         self.dirty = [0, 0]
         self.turn = 0
         self.lent = False
+
+
+def _recording() -> bool:
+    """Whether :mod:`flydsl.direct` is recording the call running on this thread (its launches are being
+    collected, :data:`flydsl.compiler._RECORDING`)."""
+    return flyc._RECORDING.launches is not None
 
 
 def _lendable(pools: dict, device, new):
@@ -386,8 +423,9 @@ def take_slots(words: int, device):
     """An all-zero int64 buffer of ``words`` words from the current stream's backward pool, or None (not
     lent: see above). The caller launches a kernel that zeroes the words it dirtied, then
     :func:`give_back_slots`."""
+    if _recording():  # lent for this call only: a replay would not take and give back (see above)
+        return None
     device = torch.device(device)
-    direct.decline()  # lent for this call only: a replay of it would not take and give back
     with _POOL_LOCK:
         entry = _lendable(_POOLS, device, _Slots)
         if entry is None:
@@ -409,8 +447,9 @@ def take_fwd_slots(words: int, device):
     """(slots, clear) from the current stream's forward pool: ``slots`` an all-zero int64 buffer of ``words``
     words, ``clear`` the other buffer's dirtied words, which the launch must zero; or None (not lent: see
     above). Then :func:`give_back_fwd_slots`."""
+    if _recording():  # lent for this call only, the pair's turn kept on the host: not replayable
+        return None
     device = torch.device(device)
-    direct.decline()  # lent for this call only, the pair's turn kept on the host: not replayable
     with _POOL_LOCK:
         pair = _lendable(_FWD_POOLS, device, _SlotPair)
         if pair is None:
@@ -444,16 +483,16 @@ def _launch_fwd_staged(x2, w, b, y2, mean, rstd, eps, weight_offset, is_rms, cfg
 
     def slots_of(words):
         got = take_fwd_slots(words, x2.device)
-        if got is None:  # fresh zeros, nothing to zero
-            slots = torch.zeros(words, dtype=torch.int64, device=x2.device)
-            taken["clear"] = slots[:0]
-            return slots
+        if got is None:  # fresh slots (launch_split zeroes them), nothing of the pool's to zero
+            return None
         taken["pooled"], taken["clear"] = got
         return got[0]
 
     def build(slots, parts, pp, groups):
         m, n = x2.shape
-        clear = taken["clear"]
+        clear = taken.get("clear")
+        if clear is None:
+            clear = slots.view(-1)[:0]
         args = (x2, w, b, y2, mean, rstd, slots, clear, m, n, parts, x2.stride(0), y2.stride(0), float(eps), offset,
                 clear.numel())  # fmt: skip
         meta = dict(IS_RMS=bool(is_rms), HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
@@ -538,15 +577,16 @@ def launch_bwd_split(
 
     def slots_of(words):
         buf = take_slots(words, h2.device) if pooled and staged and (need_dw or need_db) else None
-        if buf is None:
-            return torch.zeros(words, dtype=torch.int64, device=h2.device)
-        lent.append(buf)
-        return buf
+        if buf is not None:
+            lent.append(buf)
+        return buf  # None: fresh slots, zeroed by launch_split
 
     def build(slots, parts, pp, groups):
         m, n = h2.shape
         if groups is None:
-            dwp = dbp = slots.view(torch.float32)  # sizing the wave: any fp32 buffer keys the same specialization
+            # sizing the wave: any fp32 buffer keys the same specialization (rstd: no torch op, which a
+            # dtype view of the slots would be, keeping the call from being replayed)
+            dwp = dbp = rstd
         else:
             dev = h2.device
             dwp = partials["dw"] = torch.empty(groups, n, dtype=torch.float32, device=dev) if need_dw else None

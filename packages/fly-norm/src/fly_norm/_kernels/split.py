@@ -70,8 +70,17 @@ from .passes import LOG2E, NEG_INF, clear_share
 
 __all__ = [
     "norm_fwd_split_kernel", "softmax_fwd_split_kernel", "softmax_bwd_split_kernel", "norm_bwd_split_kernel",
-    "norm_bwd_tiled_kernel", "norm_bwd_staged_kernel", "norm_fwd_staged_kernel", "staged_dx",
+    "norm_bwd_tiled_kernel", "norm_bwd_staged_kernel", "norm_fwd_staged_kernel", "staged_dx", "zero_slots_kernel",
 ]  # fmt: skip
+
+
+@flyc.kernel(do_not_specialize=["n"])
+def zero_slots_kernel(slot_ptr, n, BLOCK: fx.constexpr):
+    """Zero ``n`` int64 words at ``slot_ptr``: a split launch's fresh slots (all unpublished), launched just
+    before it on the same stream. (A ``torch.zeros`` would do the same on the device, but it is a torch op,
+    which keeps the call's recording from being replayed: :mod:`flydsl.direct`.)"""
+    w = fx.program_id(0) * BLOCK + fx.arange(0, BLOCK)
+    fx.store(slot_ptr + w, fx.zeros([BLOCK], dtype=fx.int64), mask=w < n)
 
 
 @flyc.func
