@@ -15,12 +15,14 @@ contiguous along the positions). Outputs are written in their final layout direc
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
 import torch.nn.functional as F
 
 import flydsl.arch
+from flydsl import direct
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl_common.device import activation_code
@@ -28,6 +30,7 @@ from flydsl_common.reference import torch_activation
 
 from ._kernels.depthwise import launch_depthwise
 from ._kernels.implicit_gemm import geom_pointwise, launch_implicit_gemm
+from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_wgrad
 from .autotune import ConvConfig, ConvProblem, config_valid, default_config
 
@@ -44,11 +47,15 @@ _CL_LAYOUTS = {1: "NWC", 2: "NHWC", 3: "NDHWC"}  # channels last
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 def _per_dim(name: str, value, rank: int, lo: int) -> tuple[int, ...]:
     """An int or a sequence of ``rank`` ints, each >= ``lo``, as a tuple of ``rank`` ints."""
+    if type(value) is int and value >= lo:  # the common call, without the general checks below
+        return (value,) * rank
+    if type(value) is tuple and len(value) == rank and all(type(v) is int and v >= lo for v in value):
+        return value
     vals = (value,) * rank if _is_int(value) else tuple(value) if isinstance(value, (tuple, list)) else None
     if vals is not None and len(vals) == 1 and rank > 1:
         vals = vals * rank
@@ -137,9 +144,38 @@ def _ndhwc(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t.movedim(1, -1)
 
 
-def _channels_last(t5: torch.Tensor) -> torch.Tensor:
-    """``t5`` with contiguous channels (a copy only when they are not): the gathers' fast layout."""
-    return t5 if t5.stride(-1) == 1 or t5.shape[-1] == 1 else t5.contiguous()
+def _channels_last(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """A batched, non-empty NC* ``t`` as an ``[N, D, H, W, C]`` view with contiguous channels (the gathers'
+    fast layout): a copy only when they are not, by the transpose kernel for contiguous NC* memory (a launch
+    that a replay redoes, where torch's copy would keep the call on the general path), else by torch."""
+    t5 = _ndhwc(t, rank)
+    if t5.stride(-1) == 1 or t5.shape[-1] == 1:
+        return t5
+    n, c = t.shape[:2]
+    if t.is_contiguous() and n <= MAX_BATCH:
+        out = torch.empty(t5.shape, dtype=t.dtype, device=t.device)
+        launch_transpose(t.view(n, c, -1), out.view(n, -1, c))
+        return out
+    return t5.contiguous()
+
+
+def _transposed(src3: torch.Tensor) -> torch.Tensor:
+    """``src3`` ``[B, R, S]`` as a new contiguous ``[B, S, R]`` (the transpose kernel)."""
+    b, r, s = src3.shape
+    out = torch.empty((b, s, r), dtype=src3.dtype, device=src3.device)
+    launch_transpose(src3, out)
+    return out
+
+
+def _forward_weight(weight: torch.Tensor, rank: int, taps: int) -> torch.Tensor:
+    """The weight packed as ``[K_out, (kd, kh, kw, c)]`` with contiguous rows: a view for 1x1 and channels-last
+    weights, the transpose kernel for a contiguous one, torch's copy for any other layout."""
+    k_out, cg = weight.shape[:2]
+    w2 = _ndhwc(weight, rank)
+    if w2.stride(-1) != 1 and cg > 1 and taps > 1 and weight.is_contiguous() and k_out <= MAX_BATCH:
+        return _transposed(weight.view(k_out, cg, taps)).view(k_out, taps * cg)
+    w2 = w2.reshape(k_out, taps * cg)
+    return w2 if w2.stride(-1) == 1 else w2.contiguous()
 
 
 def _alloc(n: int, c: int, spatial, dtype, device, channels_last: bool) -> torch.Tensor:
@@ -159,11 +195,22 @@ def _geom(kernel, stride, lo, dilation):
 
 
 def _config(problem: ConvProblem, arch, config):
-    cfg = default_config(problem, arch) if config is None else config
+    if config is None:
+        return _default(default_config, problem, arch)
+    return _checked(config, problem, arch)
+
+
+def _checked(cfg, problem: ConvProblem, arch):
     if not isinstance(cfg, ConvConfig) or not config_valid(cfg, problem, arch):
         raise ArgumentError(f"config: {cfg!r} is not a valid launch config for a {problem.kind} convolution in "
                             f"{dtype_name(problem.dtype)} on {arch.name}")  # fmt: skip
     return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def _default(choose, problem: ConvProblem, arch):
+    """``choose(problem, arch)`` (the module's ``default_config``: pure), checked, once per problem."""
+    return _checked(choose(problem, arch), problem, arch)
 
 
 def _is_depthwise(c_in: int, k_out: int, groups: int) -> bool:
@@ -185,18 +232,16 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
         return y
     geom = _geom(kernel, stride, lo, dilation)
     taps = geom[0][0] * geom[0][1] * geom[0][2]
-    x5, y5 = _ndhwc(x, rank), _ndhwc(y, rank)
+    y5 = _ndhwc(y, rank)
     arch = flydsl.arch.current(x.device)
     if _is_depthwise(c_in, k_out, groups):
         cfg = _config(ConvProblem("depthwise", y5.numel() // k_out, k_out, 1, taps, groups, x.dtype), arch, config)
-        launch_depthwise(_channels_last(x5), weight.reshape(k_out, taps).contiguous(), y5, bias, geom, act, cfg)
+        launch_depthwise(_channels_last(x, rank), weight.reshape(k_out, taps).contiguous(), y5, bias, geom, act, cfg)
         return y
     cg = c_in // groups
-    if not geom_pointwise(geom):
-        x5 = _channels_last(x5)
-    w2 = _ndhwc(weight, rank).reshape(k_out, taps * cg)  # [K_out, (kd, kh, kw, c)]: a view for 1x1 weights
-    if w2.stride(-1) != 1:
-        w2 = w2.contiguous()
+    # 1x1 stride-1 layers read an NC* x in place (rows contiguous along the positions)
+    x5 = _ndhwc(x, rank) if geom_pointwise(geom) else _channels_last(x, rank)
+    w2 = _forward_weight(weight, rank, taps)
     problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype)
     launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config))
     return y
@@ -226,12 +271,13 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
     geom = _geom(kernel, stride, lo, dilation)
     taps = geom[0][0] * geom[0][1] * geom[0][2]
     kg, cg = k_out // groups, c_in // groups
-    g5 = _ndhwc(grad, rank)
-    if not geom_pointwise(geom):
-        g5 = _channels_last(g5)
-    wd = weight.reshape(groups, kg, cg, taps).permute(0, 2, 3, 1).reshape(c_in, taps * kg)
-    if wd.stride(-1) != 1:
-        wd = wd.contiguous()
+    g5 = _channels_last(grad, rank) if not geom_pointwise(geom) else _ndhwc(grad, rank)
+    if kg > 1 and weight.is_contiguous() and groups <= MAX_BATCH:  # [groups, kg, (c, tap)] -> [groups, (c, tap), kg]
+        wd = _transposed(weight.view(groups, kg, cg * taps)).view(c_in, taps * kg)
+    else:
+        wd = weight.reshape(groups, kg, cg, taps).permute(0, 2, 3, 1).reshape(c_in, taps * kg)
+        if wd.stride(-1) != 1:
+            wd = wd.contiguous()
     dx5 = _ndhwc(dx, rank)
     arch = flydsl.arch.current(grad.device)
     problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype)
@@ -250,7 +296,7 @@ def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups):
         return torch.zeros(w_size, dtype=grad.dtype, device=grad.device)
     geom = _geom(tuple(w_size[2:]), stride, lo, dilation)
     taps = geom[0][0] * geom[0][1] * geom[0][2]
-    g5, x5 = _channels_last(_ndhwc(grad, rank)), _channels_last(_ndhwc(x, rank))
+    g5, x5 = _channels_last(grad, rank), _channels_last(x, rank)
     positions = g5.numel() // k_out
     arch = flydsl.arch.current(grad.device)
     cfg = _config(ConvProblem("wgrad", positions, k_out // groups, cg, taps, groups, grad.dtype), arch, None)
@@ -263,7 +309,9 @@ def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups):
         return dw
     parts = _empty((splits, k_out, cg, taps), torch.float32, grad.device)
     launch_wgrad(g5, x5, parts, geom, groups, splits, split_steps, cfg)
-    return parts.sum(0).to(grad.dtype).view(w_size)  # torch's reduction: a fixed order, deterministic
+    dw = _empty(w_size, grad.dtype, grad.device)
+    launch_sum_splits(parts.view(splits, -1), dw.view(-1))  # added in split order: deterministic
+    return dw
 
 
 # ------------------------------------------------------------------------------ custom ops and autograd
@@ -326,7 +374,7 @@ def _(grad, x, w_size, stride, pad_lo, dilation, groups):
 def _setup_context(ctx, inputs, output):
     x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, _cl = inputs
     ctx.save_for_backward(x, weight, bias)
-    ctx.geom = (list(stride), list(pad_lo), list(pad_hi), list(dilation), groups)
+    ctx.geom = (tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups)
     ctx.activation = activation
     ctx.x_channels_last = _channels_last_memory(x)
     ctx.eager = False  # through the op (traced): the backward goes through the ops too
@@ -338,23 +386,26 @@ def _backward(ctx, grad):
     the output gradient times the activation's derivative at the pre-activation, recomputed."""
     x, weight, bias = ctx.saved_tensors
     stride, lo, hi, dilation, groups = ctx.geom
-    if ctx.eager:
-        fwd, dgrad, wgrad = _conv_op, _input_grad_op, _weight_grad_op
-    else:
-        fwd, dgrad = torch.ops.fly_conv.conv, torch.ops.fly_conv.conv_input_grad
-        wgrad = torch.ops.fly_conv.conv_weight_grad
     g = grad
     if ctx.activation is not None:
+        fwd = _conv_op if ctx.eager else torch.ops.fly_conv.conv
         z = fwd(x, weight, bias, stride, lo, hi, dilation, groups, None, _channels_last_memory(grad))
         with torch.enable_grad():
             z = z.float().requires_grad_(True)
             (g,) = torch.autograd.grad(torch_activation(z, ctx.activation), z, grad.float())
         g = g.to(x.dtype)
-    dx = dw = db = None
-    if ctx.needs_input_grad[0]:
-        dx = dgrad(g, weight, list(x.shape), stride, lo, dilation, groups, ctx.x_channels_last)
-    if ctx.needs_input_grad[1]:
-        dw = wgrad(g, x, list(weight.shape), stride, lo, dilation, groups)
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
+        dx, dw = _BWD_REPLAYS.eager(_eager_grads, g, x, weight, stride, lo, dilation, groups, need_dx, need_dw,
+                                    ctx.x_channels_last)  # fmt: skip
+    else:
+        dx = dw = None
+        if need_dx:
+            dx = torch.ops.fly_conv.conv_input_grad(g, weight, list(x.shape), stride, lo, dilation, groups,
+                                                    ctx.x_channels_last)  # fmt: skip
+        if need_dw:
+            dw = torch.ops.fly_conv.conv_weight_grad(g, x, list(weight.shape), stride, lo, dilation, groups)
+    db = None
     if bias is not None and ctx.needs_input_grad[2]:
         dims = [0, *range(2, g.dim())]
         db = g.sum(dims, dtype=torch.float32).to(bias.dtype)
@@ -364,13 +415,37 @@ def _backward(ctx, grad):
 torch.library.register_autograd("fly_conv::conv", _backward, setup_context=_setup_context, lib=_LIB)
 
 
+def _eager_grads(g, x, weight, stride, lo, dilation, groups, need_dx: bool, need_dw: bool, x_channels_last: bool):
+    """(dx or None, dweight or None): the eager backward's kernels, one body so that one replay serves both."""
+    if need_dx and need_dw and g.numel() and x.numel():  # one channels-last copy of g (if any) for both kernels
+        rank = weight.dim() - 2
+        g = _channels_last(g, rank).movedim(-1, 1)
+        for _ in range(3 - rank):
+            g = g.squeeze(2)
+    dx = dw = None
+    if need_dx:
+        dx = _conv_input_grad(g, weight, tuple(x.shape), stride, lo, dilation, groups, x_channels_last)
+    if need_dw:
+        dw = _conv_weight_grad(g, x, tuple(weight.shape), stride, lo, dilation, groups)
+    return dx, dw
+
+
+# Eager calls of a kind seen before replay the first one's launches and allocations (flydsl.direct): no
+# argument checks, layout and config choice or launch keying. Plain calls replay the whole public call; under
+# autograd the forward's body and the backward's kernels are replayed, the autograd bookkeeping is not.
+_REPLAYS = direct.Replays("fly_conv.conv")
+_FWD_REPLAYS = direct.Replays("fly_conv.conv forward")
+_BWD_REPLAYS = direct.Replays("fly_conv.conv backward")
+
+
 class _EagerConv(torch.autograd.Function):
     """The op's autograd outside tracing, without the dispatcher (its generated autograd rebuilds the
-    arguments on every call)."""
+    arguments on every call). Its geometry arguments are tuples (the replay keys hash them)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last):
-        y = _conv_op(x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last)
+        y = _FWD_REPLAYS.eager(_conv_forward, x, weight, bias, stride, pad_lo, pad_hi, dilation, groups,
+                               activation_code(activation), channels_last)  # fmt: skip
         _setup_context(ctx, (x, weight, bias, stride, pad_lo, pad_hi, dilation, groups, activation, channels_last), y)
         ctx.eager = True
         return y
@@ -385,6 +460,24 @@ def _grad_needed(*tensors) -> bool:
 
 
 # ------------------------------------------------------------------------------ public functions
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other tensor subclasses keep the general path
+
+
+def _name(v) -> bool:
+    return v is None or type(v) is str
+
+
+def _geometry_key(v):
+    """``v`` (stride, padding or dilation) as a replay key's part: an int, a string or a tuple of ints as it is,
+    a list of ints as a tuple; None for anything else (the call keeps the general path, which checks it)."""
+    t = type(v)
+    if t is int or t is str:
+        return v
+    if (t is tuple or t is list) and all(type(e) is int for e in v):
+        return tuple(v)
+    return None
 
 
 def conv(
@@ -441,6 +534,28 @@ def conv(
 
         y = conv(x, w, b, padding=1, activation="relu")   # x [8, 64, 56, 56] channels-last bf16, w [64, 64, 3, 3]
     """
+    # A plain eager call (no gradient, no config): replayed by flydsl.direct where it allows (the key is every
+    # argument, so only exact ints and names go there: 1.0 or True would key as 1 and skip the checks).
+    if (
+        config is None
+        and type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and (bias is None or type(bias) in _PLAIN)
+        and not _grad_needed(x, weight, bias)
+        and type(groups) is int
+        and _name(padding_mode) and _name(activation) and _name(input_layout) and _name(output_layout)
+    ):  # fmt: skip
+        s, p, d = _geometry_key(stride), _geometry_key(padding), _geometry_key(dilation)
+        if s is not None and p is not None and d is not None:
+            return _REPLAYS.eager(_conv, x, weight, bias, s, p, d, groups, padding_mode, activation, input_layout,
+                                  output_layout, None)  # fmt: skip
+    return _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, activation, input_layout,
+                 output_layout, config)  # fmt: skip
+
+
+def _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, activation, input_layout, output_layout,
+          config):  # fmt: skip
+    """:func:`conv`'s general path (every check, then the forward; autograd and tracing through the op)."""
     rank = _rank(weight)
     check_tensor("x", x)
     in_layout = _layout("input_layout", input_layout, rank)
@@ -481,7 +596,7 @@ def conv(
     if compiling or _grad_needed(x, weight, bias):
         if config is not None:
             raise ArgumentError("config: not taken under torch.compile or autograd (the ops choose their configs)")
-        args = (x_nc, weight, bias, list(stride), list(lo), list(hi), list(dilation), groups, None, channels_last)
+        args = (x_nc, weight, bias, stride, lo, hi, dilation, groups, None, channels_last)
         y = torch.ops.fly_conv.conv(*args) if compiling else _EagerConv.apply(*args)
         if activation is not None:
             y = torch_activation(y, activation)
