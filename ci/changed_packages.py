@@ -205,6 +205,13 @@ def load_matrix(path: Path | str = MATRIX_PATH) -> dict[str, Any]:
         uses = fam.get("uses", [])
         if not isinstance(uses, list) or not all(isinstance(u, str) and u.startswith("tools/") for u in uses):
             raise ValueError(f"{path}: family {name!r}: uses must be a list of tools/ paths, got {uses!r}")
+        labels = fam.get("labels", [])
+        if not isinstance(labels, list) or not all(isinstance(label, str) and label for label in labels):
+            raise ValueError(f"{path}: family {name!r}: labels must be a list of runner labels, got {labels!r}")
+        if not isinstance(fam.get("enabled", True), bool):
+            raise ValueError(f"{path}: family {name!r}: enabled must be true or false")
+        if not fam.get("enabled", True) and not fam.get("reason"):
+            raise ValueError(f"{path}: disabled family {name!r} needs a reason")
     ids: set[str] = set()
     for arch in archs:
         aid = arch.get("id")
@@ -229,7 +236,11 @@ def shards(
     *,
     include_disabled: bool = False,
 ) -> list[dict[str, Any]]:
-    """GPU shards (family x arch) for ``families`` (default: all), enabled ones unless asked otherwise."""
+    """GPU shards (family x arch) for ``families`` (default: all), enabled ones unless asked otherwise.
+
+    A shard is enabled when its arch and its family both are (a family's ``enabled = false`` needs a
+    ``reason``, as an arch's does); its runner labels are the arch's plus the family's ``labels``.
+    """
     matrix = matrix if matrix is not None else load_matrix()
     wanted = None if families is None else set(families)
     out = []
@@ -237,7 +248,8 @@ def shards(
         if wanted is not None and fam["name"] not in wanted:
             continue
         for arch in matrix["arch"]:
-            if not arch["enabled"] and not include_disabled:
+            enabled = arch["enabled"] and fam.get("enabled", True)
+            if not enabled and not include_disabled:
                 continue
             out.append(
                 {
@@ -245,8 +257,9 @@ def shards(
                     "family": fam["name"],
                     "arch": arch["id"],
                     "session": fam["session"],
-                    "runner": list(arch["runner"]),
-                    "enabled": arch["enabled"],
+                    # the arch's labels, then the family's own (a multi-GPU runner for comm)
+                    "runner": list(arch["runner"]) + [x for x in fam.get("labels", []) if x not in arch["runner"]],
+                    "enabled": enabled,
                     "timeout_minutes": arch.get("timeout_minutes", 60),
                 }
             )

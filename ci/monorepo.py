@@ -37,6 +37,7 @@ PACKAGES: tuple[Package, ...] = (
     Package("gemm", "fly-gemm", "fly-gemm", "fly_gemm", ("runtime", "common")),
     Package("attention", "fly-attention", "fly-attention", "fly_attention", ("runtime", "common")),
     Package("conv", "fly-conv", "fly-conv", "fly_conv", ("runtime", "common")),
+    Package("comm", "fly-comm", "fly-comm", "fly_comm", ("runtime", "common")),
 )
 
 

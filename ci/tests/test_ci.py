@@ -29,10 +29,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ALL = ["runtime", "common", "norm", "gemm", "attention", "conv"]
-FAMILIES = ["norm", "gemm", "attention", "conv"]
+ALL = ["runtime", "common", "norm", "gemm", "attention", "conv", "comm"]
+FAMILIES = ["norm", "gemm", "attention", "conv", "comm"]
 GPU_PACKAGES = ["common", *FAMILIES]  # kernel families: entry point, bench- session
 SHARDS = ALL  # every package has gpu-marked tests and a gpu-<name> shard, the runtime included
+# comm's shards need a multi-GPU runner (the family's `labels`) and stay disabled until one exists
+ENABLED = [n for n in SHARDS if n != "comm"]
 
 
 # ------------------------------------------------------------- package list
@@ -97,9 +99,14 @@ def test_matrix_parses():
     for off in ("sm80", "sm100", "gfx942"):
         assert archs[off]["enabled"] is False and archs[off]["reason"]
     enabled = cp.shards(matrix)
-    assert {s["id"] for s in enabled} == {f"{f}-sm90" for f in SHARDS}
+    assert {s["id"] for s in enabled} == {f"{f}-sm90" for f in ENABLED}
     assert all(s["runner"] == ["self-hosted", "gpu", "sm90"] for s in enabled)
-    assert len(cp.shards(matrix, include_disabled=True)) == len(SHARDS) * len(archs)
+    every = cp.shards(matrix, include_disabled=True)
+    assert len(every) == len(SHARDS) * len(archs)
+    (comm,) = [f for f in matrix["family"] if f["name"] == "comm"]
+    assert comm["enabled"] is False and comm["reason"] and comm["labels"] == ["multi-gpu"]
+    comm_sm90 = next(s for s in every if s["id"] == "comm-sm90")
+    assert comm_sm90["runner"] == ["self-hosted", "gpu", "sm90", "multi-gpu"] and comm_sm90["enabled"] is False
 
 
 @pytest.mark.parametrize(
@@ -116,6 +123,10 @@ def test_matrix_parses():
          '[[arch]]\nid = "sm80"\nenabled = false\nrunner = ["sm80"]\n', "needs a reason"),
         ('schema = 1\n[[family]]\nname = "norm"\nsession = "gpu-norm"\n'
          '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["self-hosted"]\n', "include the arch id"),
+        ('schema = 1\n[[family]]\nname = "comm"\nsession = "gpu-comm"\nenabled = false\n'
+         '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["sm90"]\n', "disabled family 'comm' needs a reason"),
+        ('schema = 1\n[[family]]\nname = "comm"\nsession = "gpu-comm"\nlabels = "multi-gpu"\n'
+         '[[arch]]\nid = "sm90"\nenabled = true\nrunner = ["sm90"]\n', "labels must be a list"),
     ],
 )
 def test_matrix_validation(tmp_path, text, problem):
@@ -185,7 +196,8 @@ def test_cli_shards(capsys):
         }
     ]
     every = json.loads(_run_cli(capsys, "--shards", "--json", "packages/flydsl-runtime/src/flydsl/env.py"))
-    assert [r["family"] for r in every] == SHARDS
+    assert [r["family"] for r in every] == ENABLED
+    assert json.loads(_run_cli(capsys, "--shards", "--json", "packages/fly-comm/src/fly_comm/allreduce.py")) == []
     assert json.loads(_run_cli(capsys, "--shards", "--json", "README.md")) == []
     text = _run_cli(capsys, "--shards", "packages/fly-conv/x.py")
     assert text.split() == ["conv-sm90", "gpu-conv", "self-hosted,gpu,sm90"]
@@ -355,12 +367,13 @@ def test_ci_run_is_the_readme_test_command():
 
 
 def test_sanitize_workflow_covers_every_shard(monkeypatch):
-    """.github/workflows/sanitize.yml runs `nox -s sanitize-<family>` for exactly the families with a GPU
-    shard, each a session of the noxfile."""
+    """.github/workflows/sanitize.yml runs `nox -s sanitize-<family>` for exactly the families with an enabled
+    GPU shard (its runner is the one-GPU sm90 runner), each a session of the noxfile; every shard family has
+    the session, so enabling a shard only adds it to the list."""
     yaml = pytest.importorskip("yaml")
     flow = yaml.safe_load((ROOT / ".github" / "workflows" / "sanitize.yml").read_text())
     job = flow["jobs"]["sanitize"]
-    assert set(job["strategy"]["matrix"]["family"]) == set(SHARDS)
+    assert set(job["strategy"]["matrix"]["family"]) == {s["family"] for s in cp.shards()} == set(ENABLED)
     assert "nox -s sanitize-${{ matrix.family }}" in _runs(job)
     sessions = _noxfile_sessions(monkeypatch)
     assert {f"sanitize-{n}" for n in SHARDS} <= set(sessions)

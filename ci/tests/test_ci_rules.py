@@ -15,7 +15,7 @@ import floors
 import monorepo
 
 ALL = monorepo.names()
-FAMILIES = ["norm", "gemm", "attention", "conv"]
+FAMILIES = ["norm", "gemm", "attention", "conv", "comm"]
 
 
 # ------------------------------------------------------------ shard selection

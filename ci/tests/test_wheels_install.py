@@ -37,7 +37,7 @@ import cpu_stack  # noqa: E402
 FAMILY = ("fly-gemm", "packages/fly-gemm", "fly_gemm")
 STACK = [("flydsl-runtime", "packages/flydsl-runtime", "flydsl"), ("flydsl-common", "packages/fly-common",
                                                                    "flydsl_common"), FAMILY]
-OURS = ("flydsl-runtime", "flydsl-common", "fly-norm", "fly-gemm", "fly-attention", "fly-conv")
+OURS = ("flydsl-runtime", "flydsl-common", "fly-norm", "fly-gemm", "fly-attention", "fly-conv", "fly-comm")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
