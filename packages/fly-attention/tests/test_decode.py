@@ -12,9 +12,6 @@ CPU runs go through Triton's interpreter at small shapes; every output and works
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ from fly_attention.decode_config import (
 from fly_attention.decode_reference import paged_attention_decode_ref
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
 from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
+from flydsl.testing.sm90 import run_compile_script
 
 FP8 = torch.float8_e4m3fn
 
@@ -348,16 +346,8 @@ def test_validity_predicate_refuses():
 def test_kernels_compile_for_sm90():
     """Triton's compiler (not the interpreter) takes the decode and merge kernels' variants for sm_90, in a
     process of its own (the interpreter is chosen once per process)."""
-    script = Path(__file__).with_name("decode_compile_sm90.py")
-    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    lines = res.stdout.strip().splitlines()
-    if res.returncode != 0 and not lines:
-        first = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "CUDA" in first:
-            pytest.skip(f"cannot compile for sm_90 here: {first}")
-        raise AssertionError(res.stderr[-2000:])
-    assert lines and all(line.startswith("ok") for line in lines), "\n".join(lines) + res.stderr[-1000:]
+    lines = run_compile_script(Path(__file__).with_name("decode_compile_sm90.py"))
+    assert lines and all(line.startswith("ok") for line in lines), "\n".join(lines)
 
 
 # ---------------------------------------------------------------- GPU: the issue's sizes

@@ -30,6 +30,7 @@ from fly_attention import flash_attn, flash_attn_varlen
 from fly_attention.reference import flash_attn_fp8_ref
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError, UnsupportedError
 from flydsl.testing import assert_rel_close, tolerance
+from flydsl.testing.sm90 import run_compile_script
 
 FP8 = torch.float8_e4m3fn
 LN2 = math.log(2.0)
@@ -211,23 +212,13 @@ def test_fp8_kernel_compiles_for_sm90_with_wgmma_and_no_spill():
     """Each variant of attn_fp8_compile_sm90.py compiles for sm_90 (a process of its own: the interpreter is
     chosen once per process); the 64-row-and-up ones run both dots as wgmma with e4m3 operands (the score dot
     and P @ V: at least two per key loop), and none uses a stack (a register spill)."""
-    import os
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
     from attn_fp8_compile_sm90 import VARIANTS
 
-    script = Path(__file__).with_name("attn_fp8_compile_sm90.py")
-    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    lines = [ln for ln in res.stdout.strip().splitlines() if ln.startswith(("ok", "FAIL"))]
-    if res.returncode != 0 and not lines:
-        first = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "CUDA" in first:  # no toolchain on this machine: nothing to learn here
-            pytest.skip(f"cannot compile for sm_90 here: {first}")
-        raise AssertionError(res.stderr[-2000:])
+    lines = [ln for ln in run_compile_script(Path(__file__).with_name("attn_fp8_compile_sm90.py"))
+             if ln.startswith(("ok", "FAIL"))]  # fmt: skip
     assert len(lines) == len(VARIANTS) and all(ln.startswith("ok") for ln in lines), "\n".join(lines)
     for line, variant in zip(lines, VARIANTS, strict=True):
         m = re.search(r"STACK:(\d+) wgmma_e4m3:(\d+) wgmma:(\d+)", line)

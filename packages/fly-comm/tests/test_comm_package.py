@@ -4,9 +4,6 @@ and the kernels compiled for sm_90 (PTX checked for the memory-ordering instruct
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,20 +57,12 @@ def test_kernels_compile_for_sm90():
     """Each variant compiles for sm_90 (a process of its own: the interpreter accepts code the compiler does not),
     without spills, and its PTX has the release signal, the acquire wait at system scope, the CTA barrier and
     16-byte vector accesses (peer loads through L2)."""
-    pytest.importorskip("flydsl.testing.sm90")
     from comm_compile_sm90 import VARIANTS
 
-    script = Path(__file__).with_name("comm_compile_sm90.py")
-    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=script.parent)  # fmt: skip
-    lines = proc.stdout.splitlines()
-    if proc.returncode or not lines:
-        first = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        if "ptxas" in proc.stderr or "CUDA" in proc.stderr or "cuda" in first:
-            pytest.skip(f"cannot compile for sm_90 here: {first}")
-        raise AssertionError(proc.stderr[-3000:])
-    assert len(lines) == len(VARIANTS) + 1, proc.stdout
+    from flydsl.testing.sm90 import run_compile_script
+
+    lines = run_compile_script(Path(__file__).with_name("comm_compile_sm90.py"))
+    assert len(lines) == len(VARIANTS) + 1, "\n".join(lines)
     needed = {"atom.global.sys.release.exch.b64", "bar.sync", "ld.global.cg.v4.b32", "st.global.v4.b32"}
     for line in lines[:-1]:
         assert line.startswith("ok "), line

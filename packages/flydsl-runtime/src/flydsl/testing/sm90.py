@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["SM90", "compile_sm90", "signature", "divisible_by_16", "resource_usage", "toolchain_dir"]
+__all__ = [
+    "SM90", "compile_sm90", "signature", "divisible_by_16", "resource_usage", "toolchain_dir", "run_compile_script",
+]  # fmt: skip
 
 # (backend, compute capability, warp size) of the target
 SM90 = ("cuda", 90, 32)
@@ -144,3 +146,35 @@ def resource_usage(compiled) -> str:
         )
     m = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout)
     return m.group(0) if m else "REG:? STACK:?"
+
+
+def run_compile_script(script, *args: str, shards: int = 1, timeout: float = 600) -> list[str]:
+    """Run a compile script in fresh processes with compiled Triton (``FLYDSL_INTERPRET=0``) and return the lines
+    it printed (stdout, every process's in shard order). ``script``: a path (run from its folder, so it imports
+    its neighbours) or Python source (``python -c``). ``shards`` > 1 runs that many processes at once, the i-th
+    with the arguments ``i shards`` after ``args``. A test calling this is skipped when this machine cannot
+    compile for sm_90 (a ptxas / CUDA failure and no output); any other failure raises with the stderr."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
+    if isinstance(script, Path):
+        cmd, cwd = [sys.executable, str(script)], str(script.parent)
+    else:
+        cmd, cwd = [sys.executable, "-c", str(script)], None
+    runs = [[*args, str(i), str(shards)] if shards > 1 else list(args) for i in range(shards)]
+    procs = [subprocess.Popen([*cmd, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=cwd) for a in runs]  # fmt: skip
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    lines = [ln for out, _ in outs for ln in out.strip().splitlines() if ln.strip()]
+    err = "".join(e for _, e in outs)
+    if any(p.returncode for p in procs):
+        first = (err.strip().splitlines() or ["(no output)"])[-1]
+        if not lines and ("ptxas" in err or "CUDA" in first):  # no toolchain on this machine: nothing to learn
+            pytest.skip(f"cannot compile for sm_90 here: {first}")
+        raise AssertionError("\n".join(lines[-20:]) + "\n" + err[-3000:])
+    return lines
