@@ -43,6 +43,7 @@ WORKER = Path(__file__).with_name("cache_worker.py")
 ARCH = "sm_90"
 KEY = {"n": 1024, "dtype": "fp32"}
 CHECKED = "flydsl.cache:CheckedCacheManager"
+TRITON_OWN = "triton.runtime.cache:FileCacheManager"  # Triton's own manager, named (flydsl installs its own)
 
 # The child runs this through the builtin exec (spawn pickles builtins by name), so it never imports this
 # test module; it sets its environment first, then runs one role of cache_worker.py.
@@ -363,22 +364,20 @@ def test_triton_default_manager_crashes_on_a_damaged_entry(tmp_path):
     out = tmp_path / "damage.json"
     proc = _spawn("damage_and_recompile", {
         "cases": [[["scale", 1.0, 64], "group", "truncated"]], "out": str(out), "marker": str(tmp_path / "m"),
-    }, _child_env(tmp_path / "cache", tmp_path))  # fmt: skip
+    }, _child_env(tmp_path / "cache", tmp_path, TRITON_CACHE_MANAGER=TRITON_OWN))  # fmt: skip
     assert _join_all([proc], 240) == [1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flydsl.env lists the Triton variables FlyDSL may set; TRITON_CACHE_MANAGER is not among them yet, "
-    "so configure_triton cannot install the checked manager by default",
-)
 def test_flydsl_installs_the_checked_manager(fresh_python):
-    res = fresh_python(
-        "import os, flydsl; print(os.environ.get('TRITON_CACHE_MANAGER'))",
-        env_extra={"FLYDSL_INTERPRET": "1"},
-        env_drop=("TRITON_CACHE_MANAGER",),
-    )
-    assert res.stdout.strip() == CHECKED, res.stdout + res.stderr
+    """In-process, through Triton's knob: the environment a child process inherits stays clean; a manager of
+    the user's own (TRITON_CACHE_MANAGER) is left alone."""
+    code = ("import os, flydsl, flydsl.compiler, triton; "
+            "print(triton.knobs.cache.manager_class.__qualname__, os.environ.get('TRITON_CACHE_MANAGER'))")
+    res = fresh_python(code, env_extra={"FLYDSL_INTERPRET": "1"}, env_drop=("TRITON_CACHE_MANAGER",))
+    assert res.stdout.split() == ["CheckedCacheManager", "None"], res.stdout + res.stderr
+    own = "triton.runtime.cache:FileCacheManager"
+    res = fresh_python(code, env_extra={"FLYDSL_INTERPRET": "1", "TRITON_CACHE_MANAGER": own})
+    assert res.stdout.split() == ["FileCacheManager", own], res.stdout + res.stderr
 
 
 # ---------------------------------------------------------------------------

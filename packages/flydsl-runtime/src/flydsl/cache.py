@@ -17,14 +17,17 @@ directory instead, with one :class:`CacheWarning`: calls keep working, they
 only recompile in each new session.
 
 Nothing in either cache can run code when read: tuning files are JSON only,
-and :class:`CheckedCacheManager` (``TRITON_CACHE_MANAGER=
-flydsl.cache:CheckedCacheManager``) makes Triton treat a truncated, corrupt
-or foreign compiled-kernel entry as a miss (one warning, then recompiled and
-rewritten) instead of crashing on it or handing a cut binary to the driver.
+and :class:`CheckedCacheManager`, Triton's cache manager in every process that
+compiles through :mod:`flydsl.compiler` (:func:`install_checked_manager`;
+a ``TRITON_CACHE_MANAGER`` of the user's own is left alone), makes Triton treat
+a truncated, corrupt or foreign compiled-kernel entry as a miss (one warning,
+then recompiled and rewritten) instead of crashing on it or handing a cut
+binary to the driver.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -41,7 +44,7 @@ from . import env
 # CheckedCacheManager is importable too, but built on first access (it subclasses Triton's manager).
 __all__ = [
     "root", "triton_dir", "tuning_dir", "Entry", "entries", "size", "clear", "configure_triton",
-    "CacheWarning", "writable", "check_kernel_group",
+    "install_checked_manager", "CacheWarning", "writable", "check_kernel_group",
 ]  # fmt: skip
 
 KINDS = ("triton", "tuning")
@@ -332,11 +335,28 @@ def _checked_manager_class():
     return CheckedCacheManager
 
 
+def install_checked_manager() -> None:
+    """Make :class:`CheckedCacheManager` Triton's cache manager in this process, unless the user set
+    ``TRITON_CACHE_MANAGER``. Set through Triton's knob, not the environment: a child process inherits no
+    setting that would make a Triton without FlyDSL import ``flydsl.cache``. Called once Triton is imported
+    (by :mod:`flydsl.compiler`)."""
+    if env.read_external("TRITON_CACHE_MANAGER"):
+        return
+    import triton
+
+    triton.knobs.cache.manager_class = _checked_manager_class_cached()
+
+
+@functools.cache
+def _checked_manager_class_cached():
+    return _checked_manager_class()
+
+
 def __getattr__(name: str):
     # Triton resolves TRITON_CACHE_MANAGER="flydsl.cache:CheckedCacheManager" with getattr; the class
     # subclasses Triton's, so it is built lazily to keep `import flydsl` from importing Triton.
     if name == "CheckedCacheManager":
-        cls = _checked_manager_class()
+        cls = _checked_manager_class_cached()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _backend, _interp_numpy
+from . import _backend, _interp_numpy, cache
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
@@ -53,6 +53,9 @@ __all__ = [
 ]  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Triton's cache manager: a damaged compiled-kernel entry is a miss, not a crash (flydsl.cache).
+cache.install_checked_manager()
 
 interpreting = _backend.interpreting
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Var", "VARS", "get", "is_set", "describe", "export", "read_external"]
+__all__ = ["Var", "VARS", "get", "is_set", "describe", "export", "read_external", "child_environment"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -161,7 +161,7 @@ def describe() -> list[tuple[str, str, str, str]]:
 
 # Variables of other tools that FlyDSL reads or writes. Listed so the one place
 # touching the environment is this module.
-_EXTERNAL = {"TRITON_INTERPRET", "TRITON_CACHE_DIR"}
+_EXTERNAL = {"TRITON_INTERPRET", "TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"}
 
 
 def read_external(name: str) -> str | None:
@@ -176,3 +176,9 @@ def export(name: str, value: str) -> None:
     if name not in _EXTERNAL:
         raise KeyError(f"{name} is not a variable FlyDSL sets")
     os.environ[name] = value
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``: what a child process FlyDSL starts (a compile check, a
+    benchmark worker) runs with."""
+    return {**os.environ, **overrides}

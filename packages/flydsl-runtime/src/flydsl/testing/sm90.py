@@ -154,14 +154,15 @@ def run_compile_script(script, *args: str, shards: int = 1, timeout: float = 600
     its neighbours) or Python source (``python -c``). ``shards`` > 1 runs that many processes at once, the i-th
     with the arguments ``i shards`` after ``args``. A test calling this is skipped when this machine cannot
     compile for sm_90 (a ptxas / CUDA failure and no output); any other failure raises with the stderr."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     import pytest
 
-    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
+    from .. import env as _env
+
+    env = _env.child_environment(FLYDSL_INTERPRET="0", TRITON_INTERPRET="0")
     if isinstance(script, Path):
         cmd, cwd = [sys.executable, str(script)], str(script.parent)
     else:
