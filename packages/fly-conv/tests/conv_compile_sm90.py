@@ -7,7 +7,8 @@ Each variant calls the package's own launcher on meta tensors of a real layer (c
 convolution passes them) and compiles what that launch would compile: its arguments specialized the way
 Triton's launcher specializes them (ints equal to 1 as constants, ints and pointers divisible by 16 marked so,
 ``do_not_specialize`` honoured), its constexprs and options as given. Prints one line a variant:
-``ok <name> <shared bytes> REG:n STACK:n WGMMA:<0|1> CP_ASYNC:<0|1> PIPELINE:<bytes>`` (STACK > 0 is a spill;
+``ok <name> <shared bytes> REG:n STACK:n WGMMA:<0|1> WGMMA_E4M3:<0|1> CP_ASYNC:<0|1> PIPELINE:<bytes>`` (STACK >
+0 is a spill; WGMMA_E4M3: a ``wgmma.mma_async`` on e4m3 operands, the fp8 path's tensor-core dot;
 CP_ASYNC: the K loop's loads are asynchronous copies; PIPELINE: ``autotune.smem_bytes`` of the config, its
 A and B tiles times num_stages, which shared memory reaches only when the loop is multi-buffered) or
 ``FAIL <name> <error>``."""
@@ -24,7 +25,7 @@ from fly_conv._kernels.wgrad import launch_wgrad
 from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
 from flydsl.arch import SM90
 
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def _record(launcher, *args):
@@ -109,8 +110,12 @@ def _out(size: int, k: int, stride: int, pad: int) -> int:
     return (size + 2 * pad - k) // stride + 1
 
 
-def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=True, act=1, transposed=False):
-    """The implicit GEMM of a 2D layer (forward, or its input gradient with ``transposed``)."""
+def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=True, act=1, transposed=False,
+              w_scale=None):  # fmt: skip
+    """The implicit GEMM of a 2D layer (forward, or its input gradient with ``transposed``). fp8 ``dtype``: the
+    scaled forward, bf16 output and bias, x's scale per tensor, the weight's ``w_scale`` (``"tensor"`` or
+    ``"channel"``)."""
+    fp8 = dtype == torch.float8_e4m3fn
     osz = _out(size, k, stride, pad)
     taps = k * k
     if transposed:  # gathers the output gradient, writes the input's
@@ -118,13 +123,17 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
         w2 = torch.empty((c_in, taps * (k_out // groups)), dtype=dtype, device="meta")
         problem = ConvProblem("implicit", n * size * size, c_in // groups, k_out // groups, taps, groups, dtype)
     else:
-        x5, y5 = _cl(n, c_in, (size, size), dtype), _cl(n, k_out, (osz, osz), dtype)
+        x5, y5 = _cl(n, c_in, (size, size), dtype), _cl(n, k_out, (osz, osz), BF16 if fp8 else dtype)
         w2 = torch.empty((k_out, taps * (c_in // groups)), dtype=dtype, device="meta")
         problem = ConvProblem("implicit", n * osz * osz, k_out // groups, c_in // groups, taps, groups, dtype)
-    b = torch.empty((y5.shape[-1],), dtype=dtype, device="meta") if bias else None
+    b = torch.empty((y5.shape[-1],), dtype=y5.dtype, device="meta") if bias else None
+    scales = ()
+    if fp8:
+        ws = torch.empty((k_out if w_scale == "channel" else 1,), dtype=torch.float32, device="meta")
+        scales = (torch.empty((1,), dtype=torch.float32, device="meta"), ws)
     cfg = default_config(problem, SM90)
     geom = _geom(k, stride, pad)
-    return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg), cfg, problem
+    return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg, *scales), cfg, problem
 
 
 def _depthwise(dtype, n, c, size, k):
@@ -148,11 +157,13 @@ def _wgrad(dtype, n, c_in, k_out, size, k):
 
 
 BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 # (name, launch): the forward at the ResNet 3x3 default (128 x 128 x 64), a strided 3x3 (int32 addressing
 # through a stride), a grouped layer's narrow tiles (8 channels a group: Triton marks no alignment, the
 # kernel's C_VEC does), the pointwise GEMM, the input gradient (stride 1: the taps reversed; stride 2: the
 # division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores, checked for spills only), the
-# depthwise kernel and the weight gradient
+# depthwise kernel and the weight gradient; the fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight
+# scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
@@ -165,15 +176,22 @@ VARIANTS = [
     ("dgrad_s2_fp32", lambda: _implicit(torch.float32, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
     ("depthwise", lambda: _depthwise(BF16, 32, 384, 28, 3)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
+    ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
+    ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),
+    ("implicit_grouped_fp8", lambda: _implicit(FP8, 32, 256, 256, 28, 3, pad=1, groups=8, w_scale="channel")),
+    ("pointwise_fp8", lambda: _implicit(FP8, 32, 64, 256, 56, 1, bias=False, act=0, w_scale="channel")),
 ]
 
 if __name__ == "__main__":
+    import re
+
     for name, launch in VARIANTS:
         try:
             record, cfg, problem = launch()
             k = compile_launch(*record)
             ptx = k.asm["ptx"]
-            print("ok", name, k.metadata.shared, _usage(k), f"WGMMA:{int('wgmma' in ptx)}",
+            e4m3 = re.search(r"wgmma\.mma_async\S*e4m3", ptx) is not None
+            print("ok", name, k.metadata.shared, _usage(k), f"WGMMA:{int('wgmma' in ptx)}", f"WGMMA_E4M3:{int(e4m3)}",
                   f"CP_ASYNC:{int('cp.async' in ptx)}", f"PIPELINE:{smem_bytes(cfg, problem)}", flush=True)  # fmt: skip
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", name, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

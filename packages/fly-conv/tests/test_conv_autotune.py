@@ -35,6 +35,29 @@ def test_default_tiles_follow_the_layer():
     assert small.block_m == 64  # under a wave: smaller row tiles
 
 
+@pytest.mark.parametrize("arch", [INTERPRETER, SM90], ids=["interpreter", "sm_90"])
+def test_fp8_defaults_are_valid(arch):
+    for m, n, cg, taps, groups in SHAPES:
+        problem = ConvProblem("implicit", m, n, cg, taps, groups, torch.float8_e4m3fn)
+        cfg = default_config(problem, arch)
+        assert config_valid(cfg, problem, arch) and cfg.block_k >= 32, (problem, cfg)
+
+
+def test_fp8_tiles_and_validity():
+    """fp8 takes 128 channels a step where the layer has them (the 16-bit tile's bytes), 32 at least (the 8-bit
+    dot's K), one byte an element of shared memory; the forward implicit GEMM only."""
+    f8 = torch.float8_e4m3fn
+    big = ConvProblem("implicit", 64 * 56 * 56, 256, 256, 9, 1, f8)
+    cfg = default_config(big, SM90)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == (128, 128, 128, 4)
+    assert smem_bytes(cfg, big) == 4 * 256 * 128 * 1  # 128 KB, as the 16-bit 128 x 128 x 64 at 4 stages
+    assert default_config(ConvProblem("implicit", 8 * 28 * 28, 8, 8, 9, 32, f8), SM90).block_k == 32
+    assert not config_valid(ConvConfig(64, 64, 16), big, SM90)  # under the 8-bit dot's K of 32
+    assert config_valid(ConvConfig(64, 64, 32), big, SM90)
+    assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("wgrad", 1024, 64, 64, 9, 1, f8), SM90)
+    assert not config_valid(ConvConfig(64, 8, 1), ConvProblem("depthwise", 1024, 64, 1, 9, 64, f8), SM90)
+
+
 def test_validity_predicate_refuses():
     p = ConvProblem("implicit", 1024, 64, 64, 9, 1, torch.bfloat16)
     assert config_valid(ConvConfig(64, 64, 32), p, SM90)
@@ -79,7 +102,8 @@ def sm90_lines():
 
 
 def _tensor_core(lines: list[str]) -> list[str]:
-    """The 16-bit dot kernels' lines (not the depthwise kernel, not fp32's full-precision dot)."""
+    """The tensor-core dot kernels' lines, 16-bit and fp8 (not the depthwise kernel, not fp32's full-precision
+    dot)."""
     return [line for line in lines if " depthwise " not in line and "_fp32 " not in line]
 
 
@@ -90,8 +114,17 @@ def _fields(line: str) -> dict:
 
 def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
     """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
-    assert len(sm90_lines) == 11 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert len(sm90_lines) == 15 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
     assert all(_fields(line)["WGMMA"] == "1" for line in _tensor_core(sm90_lines)), "\n".join(sm90_lines)
+
+
+def test_fp8_forward_is_e4m3_wgmma_on_sm90(sm90_lines):
+    """The fp8 forward's dot is Hopper's 8-bit wgmma on e4m3 operands (B K-major), and only the fp8 variants use it
+    (the 16-bit kernels compile as before)."""
+    fp8 = [line for line in sm90_lines if "_fp8 " in line]
+    assert len(fp8) == 4, "\n".join(sm90_lines)
+    for line in sm90_lines:
+        assert _fields(line)["WGMMA_E4M3"] == ("1" if line in fp8 else "0"), "\n".join(sm90_lines)
 
 
 def test_kernels_do_not_spill_on_sm90(sm90_lines):
@@ -100,8 +133,8 @@ def test_kernels_do_not_spill_on_sm90(sm90_lines):
 
 
 def test_dot_kernels_k_loop_is_pipelined_on_sm90(sm90_lines):
-    """The 16-bit dot kernels' K loops are software-pipelined: their loads are asynchronous copies and shared memory
-    holds num_stages A + B tiles (one stage's worth would mean the loop is not multi-buffered)."""
+    """The 16-bit and fp8 dot kernels' K loops are software-pipelined: their loads are asynchronous copies and
+    shared memory holds num_stages A + B tiles (one stage's worth would mean the loop is not multi-buffered)."""
     for line in _tensor_core(sm90_lines):
         f = _fields(line)
         shared = int(line.split()[2])

@@ -29,18 +29,32 @@ def test_flops_and_bytes_models():
 
 def test_bench_names_and_peers():
     names = [b.name for b in BENCHES]
-    assert names == ["conv_bf16", "conv_nchw", "conv_1x1", "conv_depthwise", "conv_grouped", "conv_train"]
+    assert names == ["conv_bf16", "conv_nchw", "conv_1x1", "conv_depthwise", "conv_grouped", "conv_train", "conv_fp8"]
     for b in BENCHES:
         providers = {p.name for p in b.providers}
         assert "flydsl" in providers and "cudnn" in providers, b.name
     assert "cublas_gemm" in {p.name for p in BENCHES[2].providers}
     assert all(c.params["layout"] == "nc" for c in BENCHES[1].cases)
+    assert "flydsl.bf16" in {p.name for p in BENCHES[6].providers}  # the fp8 bar: against our own bf16
+
+
+def test_fp8_bench_peers_convolve_the_same_values():
+    """conv_fp8's bf16 peers read the dequantized fp8 values exactly (power-of-two scales), and each provider
+    (ours in fp8, ours in bf16) matches the fp8 reference."""
+    b = BENCHES[6]
+    t = bench._setup_fp8(b.select_cases(quick=True)[0], torch.device("cpu"))
+    x8, w8, _, xs, ws, xb, wb, _ = t
+    assert x8.dtype == torch.float8_e4m3fn and ws.shape == (w8.shape[0],)
+    assert torch.equal(xb.double(), x8.double() * xs.double())
+    assert torch.equal(wb.double(), w8.double() * ws.double().view(-1, 1, 1, 1))
+    for p in b.providers[:2]:
+        assert rel_error(p.make(t)(), b.reference(t)) <= b.tolerance, p.name
 
 
 @pytest.mark.parametrize("b", BENCHES, ids=lambda b: b.name)
 def test_quick_case_checks(b):
     case = b.select_cases(quick=True)[0]
-    t = bench._setup(case, torch.device("cpu"))
+    t = b.setup(case, torch.device("cpu"))
     ours = next(p for p in b.providers if p.is_ours)
     out = ours.make(t)()
     assert rel_error(out, b.reference(t)) <= b.tolerance

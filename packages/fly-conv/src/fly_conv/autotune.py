@@ -30,6 +30,7 @@ __all__ = ["ConvProblem", "ConvConfig", "KINDS", "default_config", "config_valid
 
 KINDS = ("implicit", "depthwise", "wgrad")
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
+_DOT_MIN_K_8BIT = 32  # an 8-bit (fp8) dot's K is at least 32 (Hopper's fp8 wgmma: K = 32 an instruction)
 _MAX_TILE = 256
 
 
@@ -82,6 +83,8 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False
     if problem.kind != "depthwise" and min(tiles) < _DOT_MIN:
         return False
+    if problem.dtype.itemsize == 1 and (problem.kind != "implicit" or cfg.block_k < _DOT_MIN_K_8BIT):
+        return False  # fp8: the forward implicit GEMM only
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
     if cfg.split_k > 1 and problem.kind != "wgrad":
@@ -114,13 +117,15 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
     if problem.kind not in KINDS:
         raise ValueError(f"default_config: kind must be one of {KINDS}, got {problem.kind!r}")
     wide = problem.dtype.itemsize <= 2
+    fp8 = problem.dtype.itemsize == 1
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         if problem.kind == "depthwise":
             cfg = ConvConfig(32, _pow2_in(problem.n, 1, 32), 1, num_stages=1)
         elif problem.kind == "wgrad":
             cfg = ConvConfig(_pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, 16, 32), 32, num_stages=1)
         else:
-            cfg = ConvConfig(32, _pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, 16, 32), group_m=4, num_stages=1)
+            k_lo = _DOT_MIN_K_8BIT if fp8 else 16
+            cfg = ConvConfig(32, _pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, k_lo, 32), group_m=4, num_stages=1)
     elif problem.kind == "depthwise":
         # memory bound: 4096 outputs a program (32 a thread at 4 warps), channels across the lanes so that
         # each tap's load of a position is contiguous
@@ -136,8 +141,10 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
         # tile takes 191 registers in the forward, 252 in the strided input gradient and spills there with
         # int64 offsets; at 8 warps 112-166, no spill. A grid short of one wave (small batch, small images)
         # takes 64-row tiles: twice the programs.
+        # fp8 takes twice the channels a step (128: the same bytes a stage, and 128 KB at 4 stages, as 16-bit's
+        # 64) and at least the 32 an 8-bit dot needs.
         block_n = _pow2_in(problem.n, 16, 128)
-        block_k = _pow2_in(problem.cg, 16, 64)
+        block_k = _pow2_in(problem.cg, _DOT_MIN_K_8BIT, 128) if fp8 else _pow2_in(problem.cg, 16, 64)
         block_m = 128
         if flyc.cdiv(problem.m, 128) * flyc.cdiv(problem.n, block_n) * problem.groups < arch.sm_count:
             block_m = 64

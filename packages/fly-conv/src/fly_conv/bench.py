@@ -19,7 +19,9 @@ Tuned set (issue 36's speed list), bf16, batch 8-64:
   output once) against the device copy bandwidth;
 - ``conv_grouped``: ResNeXt-style grouped 3x3 layers (4-64 channels a group);
 - ``conv_train``: one training step (forward, backward into x, weight and bias) of 3x3 and 1x1 layers,
-  ``step_us`` against torch (cuDNN's dgrad and wgrad) and torch.compile; flops 3x the forward's.
+  ``step_us`` against torch (cuDNN's dgrad and wgrad) and torch.compile; flops 3x the forward's;
+- ``conv_fp8``: the fp8 e4m3 forward (x per-tensor, weight per-output-channel scales, bf16 out) of 3x3 and
+  1x1 layers, against our bf16 forward (``flydsl.bf16``) and cuDNN bf16 on the dequantized inputs.
 
 Sweep (``--sweep``, ``--seed N``): layers drawn from the seeded ``random.Random`` only, never tuned on: rank
 (1D / 2D / 3D), batch, channels (odd counts included), spatial sizes (odd included), kernel 1-7, stride 1-2,
@@ -119,6 +121,7 @@ _QUICK = {
     "conv_depthwise": [_case(2, 8, 8, (9, 9), 3, groups=8)],
     "conv_grouped": [_case(2, 16, 16, (6, 7), 3, groups=4)],
     "conv_train": [_case(2, 8, 8, (6, 5), 3, train=True)],
+    "conv_fp8": [_case(2, 16, 32, (9, 7), 3)],
 }
 
 
@@ -141,7 +144,6 @@ class SweepRange:
 
 GPU_SWEEP = SweepRange()
 CPU_SWEEP = SweepRange(n_max=2, c_min=3, c_max=24, s_min=3, s_max=9, max_flops=float("inf"))
-
 
 
 def _channels(rng: random.Random, r: SweepRange, align: int = 8) -> int:
@@ -300,8 +302,8 @@ def _train_cases(cases: list[Case]) -> list[Case]:
 
 
 def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
-    """Every bench of the family; ``sweep_range``: where the unseen layers come from (tests shrink it). Six
-    benches have a sweep: the family's 60 shapes split 10 a bench."""
+    """Every bench of the family; ``sweep_range``: where the unseen layers come from (tests shrink it). Every
+    bench has a sweep of its own (10 shapes a bench by default)."""
     r = sweep_range
     train_peers = [
         Provider("flydsl", _ours, is_ours=True, step=_train_step(conv)),
@@ -326,7 +328,75 @@ def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
         _bench("conv_train", _TRAIN, train_peers, "training step: forward, backward into x, "
                "weight and bias; 3x the forward's flops", train_sweep, flops_model=_train_flops,
                timings=("gpu", "step")),
+        _fp8_bench(r),
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ fp8
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0  # e4m3's largest finite value
+_FP8_LAYERS = [_case(32, 64, 64, (56, 56), 3), _case(32, 128, 128, (28, 28), 3), _case(32, 256, 256, (14, 14), 3),
+               _case(8, 128, 128, (128, 128), 3), _case(32, 256, 64, (56, 56), 1), _case(32, 1024, 256, (14, 14), 1),
+               _case(64, 256, 1024, (14, 14), 1)]  # fmt: skip
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two at or above ``amax / 448``: a scale whose dequantized values are exact in bf16 (so the
+    bf16 peers convolve exactly the values the fp8 kernel does)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-12) / _FP8_MAX)))
+
+
+def _setup_fp8(case: Case, device):
+    """``(x8, w8, b, x_scale [1], w_scale [K_out], x_bf16, w_bf16, kw)``: x quantized per tensor, the weight per
+    output channel, and both dequantized in bf16 for the peers."""
+    x, w, b, _, kw = _setup(case, device)
+    xs = _pow2_scale(x.abs().amax()).reshape(1)
+    ws = _pow2_scale(w.abs().flatten(1).amax(1))
+    wshape = (-1, *([1] * (w.dim() - 1)))
+    x8 = (x.float() / xs).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)  # keeps x's memory format
+    w8 = (w.float() / ws.view(wshape)).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+    xb = (x8.float() * xs).to(_BF16)
+    wb = (w8.float() * ws.view(wshape)).to(_BF16)
+    return x8, w8, b, xs, ws, xb, wb, kw
+
+
+def _ours_fp8(t):
+    x8, w8, b, xs, ws, _, _, kw = t
+    return lambda: conv(x8, w8, b, **kw, x_scale=xs, w_scale=ws)
+
+
+def _bf16_of_fp8(t):
+    """The dequantized bf16 inputs as the bf16 benches' ``(x, w, b, dy, kw)``."""
+    return t[5], t[6], t[2], None, t[7]
+
+
+def _fp8_reference(t):
+    x8, w8, b, xs, ws, _, _, kw = t
+    return conv_ref(x8, w8, b, **kw, x_scale=xs, w_scale=ws)
+
+
+def _fp8_bench(r: SweepRange) -> Bench:
+    return Bench(
+        name="conv_fp8",
+        cases=_FP8_LAYERS,
+        quick_cases=_QUICK["conv_fp8"],
+        setup=_setup_fp8,
+        providers=[
+            Provider("flydsl", _ours_fp8, is_ours=True),
+            Provider("flydsl.bf16", lambda t: _ours(_bf16_of_fp8(t))),
+            Provider("cudnn", lambda t: _cudnn(_bf16_of_fp8(t))),
+        ],
+        flops=flops,
+        reference=_fp8_reference,
+        tolerance=1e-2,  # the inputs are the fp8 values themselves: only accumulation order and bf16 rounding
+        x_param="C",
+        description="fp8 e4m3 forward (x per tensor, weight per output channel scales), bf16 out, channels-last, "
+        "bias; flydsl.bf16 (our bf16 forward) and cudnn (bf16) on the dequantized inputs",
+        sweep=_sweep(r, "dense"),
+        timings=("gpu", "call"),
+        rotate=False,
+    )
 
 
 def default_out_dir() -> Path:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import flydsl.arch
 from flydsl import direct
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
-from flydsl.errors import ArgumentError, DTypeError, ShapeError
+from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl_common.device import activation_code
 from flydsl_common.reference import torch_activation
 
@@ -34,9 +34,11 @@ from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_wgrad
 from .autotune import ConvConfig, ConvProblem, config_valid, default_config
 
-__all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "PADDING_MODES"]
+__all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "PADDING_MODES"]
 
 IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the scaled forward (x_scale, w_scale): fp8 x fp8, fp32 accumulation
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)  # its outputs (out_dtype; bf16 by default)
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _CF_LAYOUTS = {1: "NCW", 2: "NCHW", 3: "NCDHW"}  # channels first: torch's logical order
@@ -109,7 +111,7 @@ def _out_size(size, kernel, stride, lo, hi, dilation) -> tuple[int, ...]:
 
 def _check_problem(x, weight, bias, groups):
     """dtypes, devices and channel counts of a batched NC* ``x`` against ``weight`` and ``bias``."""
-    check_tensor("x", x, dtypes=IN_DTYPES)
+    check_tensor("x", x, dtypes=IN_DTYPES + FP8_DTYPES)
     if weight.dtype != x.dtype:
         raise DTypeError(f"weight: expected dtype {dtype_name(x.dtype)} (x's), got {describe(weight)}")
     if not _is_int(groups) or groups < 1:
@@ -127,6 +129,49 @@ def _check_problem(x, weight, bias, groups):
         if bias.shape[0] != k_out:
             raise ShapeError(f"bias: expected [{k_out}] (one per output channel), got {describe(bias)}")
     check_same_device(x=x, weight=weight, bias=bias)
+
+
+def _scale(name: str, value, x, count: int) -> torch.Tensor:
+    """A dequantization scale as the kernel reads it: fp32, flat, on x's device; one element, or ``count``
+    (one an output channel) where ``count`` > 1. A number becomes a one-element tensor (a fill each call)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return torch.full((1,), float(value), dtype=torch.float32, device=x.device)
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentError(f"{name}: expected a number or an fp32 tensor, got {type(value).__name__}")
+    check_tensor(name, value, dtypes=(torch.float32,))
+    check_same_device(x=x, **{name: value})
+    if value.numel() == 1:
+        return value.reshape(1)
+    if count > 1 and value.dim() == 1 and value.shape[0] == count:
+        return value if value.stride(0) == 1 else value.contiguous()
+    want = f"one element or [{count}] (one an output channel)" if count > 1 else "one element (per tensor)"
+    raise ShapeError(f"{name}: expected {want}, got {describe(value)}")
+
+
+def _quant_args(x, weight, groups, x_scale, w_scale, out_dtype):
+    """(output dtype, x's scale, the weight's scale) of a checked problem: fp8 inputs need both scales, other
+    dtypes take none."""
+    if x.dtype not in FP8_DTYPES:
+        for name, v in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if v is not None:
+                raise ArgumentError(f"{name}: a dequantization scale is for float8_e4m3fn inputs only, x is "
+                                    f"{dtype_name(x.dtype)}")  # fmt: skip
+        if out_dtype is not None and out_dtype != x.dtype:
+            raise DTypeError(f"out_dtype: {dtype_name(x.dtype)} inputs give a {dtype_name(x.dtype)} output (out_dtype "
+                             f"None or x's dtype), got {out_dtype!r}")  # fmt: skip
+        return x.dtype, None, None
+    if _is_depthwise(x.shape[1], weight.shape[0], groups):
+        raise UnsupportedError(f"groups: depthwise fp8 (groups = C_in = {groups}) is not supported; the fp8 forward "
+                               f"runs groups == 1 and grouped layers")  # fmt: skip
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise DTypeError(f"out_dtype: the fp8 forward writes bf16 or fp16 (default bf16), got {out_dtype!r}")
+    for name, v in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if v is None:
+            raise ArgumentError(f"{name}: required for float8_e4m3fn inputs (the dequantization scale; pass 1.0 "
+                                f"where the values need none)")  # fmt: skip
+    return out_dtype, _scale("x_scale", x_scale, x, 1), _scale("w_scale", w_scale, x, weight.shape[0])
 
 
 # ------------------------------------------------------------------------------ host launch
@@ -217,14 +262,16 @@ def _is_depthwise(c_in: int, k_out: int, groups: int) -> bool:
     return groups > 1 and groups == c_in and k_out % c_in == 0
 
 
-def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channels_last, config=None):
+def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channels_last, config=None, x_scale=None,
+                  w_scale=None, out_dtype=None):  # fmt: skip
     """The forward on a batched NC* ``x`` (any strides), zero padding ``lo`` before and ``hi`` after each dim;
-    the output NC*, channels-last memory when ``channels_last``."""
+    the output NC*, channels-last memory when ``channels_last``. fp8: ``x_scale`` / ``w_scale`` the checked
+    fp32 scales, ``out_dtype`` the output's dtype (else x's)."""
     rank = weight.dim() - 2
     n, c_in = x.shape[:2]
     k_out, kernel = weight.shape[0], tuple(weight.shape[2:])
     out_size = _out_size(x.shape[2:], kernel, stride, lo, hi, dilation)
-    y = _alloc(n, k_out, out_size, x.dtype, x.device, channels_last)
+    y = _alloc(n, k_out, out_size, out_dtype or x.dtype, x.device, channels_last)
     if x.device.type == "meta" or y.numel() == 0:
         return y
     if x.numel() == 0:  # no input channels: every output is act(bias)
@@ -243,7 +290,7 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
     x5 = _ndhwc(x, rank) if geom_pointwise(geom) else _channels_last(x, rank)
     w2 = _forward_weight(weight, rank, taps)
     problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype)
-    launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config))
+    launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config), x_scale, w_scale)
     return y
 
 
@@ -494,6 +541,9 @@ def conv(
     output_layout: str | None = None,
     *,
     config: ConvConfig | None = None,
+    x_scale=None,
+    w_scale=None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``act(conv(x, weight) + bias)``, 1D / 2D / 3D (the rank is ``weight.dim() - 2``), fp32 accumulation.
 
@@ -520,15 +570,27 @@ def conv(
             ``[N, *spatial, K_out]``, contiguous).
         config: a :class:`~fly_conv.autotune.ConvConfig` for the forward kernel (default: chosen for the
             shape); not taken under autograd or torch.compile.
+        x_scale, w_scale: the dequantization scales of fp8 (``torch.float8_e4m3fn``) ``x`` and ``weight``,
+            both required for fp8 inputs (no default of 1.0: pass it explicitly) and refused for others.
+            ``x_scale``: a number or a one-element fp32 tensor (per tensor); ``w_scale``: a number, a
+            one-element fp32 tensor or an fp32 ``[K_out]`` (per output channel). The product is an fp8 x fp8
+            implicit GEMM with fp32 accumulation, scaled by ``x_scale * w_scale`` before the bias and
+            activation (fp32). fp8 runs the forward only (no autograd, no torch.compile) and no depthwise
+            layers (``groups == C_in``); NC* inputs take the channels-last copy as 16-bit ones do. A number
+            as a scale costs a one-element fill each call; a tensor is read in place.
+        out_dtype: the output's dtype: fp8 inputs ``torch.bfloat16`` (default) or ``torch.float16``; other
+            inputs None or x's dtype.
 
     Returns:
-        the output in x's dtype, ``[N, K_out, *out_spatial]`` (NC* layouts) or ``[N, *out_spatial, K_out]``;
+        the output in x's dtype (fp8 inputs: ``out_dtype``), ``[N, K_out, *out_spatial]`` (NC* layouts) or
+        ``[N, *out_spatial, K_out]``;
         unbatched for an unbatched x.
 
     Raises:
         flydsl.errors.ArgumentError / ShapeError / DTypeError / DeviceError naming the argument, before
         anything launches: a weight of the wrong rank or channels, channels not divisible by groups, an
-        output size <= 0, mixed dtypes or devices.
+        output size <= 0, mixed dtypes or devices; scales given for non-fp8 inputs, missing for fp8 ones,
+        or of the wrong shape or dtype. UnsupportedError: fp8 with gradients, under torch.compile, or depthwise.
 
     Example::
 
@@ -544,17 +606,20 @@ def conv(
         and not _grad_needed(x, weight, bias)
         and type(groups) is int
         and _name(padding_mode) and _name(activation) and _name(input_layout) and _name(output_layout)
+        # fp8: scales as tensors (a number's fill keeps the general path), out_dtype None or a dtype
+        and (x_scale is None or type(x_scale) in _PLAIN) and (w_scale is None or type(w_scale) in _PLAIN)
+        and (out_dtype is None or type(out_dtype) is torch.dtype)
     ):  # fmt: skip
         s, p, d = _geometry_key(stride), _geometry_key(padding), _geometry_key(dilation)
         if s is not None and p is not None and d is not None:
             return _REPLAYS.eager(_conv, x, weight, bias, s, p, d, groups, padding_mode, activation, input_layout,
-                                  output_layout, None)  # fmt: skip
+                                  output_layout, None, x_scale, w_scale, out_dtype)  # fmt: skip
     return _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, activation, input_layout,
-                 output_layout, config)  # fmt: skip
+                 output_layout, config, x_scale, w_scale, out_dtype)  # fmt: skip
 
 
 def _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, activation, input_layout, output_layout,
-          config):  # fmt: skip
+          config, x_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
     """:func:`conv`'s general path (every check, then the forward; autograd and tracing through the op)."""
     rank = _rank(weight)
     check_tensor("x", x)
@@ -571,6 +636,7 @@ def _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, acti
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise ArgumentError(f"bias: expected None or a torch.Tensor [K_out], got {type(bias).__name__}")
     _check_problem(x_nc, weight, bias, groups)
+    out_dtype, x_scale, w_scale = _quant_args(x_nc, weight, groups, x_scale, w_scale, out_dtype)
     act = activation_code(activation)
     kernel = tuple(weight.shape[2:])
     stride = _per_dim("stride", stride, rank, 1)
@@ -593,7 +659,17 @@ def _conv(x, weight, bias, stride, padding, dilation, groups, padding_mode, acti
         lo = hi = (0,) * rank
 
     compiling = torch.compiler.is_compiling()
-    if compiling or _grad_needed(x, weight, bias):
+    if x_scale is not None:  # fp8: the forward alone, eagerly
+        if compiling:
+            raise UnsupportedError("x: the fp8 forward does not run under torch.compile (no custom op takes its "
+                                   "scales)")  # fmt: skip
+        for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+            if _grad_needed(t):
+                raise UnsupportedError(f"{name}: requires grad, and the fp8 forward has no backward (call it under "
+                                       f"torch.no_grad() or on detached tensors)")  # fmt: skip
+        y = _conv_forward(x_nc, weight, bias, stride, lo, hi, dilation, groups, act, channels_last, config, x_scale,
+                          w_scale, out_dtype)  # fmt: skip
+    elif compiling or _grad_needed(x, weight, bias):
         if config is not None:
             raise ArgumentError("config: not taken under torch.compile or autograd (the ops choose their configs)")
         args = (x_nc, weight, bias, stride, lo, hi, dilation, groups, None, channels_last)
@@ -618,6 +694,8 @@ def _pad_host(x, lo, hi, mode: str) -> torch.Tensor:
         if mode == "replicate" and size == 0:
             raise ArgumentError(f"padding: replicate padding needs a non-empty spatial dim {i}")
     pads = [p for a, b in zip(reversed(lo), reversed(hi), strict=True) for p in (a, b)]
+    if x.dtype in FP8_DTYPES:  # torch's reflect / replicate pads have no fp8 kernels: a copy of the bytes
+        return F.pad(x.view(torch.uint8), pads, mode=mode).view(x.dtype)
     return F.pad(x, pads, mode=mode)
 
 
@@ -629,26 +707,30 @@ def _check_rank(fn: str, weight, rank: int) -> None:
 
 
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
-           activation=None):  # fmt: skip
+           activation=None, x_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
     """:func:`torch.nn.functional.conv1d`'s signature on :func:`conv` (``input`` ``[N, C_in, W]`` or
     unbatched ``[C_in, W]``; weight ``[K_out, C_in / groups, kW]``), plus ``padding_mode`` and a fused
-    ``activation``."""
+    ``activation`` (and :func:`conv`'s fp8 keywords ``x_scale``, ``w_scale``, ``out_dtype``)."""
     _check_rank("conv1d", weight, 1)
-    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation, x_scale=x_scale,
+                w_scale=w_scale, out_dtype=out_dtype)  # fmt: skip
 
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
-           activation=None):  # fmt: skip
+           activation=None, x_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
     """:func:`torch.nn.functional.conv2d`'s signature on :func:`conv` (``input`` ``[N, C_in, H, W]`` or
-    unbatched; weight ``[K_out, C_in / groups, kH, kW]``), plus ``padding_mode`` and a fused ``activation``."""
+    unbatched; weight ``[K_out, C_in / groups, kH, kW]``), plus ``padding_mode`` and a fused ``activation``
+    (and :func:`conv`'s fp8 keywords)."""
     _check_rank("conv2d", weight, 2)
-    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation, x_scale=x_scale,
+                w_scale=w_scale, out_dtype=out_dtype)  # fmt: skip
 
 
 def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, padding_mode="zeros",
-           activation=None):  # fmt: skip
+           activation=None, x_scale=None, w_scale=None, out_dtype=None):  # fmt: skip
     """:func:`torch.nn.functional.conv3d`'s signature on :func:`conv` (``input`` ``[N, C_in, D, H, W]`` or
     unbatched; weight ``[K_out, C_in / groups, kD, kH, kW]``), plus ``padding_mode`` and a fused
-    ``activation``."""
+    ``activation`` (and :func:`conv`'s fp8 keywords)."""
     _check_rank("conv3d", weight, 3)
-    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation)
+    return conv(input, weight, bias, stride, padding, dilation, groups, padding_mode, activation, x_scale=x_scale,
+                w_scale=w_scale, out_dtype=out_dtype)  # fmt: skip

@@ -25,6 +25,14 @@ from); B is then the weight packed as ``[C_in, KD, KH, KW, K_out / groups]``.
 Tensors are read and written through their strides, so channels-last tensors (the fast case: channels
 contiguous, the gathers vectorize) and any other layout are served by the same code. Accumulation in fp32;
 the epilogue adds the bias and applies the activation in fp32 before the one downcast.
+
+fp8 (e4m3) operands take the same code: A and B tiles load as fp8 and the dot multiplies them as they are (B
+as ``[BLOCK_N, BLOCK_K]`` with K contiguous, transposed for the dot: K-major operands, which Hopper's 8-bit
+wgmma requires). The epilogue then multiplies the fp32 accumulator by the dequantization scales
+(``X_SCALE``: x's per-tensor scale; ``W_SCALE``: the weight's, per tensor or per output channel) before the
+bias. With both off (16-bit and fp32 inputs) the kernel compiles exactly as without them. The fp8 dot takes
+Triton's sm_90 default (no ``max_num_imprecise_acc``: the wgmma accumulator is never split for promotion, as in
+fly-gemm's fp8 kernels and torch's fast-accumulation scaled matmul); the GPU tests hold it to the bf16 budget.
 """
 
 from __future__ import annotations
@@ -66,12 +74,13 @@ def _hint(v, VEC: fx.constexpr, idx: fx.constexpr):
 # fmt: off
 @flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
 def _conv_implicit_kernel(
-    x_ptr, w_ptr, y_ptr, bias_ptr,
+    x_ptr, w_ptr, y_ptr, bias_ptr, xs_ptr, ws_ptr,
     M, N_OUT, CG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
     sx_n, sx_d, sx_h, sx_w, sx_c, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c,
     HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr, POINTWISE: fx.constexpr,
     UNIT_STRIDE: fx.constexpr, IDX64: fx.constexpr, C_VEC: fx.constexpr, IEEE: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
+    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0,
 ):
     # fmt: on
     # Offsets in int32 where the host proved every one of them fits (IDX64 otherwise): half the registers
@@ -170,6 +179,12 @@ def _conv_implicit_kernel(
     nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
     co = g * N_OUT + rn  # output channels
     out = acc
+    if X_SCALE:  # fp8: x's per-tensor dequantization scale
+        out = out * fx.load(xs_ptr).to(fx.float32)
+    if W_SCALE == 1:  # fp8: the weight's per-tensor scale
+        out = out * fx.load(ws_ptr).to(fx.float32)
+    elif W_SCALE == 2:  # fp8: the weight's scale of each output channel
+        out = out * fx.load(ws_ptr + co, mask=n_ok, other=0.0).to(fx.float32)[None, :]
     if HAS_BIAS:
         out += fx.load(bias_ptr + co, mask=n_ok, other=0.0).to(fx.float32)[None, :]
     out = activation(out, ACT)
@@ -221,7 +236,8 @@ def _index_meta(x5, w2, y5, geom, transposed: bool, cg: int) -> dict:
 
 
 @flyc.jit
-def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, groups: int, cfg, stream=None):
+def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, groups: int, cfg, x_scale=None,
+                         w_scale=None, stream=None):  # fmt: skip
     """Launch the implicit-GEMM kernel.
 
     ``x5``: the gathered operand as a ``[N, D, H, W, C]`` view (any strides; channels contiguous is the fast
@@ -229,7 +245,9 @@ def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, gro
     as a ``[N, OD, OH, OW, groups * N_OUT]`` view (any strides); ``bias``: ``[groups * N_OUT]`` or None.
     ``geom``: (kernel, stride, padding, dilation), three values each, of the forward convolution;
     ``transposed``: run as the forward's input gradient (x5 is then the output gradient, y5 the input's).
-    ``cfg``: a :class:`fly_conv.autotune.ConvConfig`.
+    ``cfg``: a :class:`fly_conv.autotune.ConvConfig`. ``x_scale`` / ``w_scale`` (fp8 forward only): fp32
+    dequantization scales, x's of one element, the weight's of one element or one an output channel
+    (``[groups * N_OUT]``, contiguous), or None.
     """
     nb, d, h, w, c = x5.shape
     _, od, oh, ow, k_out = y5.shape
@@ -241,12 +259,13 @@ def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, gro
     # fmt: off
     flyc.launch(
         _conv_implicit_kernel, (tiles, groups),
-        x5, w2, y5, bias,
+        x5, w2, y5, bias, x_scale, w_scale,
         m, n_out, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
         *x5.stride(), w2.stride(0), *y5.stride(),
         HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed, POINTWISE=geom_pointwise(geom),
         **_index_meta(x5, w2, y5, geom, transposed, cg), IEEE=x5.dtype.itemsize == 4,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        X_SCALE=x_scale is not None, W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # fmt: on
