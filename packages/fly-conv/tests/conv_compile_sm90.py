@@ -24,6 +24,7 @@ from fly_conv._kernels.implicit_gemm import launch_implicit_gemm
 from fly_conv._kernels.wgrad import launch_wgrad
 from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
 from flydsl.arch import SM90
+from flydsl.testing.sm90 import resource_usage
 
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -75,24 +76,6 @@ def compile_launch(kernel, args: tuple, meta: dict):
                 attrs[(i,)] = CUDABackend.parse_attr(spec)
     src = ASTSource(kernel, sig, const, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _usage(compiled) -> str:
-    import os
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        out = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return m.group(0) if m else "REG:? STACK:?"
 
 
 def _cl(n: int, c: int, spatial: tuple, dtype) -> torch.Tensor:
@@ -191,7 +174,8 @@ if __name__ == "__main__":
             k = compile_launch(*record)
             ptx = k.asm["ptx"]
             e4m3 = re.search(r"wgmma\.mma_async\S*e4m3", ptx) is not None
-            print("ok", name, k.metadata.shared, _usage(k), f"WGMMA:{int('wgmma' in ptx)}", f"WGMMA_E4M3:{int(e4m3)}",
-                  f"CP_ASYNC:{int('cp.async' in ptx)}", f"PIPELINE:{smem_bytes(cfg, problem)}", flush=True)  # fmt: skip
+            print("ok", name, k.metadata.shared, resource_usage(k), f"WGMMA:{int('wgmma' in ptx)}",
+                  f"WGMMA_E4M3:{int(e4m3)}", f"CP_ASYNC:{int('cp.async' in ptx)}",
+                  f"PIPELINE:{smem_bytes(cfg, problem)}", flush=True)  # fmt: skip
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", name, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

@@ -79,21 +79,11 @@ def test_validity_predicate_refuses():
 
 def _compile_sm90() -> list[str]:
     """Lines of conv_compile_sm90.py, run in a process of its own (the interpreter is chosen once a process)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("conv_compile_sm90.py")
-    env = {**os.environ, "FLYDSL_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    lines = res.stdout.strip().splitlines()
-    if res.returncode != 0 and not lines:
-        first = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "CUDA" in first:  # no toolchain on this machine: nothing to learn here
-            pytest.skip(f"cannot compile for sm_90 here: {first}")
-        raise AssertionError(res.stderr[-2000:])
-    return lines
+    from flydsl.testing.sm90 import run_compile_script
+
+    return run_compile_script(Path(__file__).with_name("conv_compile_sm90.py"))
 
 
 @pytest.fixture(scope="module")
