@@ -21,8 +21,8 @@ def _by_name():
 
 def test_benches_build_with_models_and_peers():
     specs = _by_name()
-    assert set(specs) == {"moe_bf16", "moe_bf16_decode"}
-    for b in specs.values():
+    assert set(specs) == {"moe_bf16", "moe_bf16_decode", "moe_fp8"}
+    for b in (specs["moe_bf16"], specs["moe_bf16_decode"]):
         assert [p.name for p in b.providers] == ["flydsl", "torch", "torch._grouped_mm", "dense"]
         assert [p.is_ours for p in b.providers] == [True, False, False, False]
         assert {c.params["model"] for c in b.cases} == set(mb.MODELS)
@@ -43,7 +43,7 @@ def test_routing_and_bytes_of_a_case():
 
 
 def test_sweep_repeats_from_its_seed():
-    for b in mb.benches():
+    for b in (b for b in mb.benches() if b.sweep is not None):
         first = b.sweep(random.Random(3), 12)
         assert first == b.sweep(random.Random(3), 12)
         assert first != b.sweep(random.Random(4), 12)
@@ -60,7 +60,7 @@ def test_torch_peer_computes_the_layer():
 
 
 def test_quick_run_checks_and_times_the_tiny_case():
-    results = run(mb.benches(), quick=True, ceilings={})
+    results = run(mb.benches()[:2], quick=True, ceilings={})  # moe_fp8: its own test below
     rows = results.rows()
     by = {(r.case.split("/")[0], r.provider): r for r in rows}
     for name in ("flydsl", "torch", "dense"):
@@ -70,3 +70,18 @@ def test_quick_run_checks_and_times_the_tiny_case():
     assert by[(mb.QUICK_MODEL[0], "flydsl")].rel_error < 1e-2
     skipped = by[(mb.QUICK_MODEL[0], "torch._grouped_mm")]
     assert skipped.status != "ok" and "CUDA" in skipped.reason
+
+
+def test_fp8_bench_checks_and_times_the_tiny_case():
+    """moe_fp8: block-scaled fp8 against our bf16 layer, both checked against the
+    unquantized fp32 layer within the fp8 bound, on the interpreter's tiny case (blocks off the 128 grid)."""
+    spec = mb.fp8_bench()
+    assert [b.name for b in mb.benches()][-1] == "moe_fp8" and "moe_fp8" in _by_name()
+    assert [p.name for p in spec.providers] == ["flydsl", "flydsl.bf16"]
+    assert min(c.params["tokens"] for c in spec.cases) >= 1024
+    rows = run([spec], quick=True, ceilings={}).rows()
+    by = {r.provider: r for r in rows}
+    for name in ("flydsl", "flydsl.bf16"):
+        assert by[name].status == "ok", by[name]
+        assert by[name].gpu_us > 0
+    assert by["flydsl"].rel_error < 0.15 and by["flydsl.bf16"].rel_error < 1e-2

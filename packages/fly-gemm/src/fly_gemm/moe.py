@@ -1,5 +1,7 @@
 """``fused_moe``: a mixture-of-experts layer (gate/up projection, activation, down projection, weighted sum
-over a token's experts) in two grouped GEMMs and a reduce, for bf16 / fp16.
+over a token's experts) in two grouped GEMMs and a reduce, for bf16 / fp16 activations with bf16 / fp16,
+fp8 e4m3 (per output channel or block-scaled), int8 (per output channel), int4 (packed, group scales) or
+MXFP4 (packed fp4 e2m1, e8m0 group scales) expert weights.
 
 In the order of the family's files: the kernels live in :mod:`._kernels.moe_gemm` (the grouped GEMM and
 the reduce) and :mod:`._kernels.moe_routing` (the alignment), the config in :mod:`.moe_config`, the
@@ -12,6 +14,18 @@ arguments (every bad input named before anything launches), aligns the routed ro
    applies the router weight, in fp32;
 3. ``out[t] = sum_j down[t * k + j]`` in fp32 in order of j (deterministic; no atomics).
 
+Quantized weights run as w8a8: each stage's input is quantized on the fly to the weights' dtype (a
+kernel of its own: per token, or in 1 x block_k groups for block scales), the dot takes 8-bit operands
+with fp32 (int32 for int8) accumulation, and the scales dequantize it: once after the K loop (per channel:
+row scale x column scale) or each K step (block scales: the step lies in one scale block). Why w8a8 and
+not weight-only dequantization to bf16 in the kernel: at prefill, where these formats are used for speed,
+the fp8 / int8 dot runs at twice the bf16 tensor-core rate on Hopper and the tiles move half the bytes;
+at decode both read the same 8-bit weights (the bytes that count), and the activations' quantization is
+a small extra pass over T rows. The intermediate stays fp32 between the stages when quantized (stage 2
+rounds it once, to 8 bits, instead of to bf16 first). 4-bit weights (uint8, two a byte: int4 with fp32
+scales, or MXFP4's fp4 e2m1 with e8m0 scales) are weight-only: each tile is dequantized in the kernel (the
+value x its group scale, rounded to x's dtype) before a 16-bit dot, so they save bytes (decode), not flops.
+
 Layouts are vLLM's, so models port without repacking: ``w1`` [E, 2I, H] with the gate rows first, ``w2``
 [E, H, I]. Nothing synchronizes with the host (buffers are sized for the alignment's worst case), so a
 call can be captured in a CUDA graph; the host path is allocations and flyc launches only (six kernels:
@@ -21,6 +35,8 @@ from the first one's recording (:mod:`flydsl.direct`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import flydsl.arch
@@ -29,42 +45,116 @@ from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl_common.device import activation_code
 
-from ._kernels.moe_gemm import launch_moe_gemm, launch_moe_sum
+from ._kernels.moe_gemm import (
+    QUANT_BLOCK,
+    QUANT_CHANNEL,
+    QUANT_NONE,
+    QUANT_W4,
+    launch_moe_gemm,
+    launch_moe_quant,
+    launch_moe_sum,
+)
 from .moe_config import MoeConfig, default_moe_config, moe_config_valid
 from .moe_routing import align, check_id_values, check_topk_ids
 
-__all__ = ["fused_moe", "MOE_DTYPES", "MOE_ACTIVATIONS"]
+__all__ = ["fused_moe", "MOE_DTYPES", "MOE_QUANT_DTYPES", "MOE_ACTIVATIONS"]
 
 MOE_DTYPES = (torch.bfloat16, torch.float16)
+# quantized expert weights: fp8 e4m3 (per output channel or block-scaled), int8 (per output channel) and
+# int4 packed in uint8, two along K (group scales)
+MOE_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # MXFP4's power-of-two block scales
 # the activations of act(gate) * up that models use: SiLU (Mixtral, Qwen, DeepSeek), GELU (erf; tanh form)
 MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
+    """The weights' dtype against x's and the quantization arguments; returns (quant mode, (block n, block k))."""
+    wdt = w1.dtype
+    if wdt == x.dtype:
+        if w2.dtype != wdt:
+            raise DTypeError(f"w2: expected dtype {dtype_name(wdt)} (w1's), got {describe(w2)}")
+        for name, s in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("block_shape", block_shape)):
+            if s is not None:
+                raise ArgumentError(f"{name}: given with {dtype_name(wdt)} weights; scales and block_shape go "
+                                    f"with fp8 e4m3 / int8 weights only, got {type(s).__name__}")  # fmt: skip
+        return QUANT_NONE, (1, 1)
+    if wdt not in MOE_QUANT_DTYPES:
+        raise DTypeError(f"w1: expected dtype {dtype_name(x.dtype)} (x's), fp8 e4m3, int8 or uint8 (packed int4), "
+                         f"got {describe(w1)}")  # fmt: skip
+    if w2.dtype != wdt:
+        raise DTypeError(f"w2: expected dtype {dtype_name(wdt)} (w1's), got {describe(w2)}")
+    # uint8 weights: int4 with fp32 scales, or MXFP4 (fp4 e2m1) with e8m0 scales
+    scale_dtypes = (torch.float32, _E8M0) if wdt == torch.uint8 and _E8M0 is not None else (torch.float32,)
+    for name, s in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+        if s is None:
+            raise ArgumentError(f"{name}: required with {dtype_name(wdt)} weights (fp32 dequantization scales)")
+        check_tensor(name, s, dtypes=scale_dtypes)
+    if w2_scale.dtype != w1_scale.dtype:
+        raise DTypeError(f"w2_scale: expected dtype {dtype_name(w1_scale.dtype)} (w1_scale's), got "
+                         f"{describe(w2_scale)}")  # fmt: skip
+    if block_shape is None and wdt == torch.uint8:
+        raise ArgumentError("block_shape: required with uint8 (packed int4 / fp4) weights: [block_n, group] of "
+                            "the scales")  # fmt: skip
+    if block_shape is None:
+        for name, s, rows in (("w1_scale", w1_scale, 2 * inter), ("w2_scale", w2_scale, h)):
+            if tuple(s.shape) not in ((e, rows), (e, rows, 1)):
+                raise ShapeError(f"{name}: expected [{e}, {rows}] or [{e}, {rows}, 1] (one scale an output "
+                                 f"channel of each expert), got {describe(s)}")  # fmt: skip
+        return QUANT_CHANNEL, (1, 1)
+    if (not isinstance(block_shape, (list, tuple)) or len(block_shape) != 2
+            or any(type(b) is not int for b in block_shape)):  # fmt: skip
+        raise ArgumentError(f"block_shape: expected [block_n, block_k] (two ints, e.g. [128, 128]), got "
+                            f"{block_shape!r}")  # fmt: skip
+    bn, bk = block_shape
+    # the kernel's K step must lie in one scale block: a power-of-two block of at least the dot's 16
+    if bn < 1 or bk < 16 or bk & (bk - 1):
+        raise ArgumentError(f"block_shape: expected block_n >= 1 and block_k a power of two >= 16, got "
+                            f"{list(block_shape)}")  # fmt: skip
+    if wdt == torch.int8:
+        raise UnsupportedError(f"block_shape: block-scaled weights are fp8 e4m3 or packed int4 (int8 is "
+                               f"per-channel), got {describe(w1)}")  # fmt: skip
+    for name, s, n, k in (("w1_scale", w1_scale, 2 * inter, h), ("w2_scale", w2_scale, h, inter)):
+        want = (e, _cdiv(n, bn), _cdiv(k, bk))
+        if tuple(s.shape) != want:
+            raise ShapeError(f"{name}: expected {list(want)} (one scale a {bn} x {bk} block of each expert's "
+                             f"[{n}, {k}] weight), got {describe(s)}")  # fmt: skip
+    return (QUANT_W4 if wdt == torch.uint8 else QUANT_BLOCK), (bn, bk)
+
+
 def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out):
-    """Every argument checked, naming it; returns (E, I, H, T, k)."""
+    """Every argument checked, naming it; returns (E, I, H, T, k, quant mode, scale block)."""
     check_tensor("x", x, ndim=2)
     if x.dtype not in MOE_DTYPES:
         if x.dtype == torch.float8_e4m3fn:
-            raise UnsupportedError(f"x: fp8 activations are not supported yet (bf16 / fp16 for now), got {describe(x)}")
+            raise UnsupportedError(f"x: fp8 activations are not supported yet (bf16 / fp16 for now; fp8 "
+                                   f"weights quantize them on the fly), got {describe(x)}")  # fmt: skip
         raise DTypeError(f"x: expected dtype bf16 or fp16, got {describe(x)}")
-    for name, s in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("block_shape", block_shape)):
-        if s is not None:
-            raise UnsupportedError(f"{name}: quantized (fp8 / int8 / block-scaled) weights are not supported yet; "
-                                   f"pass None with bf16 / fp16 weights, got {type(s).__name__}")  # fmt: skip
     t, h = x.shape
     check_tensor("w1", w1, ndim=3)
     check_tensor("w2", w2, ndim=3)
-    for name, w in (("w1", w1), ("w2", w2)):
-        if w.dtype != x.dtype:
-            raise DTypeError(f"{name}: expected dtype {dtype_name(x.dtype)} (x's), got {describe(w)}")
     e, two_i, h1 = w1.shape
-    if e == 0 or two_i == 0 or two_i % 2 or h1 != h:
-        raise ShapeError(f"w1: expected [E, 2 * I, {h}] (E >= 1 experts, gate rows then up rows, H = x's "
-                         f"{h} columns), got {describe(w1)}")  # fmt: skip
-    inter = two_i // 2
-    if tuple(w2.shape) != (e, h, inter):
-        raise ShapeError(f"w2: expected [{e}, {h}, {inter}] ([E, H, I] with w1's E and I), got {describe(w2)}")
+    if w1.dtype == torch.uint8:  # int4 pairs along K: the stored K is half the logical one
+        if e == 0 or two_i == 0 or two_i % 2 or h % 2 or 2 * h1 != h:
+            raise ShapeError(f"w1: expected [E, 2 * I, {h // 2}] (uint8: packed int4 pairs of x's {h} columns, "
+                             f"H even), got {describe(w1)}")  # fmt: skip
+        inter = two_i // 2
+        if inter % 2 or tuple(w2.shape) != (e, h, inter // 2):
+            raise ShapeError(f"w2: expected [{e}, {h}, {inter // 2}] ([E, H, I / 2] packed int4 pairs, I even), "
+                             f"got {describe(w2)}")  # fmt: skip
+    else:
+        if e == 0 or two_i == 0 or two_i % 2 or h1 != h:
+            raise ShapeError(f"w1: expected [E, 2 * I, {h}] (E >= 1 experts, gate rows then up rows, H = x's "
+                             f"{h} columns), got {describe(w1)}")  # fmt: skip
+        inter = two_i // 2
+        if tuple(w2.shape) != (e, h, inter):
+            raise ShapeError(f"w2: expected [{e}, {h}, {inter}] ([E, H, I] with w1's E and I), got {describe(w2)}")
+    quant, scale_block = _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape)
     check_topk_ids(topk_ids)
     if topk_ids.shape[0] != t or topk_ids.shape[1] == 0:
         raise ShapeError(f"topk_ids: expected [{t}, k] (one row a token of x, k >= 1), got {describe(topk_ids)}")
@@ -78,9 +168,10 @@ def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, bl
         check_tensor("out", out, dtypes=(x.dtype,), ndim=2)
         if tuple(out.shape) != (t, h):
             raise ShapeError(f"out: expected [{t}, {h}] (x's shape), got {describe(out)}")
-    check_same_device(x=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    check_same_device(x=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out,
+                      w1_scale=w1_scale, w2_scale=w2_scale)  # fmt: skip
     check_id_values(topk_ids, e)  # on the CPU only, where reading them costs no device synchronization
-    return e, inter, h, t, topk_ids.shape[1]
+    return e, inter, h, t, topk_ids.shape[1], quant, scale_block
 
 
 def fused_moe(
@@ -103,15 +194,27 @@ def fused_moe(
 
     Args:
         x: ``[T, H]`` bf16 / fp16, any strides.
-        w1: ``[E, 2 * I, H]``, x's dtype: each expert's gate rows ``[0, I)`` then up rows ``[I, 2I)`` (vLLM's
-            layout); any strides.
-        w2: ``[E, H, I]``, x's dtype (the down projection); any strides.
+        w1: ``[E, 2 * I, H]``, x's dtype, fp8 e4m3 or int8: each expert's gate rows ``[0, I)`` then up
+            rows ``[I, 2I)`` (vLLM's layout); any strides. uint8: 4-bit pairs ``[E, 2 * I, H / 2]``, element
+            2j in the low nibble (H and I even): two's-complement int4 with fp32 scales, or fp4 e2m1 with
+            ``torch.float8_e8m0fnu`` scales (MXFP4, as gpt-oss ships it).
+        w2: ``[E, H, I]`` (uint8: ``[E, H, I / 2]``), w1's dtype (the down projection); any strides.
         topk_weights: ``[T, k]`` fp32 / bf16 / fp16, the router weights (e.g. from :func:`topk_softmax`).
         topk_ids: ``[T, k]`` int32 / int64, the experts. An id outside ``[0, E)`` contributes nothing (-1:
             an expert of another rank, under expert parallelism); on the CPU, ids other than -1 outside
             ``[0, E)`` raise (there reading them costs no synchronization).
         activation: ``"silu"`` (default), ``"gelu"`` (erf form) or ``"gelu_tanh"``, applied to the gate.
-        w1_scale, w2_scale, block_shape: quantized weights, not supported yet (must be None).
+        w1_scale, w2_scale: fp32 dequantization scales of quantized ``w1`` / ``w2`` (both fp8 e4m3, int8 or
+            uint8; None for 16-bit weights), any strides: per output channel ``[E, 2I]`` (or ``[E, 2I, 1]``) /
+            ``[E, H]`` (or ``[E, H, 1]``), or with ``block_shape`` one a weight block,
+            ``[E, cdiv(2I, bn), cdiv(H, bk)]`` / ``[E, cdiv(H, bn), cdiv(I, bk)]``. ``W = q * scale``. The
+            activations (x, then the intermediate) are quantized to the weights' dtype on the fly,
+            symmetric: ``scale = amax / 448`` (fp8) or ``/ 127`` (int8) per token, or per 1 x bk group with
+            ``block_shape``. MXFP4: e8m0 scales (an exponent byte 0 reads as 0, not 2**-127).
+        block_shape: ``[bn, bk]`` block scales (fp8 e4m3, DeepSeek-V3's ``[128, 128]``; required for 4-bit
+            weights, ``[1, group]``: ``[1, 32]`` for MXFP4): bk a power of two >= 16 (the K step divides
+            it), any bn >= 1; shapes need not be multiples of the blocks. With 4-bit weights the
+            activations are not quantized.
         apply_router_weight_on_input: the router weight scales the expert's input instead of its output
             (Llama-4 style): ``W2[e] @ (act(W1g[e] @ (w x)) * (W1u[e] @ (w x)))``.
         out: optional ``[T, H]`` output in x's dtype; may be ``x`` itself (x is read by stage 1 only).
@@ -128,6 +231,10 @@ def fused_moe(
 
         w, ids = topk_softmax(router_logits, 2)
         y = fused_moe(x, w1, w2, w, ids)   # Mixtral: x [T, 4096], w1 [8, 28672, 4096], w2 [8, 4096, 14336]
+        # DeepSeek-V3's fp8 experts: w1 [256, 4096, 7168] e4m3, w1_scale [256, 32, 56] fp32, ...
+        y = fused_moe(x, w1, w2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[128, 128])
+
+    Quantized calls take the general path (checks, config, launches) each time; 16-bit calls replay.
     """
     if (type(apply_router_weight_on_input) is bool and type(activation) is str and w1_scale is None
             and w2_scale is None and block_shape is None and (config is None or type(config) is MoeConfig)
@@ -151,7 +258,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
                w1_scale=None, w2_scale=None, block_shape=None):  # fmt: skip
     """The general path: checks, config, alignment and the launches (allocations and flyc launches only)."""
-    e, inter, h, t, k = _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out)
+    e, inter, h, t, k, quant, scale_block = _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale,
+                                                   w2_scale, block_shape, out)  # fmt: skip
     if not isinstance(apply_router_weight_on_input, bool):
         raise ArgumentError(f"apply_router_weight_on_input: expected a bool, got {apply_router_weight_on_input!r}")
     if out is None:
@@ -159,23 +267,55 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
     if t == 0 or h == 0 or x.device.type == "meta":
         return out
     arch = flydsl.arch.current(x.device)
+    fp4 = w1_scale is not None and w1_scale.dtype == _E8M0
+    if fp4:  # the kernel reads the e8m0 exponents as bytes
+        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    # the dot's operands: x's dtype, or the 8-bit weights' (the activations quantized to it); int4 weights
+    # are dequantized to x's dtype
+    in_dtype = x.dtype if quant == QUANT_W4 else w1.dtype
     if config is None:
-        config = default_moe_config(t, e, inter, h, k, x.dtype, arch)
+        config = default_moe_config(t, e, inter, h, k, in_dtype, arch)
+        if quant in (QUANT_BLOCK, QUANT_W4) and config.block_k > scale_block[1]:
+            config = dataclasses.replace(config, block_k=scale_block[1])
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")
-    if not moe_config_valid(config, x.dtype, arch):
-        raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(x.dtype)} on {arch.name}")
+    if not moe_config_valid(config, in_dtype, arch):
+        raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(in_dtype)} on {arch.name}")
+    if quant in (QUANT_BLOCK, QUANT_W4) and scale_block[1] % config.block_k:
+        raise ArgumentError(f"config: block_k {config.block_k} must divide block_shape's block_k "
+                            f"{scale_block[1]} (each K step lies in one scale block)")  # fmt: skip
     numel = t * k
     sorted_ids, expert_ids, num_padded = align(topk_ids, e, config.block_m)
     act = activation_code(activation)
-    inter_rows = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    launch_moe_gemm(x, w1, inter_rows, sorted_ids, expert_ids, num_padded, topk_weights, k, numel, gather_a=True,
-                    gated=True, act=act, mul_weight=apply_router_weight_on_input, cfg=config)  # fmt: skip
+    # quantized: the intermediate stays fp32 until stage 2 quantizes it (one rounding, not bf16 then fp8)
+    inter_rows = torch.empty(numel, inter, dtype=x.dtype if quant in (QUANT_NONE, QUANT_W4) else torch.float32,
+                             device=x.device)  # fmt: skip
+    a1, s1 = x, None
+    if quant in (QUANT_CHANNEL, QUANT_BLOCK):
+        a1, s1 = _quantize(x, in_dtype, h if quant == QUANT_CHANNEL else scale_block[1])
+    launch_moe_gemm(a1, w1, inter_rows, sorted_ids, expert_ids, num_padded, topk_weights, k, numel, gather_a=True,
+                    gated=True, act=act, mul_weight=apply_router_weight_on_input, cfg=config, a_scale=s1,
+                    w_scale=w1_scale, quant=quant, scale_block=scale_block, fp4=fp4)  # fmt: skip
     # fp32 rows for the reduce: one rounding fewer on the way out, for bytes small beside stage 2's flops
     # (2 * I flops an element written: 1536 for Qwen3-30B's I = 768)
     down = torch.empty(numel, h, dtype=torch.float32, device=x.device)
-    launch_moe_gemm(inter_rows, w2, down, sorted_ids, expert_ids, num_padded, topk_weights, k, numel,
+    a2, s2 = inter_rows, None
+    if quant in (QUANT_CHANNEL, QUANT_BLOCK):
+        # rows of slots outside [0, E) are never written nor read by stage 2: their quantization is unused
+        a2, s2 = _quantize(inter_rows, in_dtype, inter if quant == QUANT_CHANNEL else scale_block[1])
+    launch_moe_gemm(a2, w2, down, sorted_ids, expert_ids, num_padded, topk_weights, k, numel,
                     gather_a=False, gated=False, act=0, mul_weight=not apply_router_weight_on_input,
-                    cfg=config)  # fmt: skip
+                    cfg=config, a_scale=s2, w_scale=w2_scale, quant=quant, scale_block=scale_block,
+                    fp4=fp4)  # fmt: skip
     launch_moe_sum(down, topk_ids, out, e)
     return out
+
+
+def _quantize(a, qdtype, group):
+    """Dynamic activation quantization (allocations and one flyc launch): ``a`` [M, K] -> q [M, K] in
+    ``qdtype`` and fp32 scales [M, cdiv(K, group)], one a row's ``group`` columns."""
+    m, kk = a.shape
+    q = torch.empty(m, kk, dtype=qdtype, device=a.device)
+    scale = torch.empty(m, _cdiv(kk, group), dtype=torch.float32, device=a.device)
+    launch_moe_quant(a, q, scale, group)
+    return q, scale

@@ -1,4 +1,4 @@
-"""Benchmarks of ``fused_moe`` (bf16) against the peers issue 37 names, on the shared harness.
+"""Benchmarks of ``fused_moe`` (bf16; fp8 block-scaled) against the peers issue 37 names, on the shared harness.
 
 Models (E experts, top k, hidden H, intermediate I): Mixtral-8x7B (8, 2, 4096, 14336), Qwen3-30B-A3B (128,
 8, 2048, 768) and DeepSeek-V3 (256, 8, 7168, 2048; grouped top-k: 8 groups, 4 kept, a correction bias).
@@ -7,7 +7,8 @@ see the same ids).
 
 - ``moe_bf16``: tokens 1024-16384; TFLOP/s of ``6 T k H I`` flops (the two projections of every routed row);
 - ``moe_bf16_decode``: tokens 1-64; the bytes of the routed experts' weights (each read once) plus the
-  activations, against the copy bandwidth.
+  activations, against the copy bandwidth;
+- ``moe_fp8`` (:func:`fp8_bench`): block-scaled fp8 experts against our bf16 layer, tokens 1024-16384.
 
 Providers: ``flydsl`` (:func:`fused_moe`); ``torch`` (what a plain implementation does: sort the routed
 rows by expert, one GEMM pair per expert, weight and add back); ``torch._grouped_mm`` (the same pipeline
@@ -29,7 +30,7 @@ from flydsl_common.bench import Bench, Case, Provider, Skip, log_uniform
 from .moe import fused_moe
 from .moe_reference import fused_moe_ref, grouped_topk_ref, topk_softmax_ref
 
-__all__ = ["benches", "MODELS", "routing", "QUICK_MODEL"]
+__all__ = ["benches", "fp8_bench", "MODELS", "routing", "QUICK_MODEL", "FP8_BLOCK"]
 
 # name -> (E, k, H, I, grouped top-k (groups, kept) or None)
 MODELS = {
@@ -213,10 +214,74 @@ def _bench(name: str, tokens: Sequence[int], decode: bool, models, sweep_range, 
     )
 
 
+# ------------------------------------------------------------------ fp8 block-scaled
+
+FP8_BLOCK = [128, 128]  # DeepSeek-V3's weight blocks (activations in 1 x 128 groups)
+# the bound of the fp8 layer against the unquantized one (four e4m3 roundings: x, W1, the intermediate, W2;
+# each <= 2**-4 / sqrt(3) ~ 3.6% rms, ~7% together; twice that), as tests/test_moe_quant.py argues it
+_FP8_TOLERANCE = 0.15
+
+
+def _quantize_blocks(w: torch.Tensor):
+    """(fp8 e4m3 q, fp32 scales [E, cdiv(N, 128), cdiv(K, 128)]) of bf16 weights [E, N, K], an expert at a
+    time (DeepSeek-V3's w1 in fp32 at once would be 30 GB)."""
+    e, n, k = w.shape
+    bn, bk = FP8_BLOCK
+    gn, gk = -(-n // bn), -(-k // bk)
+    q = torch.empty(e, n, k, device=w.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(e, gn, gk, device=w.device, dtype=torch.float32)
+    for i in range(e):
+        padded = torch.zeros(gn * bn, gk * bk, device=w.device, dtype=torch.float32)
+        padded[:n, :k] = w[i]
+        s = padded.view(gn, bn, gk, bk).abs().amax((1, 3)) / 448.0
+        full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+        q[i] = (w[i].float() / torch.where(full > 0, full, torch.ones_like(full))).clamp(-448.0, 448.0)
+        scale[i] = s
+    return q, scale
+
+
+def _setup_fp8(case: Case, device):
+    """The bf16 layer of :func:`_setup` and its block-scaled fp8 copy: (bf16 inputs, fp8 inputs)."""
+    x, w1, w2, w, ids = _setup(case, device)
+    q1, s1 = _quantize_blocks(w1)
+    q2, s2 = _quantize_blocks(w2)
+    return (x, w1, w2, w, ids), (x, q1, q2, w, ids, s1, s2)
+
+
+def _fused_fp8(t):
+    x, q1, q2, w, ids, s1, s2 = t[1]
+    return lambda: fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=FP8_BLOCK)
+
+
+def fp8_bench(models: dict | None = None) -> Bench:
+    """``moe_fp8``: DeepSeek-V3's block-scaled fp8 experts (``fused_moe`` with ``block_shape=[128, 128]``)
+    against our bf16 layer of the same weights (the issue's bar: >= 1.6x at >= 4096 tokens), tokens
+    1024-16384, ``6 T k H I`` flops; checked against the unquantized fp32 layer within the fp8 bound."""
+    models = MODELS if models is None else models
+    return Bench(
+        name="moe_fp8",
+        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_LARGE],
+        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 24)],
+        setup=_setup_fp8,
+        providers=[
+            Provider("flydsl", _fused_fp8, is_ours=True),
+            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
+        ],
+        flops=_flops,
+        reference=lambda t: fused_moe_ref(*t[0]),
+        tolerance=_FP8_TOLERANCE,
+        x_param="tokens",
+        group_by=("model",),
+        description="fused MoE, fp8 e4m3 128 x 128 block-scaled weights vs our bf16, SiLU: 6 T k H I flops",
+        timings=("gpu", "call"),
+    )
+
+
 def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Bench]:
     """The MoE benches: ``moe_bf16`` (tokens 1024-16384) and ``moe_bf16_decode`` (tokens 1-64) over
     ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time).
-    ``interpreter``: the sweeps draw the quick model at up to 24 tokens (sizes the CPU runs in seconds)."""
+    ``interpreter``: the sweeps draw the quick model at up to 24 tokens (sizes the CPU runs in seconds).
+    Then ``moe_fp8`` (:func:`fp8_bench`, no sweep)."""
     models = MODELS if models is None else models
     if interpreter:
         large, decode, drawn = (17, 24), (1, 16), dict([QUICK_MODEL])
@@ -225,4 +290,5 @@ def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Be
     return [
         _bench("moe_bf16", _TOKENS_LARGE, False, models, large, drawn),
         _bench("moe_bf16_decode", _TOKENS_DECODE, True, models, decode, drawn),
+        fp8_bench(models),
     ]

@@ -11,7 +11,16 @@ import torch
 
 from flydsl_common.reference import torch_activation
 
-__all__ = ["topk_softmax_ref", "grouped_topk_ref", "moe_align_ref", "fused_moe_ref"]
+__all__ = [
+    "topk_softmax_ref",
+    "grouped_topk_ref",
+    "moe_align_ref",
+    "fused_moe_ref",
+    "quantize_groups_ref",
+    "dequantize_weight_ref",
+    "unpack_int4_ref",
+    "unpack_fp4_ref",
+]
 
 
 def _topk_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,6 +103,64 @@ def moe_align_capacity(numel: int, num_experts: int, block_m: int) -> int:
     return -(-worst // block_m) * block_m
 
 
+def quantize_groups_ref(a: torch.Tensor, qdtype: torch.dtype, group: int) -> torch.Tensor:
+    """The kernels' dynamic activation quantization, in fp32, returned dequantized: each row's ``group``
+    columns (the last group may be partial) get ``scale = amax / QMAX`` (QMAX 448 for fp8 e4m3, 127 for
+    int8) and ``q = saturate(round_half_even(a * (QMAX / amax)))`` (0 for an all-zero group); returns
+    ``q * scale`` [M, K] fp32."""
+    a = a.float()
+    m, k = a.shape
+    groups = -(-k // group)
+    padded = torch.zeros(m, groups * group, dtype=torch.float32, device=a.device)
+    padded[:, :k] = a
+    g = padded.view(m, groups, group)
+    qmax = 127.0 if qdtype == torch.int8 else 448.0
+    amax = g.abs().amax(-1, keepdim=True)
+    # a correctly rounded fp32 division, as the kernel's (torch's ``number / tensor`` multiplies by a rounded
+    # reciprocal instead): bf16 inputs land on fp8 rounding ties often, where one ulp of ``inv`` decides
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / safe, torch.zeros_like(amax))
+    v = (g * inv).clamp(-qmax, qmax)
+    q = torch.round(v) if qdtype == torch.int8 else v.to(torch.float8_e4m3fn).float()
+    return (q * (amax / qmax)).view(m, groups * group)[:, :k]
+
+
+def unpack_int4_ref(packed: torch.Tensor) -> torch.Tensor:
+    """int8 values [..., 2 K] of uint8 int4 pairs [..., K]: two's complement, element 2j in the low nibble,
+    2j + 1 in the high."""
+    v = packed.to(torch.int16)
+    lo, hi = v & 15, v >> 4
+    lo, hi = lo - ((lo & 8) << 1), hi - ((hi & 8) << 1)
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1]).to(torch.int8)
+
+
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack_fp4_ref(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 values [..., 2 K] of uint8 fp4 e2m1 pairs [..., K] (MXFP4's elements), low nibble first."""
+    v = packed.long()
+    codes = torch.stack((v & 15, v >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return torch.tensor(_FP4_VALUES, device=packed.device)[codes]
+
+
+def dequantize_weight_ref(w: torch.Tensor, scale: torch.Tensor, block_shape=None) -> torch.Tensor:
+    """fp32 ``w * scale`` of quantized expert weights ``w`` [E, N, K]: ``scale`` [E, N] / [E, N, 1] (per
+    output channel) or, with ``block_shape`` [bn, bk], [E, cdiv(N, bn), cdiv(K, bk)] (one a block). uint8
+    ``w`` holds int4 pairs ([E, N, K / 2], :func:`unpack_int4_ref`) with fp32 scales, or fp4 e2m1 pairs
+    (:func:`unpack_fp4_ref`) with e8m0 scales (MXFP4)."""
+    if w.dtype == torch.uint8:  # int4 with fp32 scales, fp4 e2m1 with e8m0 scales (MXFP4)
+        w = unpack_int4_ref(w) if scale.dtype == torch.float32 else unpack_fp4_ref(w)
+    e, n, k = w.shape
+    wf = w.float()
+    s = scale.float()
+    if block_shape is None:
+        return wf * s.reshape(e, n, 1)
+    bn, bk = block_shape
+    s = s.repeat_interleave(bn, dim=1).repeat_interleave(bk, dim=2)[:, :n, :k]
+    return wf * s
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -103,6 +170,9 @@ def fused_moe_ref(
     *,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape=None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The MoE layer in ``dtype`` (fp32 by default), a loop over experts::
@@ -111,13 +181,33 @@ def fused_moe_ref(
 
     ``w1`` [E, 2I, H] (gate rows first, then up), ``w2`` [E, H, I]. With ``apply_router_weight_on_input``
     the weight scales the input instead: ``W2[e] @ (act(W1g[e] @ (w x[t])) * (W1u[e] @ (w x[t])))``.
-    Ids outside [0, E) contribute nothing. Returns [T, H] in ``dtype``, on x's device."""
+    Ids outside [0, E) contribute nothing. Returns [T, H] in ``dtype``, on x's device.
+
+    Quantized weights (fp8 e4m3 / int8 ``w1``, ``w2`` with ``w1_scale``, ``w2_scale``, and ``block_shape``
+    for block scales) are dequantized, and the activations quantized as :func:`fused_moe` does it: x per
+    token (or in 1 x block_k groups) before the router weight, the intermediate (kept in fp32) quantized
+    likewise, so the result is the kernel's up to summation order. uint8 weights (packed int4, weight-only):
+    dequantized and rounded to x's dtype as the kernel does; x and the intermediate (in x's dtype) as they
+    are."""
     t, h = x.shape
     e_count, two_i, _ = w1.shape
     inter = two_i // 2
+    quant = w1_scale is not None
     out = torch.zeros(t, h, dtype=dtype, device=x.device)
     ids = topk_ids.long()
-    xs = x.to(dtype)
+    w4 = quant and w1.dtype == torch.uint8
+    if w4:  # weight-only int4: the kernel rounds the dequantized weights to x's dtype, quantizes nothing else
+        xs = x.to(dtype)
+        w1d = dequantize_weight_ref(w1, w1_scale, block_shape).to(x.dtype).to(dtype)
+        w2d = dequantize_weight_ref(w2, w2_scale, block_shape).to(x.dtype).to(dtype)
+    elif quant:
+        qdtype = w1.dtype
+        xs = quantize_groups_ref(x, qdtype, h if block_shape is None else block_shape[1]).to(dtype)
+        w1d = dequantize_weight_ref(w1, w1_scale, block_shape).to(dtype)
+        w2d = dequantize_weight_ref(w2, w2_scale, block_shape).to(dtype)
+    else:
+        xs = x.to(dtype)
+        w1d, w2d = w1, w2
     ws = topk_weights.to(dtype)
     for e in range(e_count):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
@@ -127,9 +217,13 @@ def fused_moe_ref(
         w = ws[tok, slot][:, None]
         if apply_router_weight_on_input:
             a = a * w
-        gate_up = a @ w1[e].to(dtype).t()
+        gate_up = a @ w1d[e].to(dtype).t()
         y = torch_activation(gate_up[:, :inter], activation) * gate_up[:, inter:]
-        y = y @ w2[e].to(dtype).t()
+        if w4:  # the kernel stores the intermediate in x's dtype
+            y = y.to(x.dtype).to(dtype)
+        elif quant:  # the kernel keeps the intermediate in fp32 and quantizes it per row (group)
+            y = quantize_groups_ref(y.float(), qdtype, inter if block_shape is None else block_shape[1]).to(dtype)
+        y = y @ w2d[e].to(dtype).t()
         if not apply_router_weight_on_input:
             y = y * w
         out.index_add_(0, tok, y)

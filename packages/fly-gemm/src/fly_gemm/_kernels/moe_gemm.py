@@ -14,26 +14,97 @@ blocks, usually one expert's, share its weight tiles through L2.
 - ``MUL_WEIGHT``: the row's router weight multiplies the accumulators before the epilogue (stage 2: the
   router weight on the expert's output; stage 1 with ``apply_router_weight_on_input``: on its input).
 
+- ``QUANT``: 8-bit operands (fp8 e4m3, or int8 into an int32 accumulator) with fp32 scales: per channel,
+  ``acc * a_scale[row] * w_scale[e, col]`` after the K loop; block-scaled, each K step's product times the
+  row's group scale and the column's weight-block scale (BLOCK_K divides the scale block, so a step lies in
+  one block; the gate and up columns look up their blocks apart, so I need not be a block multiple).
+  ``_moe_quant_kernel`` makes the 8-bit activations and their scales (per row, or per row group).
+
 Each routed row's output is written to its own row ``t * k + j``; the reduce kernel adds a token's k rows
 in a fixed order (deterministic, no atomics) in fp32, skipping slots whose expert is not in [0, E).
 """
 
 from __future__ import annotations
 
+import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import activation, row_offset
+from flydsl_common.device import absmax_f32, activation, cast_sat_fp8e4m3, cast_sat_int8, row_offset
 
-__all__ = ["launch_moe_gemm", "launch_moe_sum"]
+__all__ = [
+    "launch_moe_gemm",
+    "launch_moe_sum",
+    "launch_moe_quant",
+    "QUANT_NONE",
+    "QUANT_CHANNEL",
+    "QUANT_BLOCK",
+    "QUANT_W4",
+]
+
+QUANT_NONE = 0  # 16-bit weights and activations
+QUANT_CHANNEL = 1  # a scale per weight row (output channel) and per activation row, applied after the K loop
+QUANT_BLOCK = 2  # a scale per weight block and per activation row group, applied to each K step's product
+QUANT_W4 = 3  # packed int4 / fp4 weights with block (group) scales, dequantized to A's dtype before the dot
+
+
+# the interpreter converts fp32 to bf16 by truncation; the hardware rounds to nearest even
+_INTERPRET = fx.constexpr(flydsl.interpreting())
+
+
+@flyc.func
+def _to_16bit(x, dtype: fx.constexpr):
+    """fp32 -> ``dtype`` (bf16 / fp16) rounded to nearest even, on the hardware and in the interpreter."""
+    if _INTERPRET and dtype == fx.bfloat16:
+        bits = x.to(fx.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # finite values: round the low 16 bits away
+        return bits.to(fx.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@flyc.func
+def _w4_value(nib, FP4: fx.constexpr):
+    """int32 of a 4-bit code: the int4 value (two's complement), or twice the fp4 e2m1 value (integers:
+    0, 1, 2, 3, 4, 6, 8, 12 and their negatives; the caller halves the scale)."""
+    if FP4:
+        e = (nib >> 1) & 3
+        m = nib & 1
+        mag = fx.where(e == 0, m, (2 + m) << fx.maximum(e - 1, 0))
+        return fx.where((nib & 8) != 0, -mag, mag)
+    else:
+        return nib - ((nib & 8) << 1)  # sign extension: 8..15 -> -8..-1
+
+
+@flyc.func
+def _w4_scale(s, FP4: fx.constexpr):
+    """fp32 scale of a column: as stored (int4: fp32), or 2**(s - 127) / 2 of an e8m0 byte (MXFP4; the 1/2
+    undoes _w4_value's doubling; s = 0 reads as 0, not 2**-127)."""
+    if FP4:
+        return (s.to(fx.int32) << 23).to(fx.float32, bitcast=True) * 0.5
+    else:
+        return s
+
+
+@flyc.func
+def _dequant_w4(packed, scale, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, FP4: fx.constexpr):
+    """[BLOCK_N, BLOCK_K / 2] bytes of 4-bit pairs (element 2j in the low nibble, 2j + 1 in the high) ->
+    [BLOCK_N, BLOCK_K] fp32 values times the column's ``scale`` (from :func:`_w4_scale`)."""
+    v = packed.to(fx.int32) & 255
+    lo = _w4_value(v & 15, FP4)
+    hi = _w4_value(v >> 4, FP4)
+    w = fx.reshape(fx.join(lo, hi), [BLOCK_N, BLOCK_K])
+    return w.to(fx.float32) * scale[:, None]
 
 
 # fmt: off
 @flyc.kernel(do_not_specialize=["NUMEL", "num_blocks"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ids_ptr, npad_ptr, w_ptr,
+    a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ids_ptr, npad_ptr, w_ptr, as_ptr, bs_ptr,
     N, K, NUMEL, num_blocks, TOPK, up_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_wt, stride_wk,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     GATHER_A: fx.constexpr, GATED: fx.constexpr, ACT: fx.constexpr, MUL_WEIGHT: fx.constexpr,
+    QUANT: fx.constexpr, INT_ACC: fx.constexpr, SCALE_BN: fx.constexpr, SCALE_BK: fx.constexpr, FP4: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
     # fmt: on
@@ -51,21 +122,78 @@ def _moe_gemm_kernel(
         rk = fx.arange(0, BLOCK_K)
         n_ok = rn < N
         a_ptrs = a_ptr + row_offset(a_rows, stride_am)[:, None] + row_offset(rk, stride_ak)[None, :]
-        b_ptrs = (b_ptr + row_offset(expert, stride_be) + row_offset(rn, stride_bn)[:, None]
-                  + row_offset(rk, stride_bk)[None, :])  # fmt: skip
         a_step = row_offset(BLOCK_K, stride_ak)
-        b_step = row_offset(BLOCK_K, stride_bk)
-        acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
-        acc_up = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+        if QUANT == 3:
+            # two int4 a byte along K (low nibble first): a step reads BLOCK_K / 2 bytes of each weight row
+            rk2 = fx.arange(0, BLOCK_K // 2)
+            b_ptrs = (b_ptr + row_offset(expert, stride_be) + row_offset(rn, stride_bn)[:, None]
+                      + row_offset(rk2, stride_bk)[None, :])  # fmt: skip
+            b_step = row_offset(BLOCK_K // 2, stride_bk)
+        else:
+            b_ptrs = (b_ptr + row_offset(expert, stride_be) + row_offset(rn, stride_bn)[:, None]
+                      + row_offset(rk, stride_bk)[None, :])  # fmt: skip
+            b_step = row_offset(BLOCK_K, stride_bk)
+        if QUANT >= 2:
+            # block scales: the weight row block of each column (gate and up rows apart: I need not be a
+            # multiple of the block) and the routed row's activation scales, one of each a K block
+            bs_row = bs_ptr + row_offset(expert, stride_bse) + row_offset(rn // SCALE_BN, stride_bsn)
+            bs_row_up = bs_ptr + row_offset(expert, stride_bse) + row_offset((rn + N) // SCALE_BN, stride_bsn)
+            as_row = as_ptr + row_offset(a_rows, stride_asm)
+        if INT_ACC:
+            acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32)
+            acc_up = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.int32)
+        else:
+            acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+            acc_up = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = rk < K - k0
             a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b_ok = n_ok[:, None] & k_ok[None, :]
-            acc = fx.dot(a, fx.trans(fx.load(b_ptrs, mask=b_ok, other=0.0)), acc)
-            if GATED:
-                acc_up = fx.dot(a, fx.trans(fx.load(b_ptrs + up_offset, mask=b_ok, other=0.0)), acc_up)
+            if QUANT == 3:
+                # weight-only: the tile dequantized to A's dtype (int4 x its group scale, rounded once), then
+                # the 16-bit dot; BLOCK_K divides the group, so one scale a column this step
+                kb = row_offset(k0 // SCALE_BK, stride_bsk)
+                b4_ok = n_ok[:, None] & (rk2 * 2 < K - k0)[None, :]
+                sb = _w4_scale(fx.load(bs_row + kb, mask=n_ok, other=0), FP4)
+                b = _dequant_w4(fx.load(b_ptrs, mask=b4_ok, other=0), sb, BLOCK_N, BLOCK_K, FP4)
+                acc = fx.dot(a, fx.trans(_to_16bit(b, a.dtype)), acc)
+                if GATED:
+                    sb_up = _w4_scale(fx.load(bs_row_up + kb, mask=n_ok, other=0), FP4)
+                    b_up = _dequant_w4(fx.load(b_ptrs + up_offset, mask=b4_ok, other=0), sb_up, BLOCK_N, BLOCK_K,
+                                       FP4)  # fmt: skip
+                    acc_up = fx.dot(a, fx.trans(_to_16bit(b_up, a.dtype)), acc_up)
+            elif QUANT == 2:
+                # BLOCK_K divides the scale block, so this step lies in one K block: its partial product
+                # is dequantized by (row group scale) x (weight block scale) before it is added
+                kb = row_offset(k0 // SCALE_BK, stride_bsk)
+                sa = fx.load(as_row + row_offset(k0 // SCALE_BK, stride_ask), mask=m_ok, other=0.0)
+                sb = fx.load(bs_row + kb, mask=n_ok, other=0.0)
+                part = fx.dot(a, fx.trans(fx.load(b_ptrs, mask=b_ok, other=0.0)))
+                acc += part * sa[:, None] * sb[None, :]
+                if GATED:
+                    sb_up = fx.load(bs_row_up + kb, mask=n_ok, other=0.0)
+                    part_up = fx.dot(a, fx.trans(fx.load(b_ptrs + up_offset, mask=b_ok, other=0.0)))
+                    acc_up += part_up * sa[:, None] * sb_up[None, :]
+            elif INT_ACC:
+                acc += fx.dot(a, fx.trans(fx.load(b_ptrs, mask=b_ok, other=0)), out_dtype=fx.int32)
+                if GATED:
+                    acc_up += fx.dot(a, fx.trans(fx.load(b_ptrs + up_offset, mask=b_ok, other=0)),
+                                     out_dtype=fx.int32)  # fmt: skip
+            else:
+                acc = fx.dot(a, fx.trans(fx.load(b_ptrs, mask=b_ok, other=0.0)), acc)
+                if GATED:
+                    acc_up = fx.dot(a, fx.trans(fx.load(b_ptrs + up_offset, mask=b_ok, other=0.0)), acc_up)
             a_ptrs += a_step
             b_ptrs += b_step
+        if QUANT == 1:
+            # per-channel weights, per-row activations: the whole dot is dequantized once, here
+            sa = fx.load(as_ptr + row_offset(a_rows, stride_asm), mask=m_ok, other=0.0)
+            bs_e = bs_ptr + row_offset(expert, stride_bse)
+            sb = fx.load(bs_e + row_offset(rn, stride_bsn), mask=n_ok, other=0.0)
+            acc = acc.to(fx.float32) * sa[:, None] * sb[None, :]
+            if GATED:
+                sb_up = fx.load(bs_e + row_offset(rn + N, stride_bsn), mask=n_ok, other=0.0)
+                acc_up = acc_up.to(fx.float32) * sa[:, None] * sb_up[None, :]
         if MUL_WEIGHT:
             # the router weight [t, j] of row t * k + j, read in place (any dtype and strides): no converted
             # copy is made on the host
@@ -101,30 +229,104 @@ def _moe_sum_kernel(
              mask=h_ok)  # fmt: skip
 
 
+# fmt: off
+@flyc.kernel(do_not_specialize=["M"])
+def _moe_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, GROUP, stride_xm, stride_xk, stride_qm, stride_sm,
+    QMAX: fx.constexpr, OUT_INT8: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_K: fx.constexpr,
+):
+    # fmt: on
+    # program (row block, group): scale = amax / QMAX of the group's elements of each row, q = saturate(
+    # round(x * (QMAX / amax))) (0 for an all-zero group); the same arithmetic as the reference's
+    rows = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
+    g = fx.program_id(1)
+    row_ok = rows < M
+    rk = fx.arange(0, BLOCK_K)
+    x_rows = x_ptr + row_offset(rows, stride_xm)[:, None]
+    q_rows = q_ptr + row_offset(rows, stride_qm)[:, None]
+    k_lo = g * GROUP
+    amax = fx.zeros([BLOCK_M], dtype=fx.float32)
+    for c0 in range(0, GROUP, BLOCK_K):
+        c = k_lo + c0 + rk
+        ok = row_ok[:, None] & ((c < K) & (c0 + rk < GROUP))[None, :]
+        xc = fx.load(x_rows + row_offset(c, stride_xk)[None, :], mask=ok, other=0.0)
+        amax = fx.maximum(amax, absmax_f32(xc, 1))
+    inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
+    fx.store(s_ptr + row_offset(rows, stride_sm) + g, amax / QMAX, mask=row_ok)
+    for c0 in range(0, GROUP, BLOCK_K):
+        c = k_lo + c0 + rk
+        ok = row_ok[:, None] & ((c < K) & (c0 + rk < GROUP))[None, :]
+        xc = fx.load(x_rows + row_offset(c, stride_xk)[None, :], mask=ok, other=0.0).to(fx.float32)
+        v = xc * inv[:, None]
+        if OUT_INT8:
+            qv = cast_sat_int8(v)
+        else:
+            qv = cast_sat_fp8e4m3(v)
+        fx.store(q_rows + c[None, :], qv, mask=ok)
+
+
 # ------------------------------------------------------------------ host launchers
 
 
 @flyc.jit(skip_empty=False)
 def launch_moe_gemm(
     a, w, c, sorted_ids, expert_ids, num_padded, weights, topk: int, numel: int, *, gather_a: bool, gated: bool,
-    act: int, mul_weight: bool, cfg, stream=None,
+    act: int, mul_weight: bool, cfg, a_scale=None, w_scale=None, quant: int = QUANT_NONE,
+    scale_block: tuple = (1, 1), fp4: bool = False, stream=None,
 ):  # fmt: skip
     """One grouped GEMM (see the module): ``c[row] = epilogue(A[row or row // topk] @ w[e]^T)`` over the
     aligned blocks. ``w`` [E, N', K] (stage 1: N' = 2N, gate rows then up rows); ``c`` [T * k, N];
-    ``weights``: the router weights [T, k], fp32 / bf16 / fp16, any strides (read with ``mul_weight``)."""
+    ``weights``: the router weights [T, k], fp32 / bf16 / fp16, any strides (read with ``mul_weight``).
+    Quantized (``quant``): ``a`` fp8 / int8 with fp32 ``a_scale`` [rows of a, groups] (one group a row for
+    QUANT_CHANNEL, one a ``scale_block[1]`` columns for QUANT_BLOCK); ``w_scale`` fp32 [E, N'] (channel) or
+    [E, cdiv(N', scale_block[0]), cdiv(K, scale_block[1])] (block), any strides. QUANT_W4: ``a`` 16-bit,
+    ``w`` uint8 [E, N', K / 2] (int4 pairs; ``fp4``: fp4 e2m1 pairs with e8m0 scales read as uint8),
+    ``w_scale`` as for block scales, no ``a_scale``."""
     n = c.shape[1]
     k = a.shape[1]
     blocks = expert_ids.shape[0]
     if blocks == 0 or n == 0:
         return
+    if quant == QUANT_NONE:
+        a_scale, w_scale = a, w  # not read
+        as_strides, ws_strides = (0, 0), (0, 0, 0)
+    else:
+        if a_scale is None:  # weight-only (QUANT_W4): no activation scales
+            a_scale, as_strides = a, (0, 0)
+        else:
+            as_strides = (a_scale.stride(0), a_scale.stride(1))
+        ws_strides = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2) if w_scale.dim() == 3 else 0)
     # fmt: off
     flyc.launch(
         _moe_gemm_kernel, (blocks * flyc.cdiv(n, cfg.block_n),),
-        a, w, c, sorted_ids, expert_ids, num_padded, weights,
+        a, w, c, sorted_ids, expert_ids, num_padded, weights, a_scale, w_scale,
         n, k, numel, blocks, topk, n * w.stride(1),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        weights.stride(0), weights.stride(1), GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
+        weights.stride(0), weights.stride(1), *as_strides, *ws_strides,
+        GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
+        QUANT=quant, INT_ACC=not a.dtype.is_floating_point,
+        SCALE_BN=scale_block[0], SCALE_BK=scale_block[1], FP4=fp4,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.launch_options(),
+    )
+    # fmt: on
+
+
+@flyc.jit(skip_empty=False)
+def launch_moe_quant(x, q, scale, group: int, stream=None):
+    """Dynamic symmetric quantization of ``x`` [M, K] (16-bit, any strides) into ``q`` [M, K] (fp8 e4m3 or
+    int8, contiguous rows) with fp32 ``scale`` [M, cdiv(K, group)]: one scale a row's ``group`` columns
+    (``group = K``: per token)."""
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    is_int8 = not q.dtype.is_floating_point
+    block_k = min(512, flyc.next_power_of_2(group))
+    block_m = max(1, min(16, 2048 // block_k))
+    # fmt: off
+    flyc.launch(
+        _moe_quant_kernel, (flyc.cdiv(m, block_m), flyc.cdiv(k, group)),
+        x, q, scale, m, k, group, x.stride(0), x.stride(1), q.stride(0), scale.stride(0),
+        QMAX=127.0 if is_int8 else 448.0, OUT_INT8=is_int8, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )
     # fmt: on
 
