@@ -110,3 +110,73 @@ def test_flydsl_tune_writes_an_artifact_that_is_then_served(tmp_path, monkeypatc
     assert cli.main([*argv, "--match", '{"epilogue": "none"}', "--match", '{"epilogue": "bias_relu"}']) == 0
     entries = json.loads((out / "gemm.json").read_text())["entries"]
     assert sorted(e["key"]["epilogue"] for e in entries) == ["bias_relu", "none"]
+
+
+# (M bucket, N, K, dtype) -> the default's splits of K on sm_90 (132 SMs). Small grids split so that the
+# (split, tile) units fill at most one wave, each split >= 8 K steps; the H200 sweep's rows (seed 20261202)
+# are given at their M bucket (135 -> 256, 201 -> 256, 11 / 13 -> 16, 27 -> 32).
+SPLIT_TABLE = [
+    (256, 2448, 2224, torch.bfloat16, 3),  # sweep 135 x 2448 x 2224: 40 tiles, 35 K steps -> 120 units
+    (256, 1400, 4160, torch.bfloat16, 6),  # sweep 201 x 1400 x 4160 (+ bias + gelu): 22 tiles -> 132 units
+    (256, 4096, 4096, torch.bfloat16, 2),  # the searched winner: 64 tiles split in 2
+    (256, 4096, 14336, torch.int8, 2),  # the int8 winner (K steps of 128)
+    (16, 2560, 2536, torch.bfloat16, 2),  # decode rule (its own target: 1.5 programs an SM)
+    (16, 5432, 5576, torch.bfloat16, 2),
+    (32, 5760, 4632, torch.int8, 2),  # sweep int8 27 x 5760 x 4632
+    (16, 9120, 3512, torch.bfloat16, 1),  # sweep 13 x 9120 x 3512: 285 tiles of 16 x 32, over the target
+    (1024, 4792, 6104, torch.bfloat16, 1),  # sweep 950 x 4792 x 6104: 304 tiles, 2.3 waves
+    (256, 8192, 8192, torch.bfloat16, 1),  # 128 tiles: a wave already
+    (4096, 4096, 4096, torch.bfloat16, 1),
+    (8192, 8192, 8192, torch.bfloat16, 1),
+    (8192, 8192, 8192, torch.int8, 1),
+    (256, 2448, 256, torch.bfloat16, 1),  # short K: 4 K steps
+    (256, 1400, 960, torch.bfloat16, 1),  # 22 tiles would take 6 splits, but 15 K steps make no 2 of 8
+]
+
+
+def test_default_splits_k_by_the_waves_a_grid_fills():
+    arch = flydsl.arch.SM90
+    for m, n, k, dtype, want in SPLIT_TABLE:
+        cfg = default_config(m, n, k, dtype, arch)
+        assert config_valid(cfg, dtype, arch), (m, n, k, cfg)
+        assert cfg.split_k == want, (m, n, k, dtype, cfg)
+        assert cfg.reduce_last == (want > 1)
+        if m > 64 and want > 1:  # one wave of (split, tile) units, every split >= 8 K steps
+            tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n, cfg.block_n)
+            k_steps = flyc.cdiv(k, cfg.block_k)
+            assert tiles * cfg.split_k <= arch.sm_count and k_steps // cfg.split_k >= 8
+            # and no more splits could have been taken
+            assert tiles * (cfg.split_k + 1) > arch.sm_count or k_steps // (cfg.split_k + 1) < 8
+
+
+def test_default_split_k_runs_correctly_end_to_end(tmp_path, monkeypatch, device):
+    """A GPU of 3 SMs (the arch the default is derived for, patched): the default splits K for these small
+    shapes, and gemm, served that default through config_for, matches the fp64 reference (bias + GELU
+    applied once on the summed splits; the raw int8 product exact)."""
+    from fly_gemm import autotune, gemm, gemm_ref
+    from flydsl.testing import assert_rel_close, tolerance
+
+    small = dataclasses.replace(flydsl.arch.SM90, sm_count=3)
+    monkeypatch.setattr(autotune, "_arch", lambda name: small)
+    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        # (m, n, k, dtype, splits): 128 x 128 tiles past the decode sizes (25 K steps in 3 splits: 9, 9, 7);
+        # the decode path's 16 x 32 tiles (16 K steps of 128 in 2)
+        for m, n, k, dtype, splits in ((100, 96, 1600, torch.bfloat16, 3), (5, 64, 2048, torch.float16, 2)):
+            a = torch.randn(m, k, generator=gen).to(dtype).to(device)
+            b = torch.randn(n, k, generator=gen).to(dtype).to(device)
+            bias = torch.randn(n, generator=gen).to(dtype).to(device)
+            cfg = config_for(m, n, k, dtype, dtype, "bias_gelu", device)
+            assert cfg.split_k == splits and cfg.reduce_last, cfg
+            c = gemm(a, b, bias=bias, activation="gelu")
+            assert_rel_close(c, gemm_ref(a, b, bias=bias, activation="gelu"), tol=tolerance(dtype))
+        m, n, k = 100, 96, 3200  # int8, K steps of 128: 25 in 3 splits
+        a = torch.randint(-8, 8, (m, k), generator=gen, dtype=torch.int8).to(device)
+        b = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8).to(device)
+        assert config_for(m, n, k, torch.int8, torch.int32, "none", device).split_k == 3
+        raw = gemm(a, b, out_dtype=torch.int32)
+        assert torch.equal(raw.cpu().long(), gemm_ref(a, b).cpu().long())
+    finally:
+        clear_memo()

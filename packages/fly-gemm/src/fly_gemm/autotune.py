@@ -175,10 +175,9 @@ def _decode_default(m: int, n: int, k: int, wide: bool, arch: flydsl.arch.Arch, 
 # 128 x 128), but a grid of few waves loses its last wave's idle SMs. This picks the searched winners' width
 # on every bf16 key of the shipped artifact from M = 256 up (e.g. 256 x 14336 x 4096: 2 waves of 128 x 128
 # against 1 of 128 x 256, which won; 1024 x 14336 x 4096: 7 against 4, where 128 x 128 won). Grids of
-# 128 x 128 tiles under _FEW_TILES programs an SM split K, as the winners at M = 256 and N = 4096 do. Not for
+# 128 x 128 tiles under half a wave split K (_wave_split), as the winners at M = 256 and N = 4096 do. Not for
 # int8, whose raw int32 tile of 128 x 256 leaves 3 stages (the int8 winners at M = 256 keep 128 x 128).
 _WIDE_TILE_COST = 1.8
-_FEW_TILES = 0.8
 
 
 def _wide_tiles_win(m: int, n: int, arch: flydsl.arch.Arch) -> bool:
@@ -186,6 +185,22 @@ def _wide_tiles_win(m: int, n: int, arch: flydsl.arch.Arch) -> bool:
     narrow = flyc.cdiv(flyc.cdiv(m, 128) * flyc.cdiv(n, 128), sms)
     wide = flyc.cdiv(flyc.cdiv(m, 128) * flyc.cdiv(n, 256), sms)
     return _WIDE_TILE_COST * wide < narrow
+
+
+# Split-K past the decode sizes: the most splits whose (split, tile) work units still fit in one wave of the
+# SMs, each split keeping at least _MIN_SPLIT_STEPS K steps (the pipeline fills; the partial sums stay small
+# against the operands read); a grid of half a wave or more is not split. The power-of-two doubling this
+# replaces (while under 0.8 programs an SM) overshot into a second wave that is mostly idle SMs, on the rows
+# that trail cuBLAS most in the H200 sweep of unseen shapes (seed 20261202, GPU time): 135 x 2448 x 2224
+# (40 tiles split 4: 160 units for 132 SMs, 2 rounds of 9 K steps) at 0.33x, and 201 x 1400 x 4160 + bias
+# + GELU (22 tiles split 8: 176 units, 2 rounds of 9) at 0.12x; here 3 and 6 splits, one round of 12 and
+# 11 K steps. The searched winners at M = 256 keep theirs (4096 columns, 64 tiles: 2 splits; 8192 columns
+# and up: none). The new splits are derived, not yet timed.
+_MIN_SPLIT_STEPS = 8
+
+
+def _wave_split(tiles: int, k_steps: int, arch: flydsl.arch.Arch) -> int:
+    return max(1, min(arch.sm_count // max(tiles, 1), k_steps // _MIN_SPLIT_STEPS))
 
 
 def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> GemmConfig:
@@ -204,9 +219,10 @@ def default_config(m: int, n: int, k: int, in_dtype: torch.dtype, arch: flydsl.a
                          epilogue_subtile=True, flatten=True)  # fmt: skip
     else:
         tiles = flyc.cdiv(m, 128) * flyc.cdiv(n, 128)
-        split, k_steps = 1, flyc.cdiv(k, block_k)
-        while arch.is_hopper and tiles * split < _FEW_TILES * arch.sm_count and k_steps // (2 * split) >= 8:
-            split *= 2  # too few tiles for the SMs (256 x 4096 x 4096: 64): K split, reduced by the last split
+        # too few tiles for the SMs (256 x 4096 x 4096: 64): K split, reduced by the last split. The
+        # reduction runs the epilogue (scales, bias, activation) once on the full sum, so every epilogue and
+        # the raw int32 product split alike.
+        split = _wave_split(tiles, flyc.cdiv(k, block_k), arch) if arch.is_hopper else 1
         cfg = GemmConfig(128, 128 if n > 64 else 64, block_k, group_m=8, num_warps=8, num_stages=stages,
                          tma=arch.is_hopper, split_k=split, reduce_last=split > 1)  # fmt: skip
     while not config_valid(cfg, in_dtype, arch) and cfg.num_stages > 1:
