@@ -112,7 +112,6 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
     monkeypatch.delenv("FLYDSL_USE_ARTIFACTS", raising=False)
     # Warnings are once per file and process; each test starts with none given.
-    monkeypatch.setattr(store_module, "_warned", set())
     monkeypatch.setattr(cache, "_warned", set())
 
 

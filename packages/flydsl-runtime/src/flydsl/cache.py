@@ -44,7 +44,7 @@ from . import env
 # CheckedCacheManager is importable too, but built on first access (it subclasses Triton's manager).
 __all__ = [
     "root", "triton_dir", "tuning_dir", "Entry", "entries", "size", "clear", "configure_triton",
-    "install_checked_manager", "CacheWarning", "writable", "check_kernel_group",
+    "install_checked_manager", "CacheWarning", "warn_once", "writable", "check_kernel_group",
 ]  # fmt: skip
 
 KINDS = ("triton", "tuning")
@@ -67,12 +67,14 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_once(token: str, message: str) -> None:
+def warn_once(token: str, message: str, category: type[Warning] = CacheWarning) -> None:
+    """Warn about ``token`` (a path, usually) at most once per process: the caches' one warning channel
+    (compiled kernels here, tuning files in :mod:`flydsl.autotune.store`)."""
     with _warned_lock:
         if token in _warned:
             return
         _warned.add(token)
-    warnings.warn(message, CacheWarning, stacklevel=3)
+    warnings.warn(message, category, stacklevel=3)
 
 
 def writable(path: Path) -> bool:
@@ -143,7 +145,7 @@ def configure_triton() -> None:
         if not writable(root() / "triton"):
             temp = _private_temp_dir()
             _fallback = (str(root()), temp)
-            _warn_once(
+            warn_once(
                 f"root|{root()}",
                 f"the FlyDSL cache folder {root()} cannot be written (read-only, or not a folder); compiled "
                 f"kernels go to {temp} for now. Point FLYDSL_CACHE_DIR at a writable folder to keep them.",
@@ -300,7 +302,7 @@ def _checked_manager_class():
 
         def _to_temp(self, key, exc) -> None:
             temp = _private_temp_dir()
-            _warn_once(
+            warn_once(
                 f"triton|{os.path.dirname(self.cache_dir or '')}",
                 f"Triton's cache folder cannot be written ({exc}); compiled kernels go to {temp} for now",
             )
@@ -320,7 +322,7 @@ def _checked_manager_class():
                 problem = check_kernel_group(Path(self.cache_dir), group, filename)
                 if problem is None:
                     return group
-            _warn_once(grp, f"ignoring Triton cache entry {grp}: {problem}; recompiling it")
+            warn_once(grp, f"ignoring Triton cache entry {grp}: {problem}; recompiling it")
             return None
 
         def put(self, data, filename, binary=True):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -67,17 +68,9 @@ class TuningWarning(UserWarning):
 # warnings, identity, keys
 # ---------------------------------------------------------------------------
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(token: str, message: str) -> None:
-    """Warn about ``token`` (a path, usually) at most once per process."""
-    with _warned_lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    warnings.warn(message, TuningWarning, stacklevel=3)
+# one token set for every cache warning (flydsl.cache.warn_once); a partial adds no frame, so the warning
+# still points at the caller of the function that warns
+_warn_once = functools.partial(cache.warn_once, category=TuningWarning)
 
 
 def _dist_version(dist: str) -> str:
