@@ -6,7 +6,7 @@ against ``flydsl.expr`` only, and runs both compiled and in the interpreter
 assembly is used only where kernels compile for NVIDIA, with a portable twin).
 
 - row addressing in int64, so M x N past 2**31 never overflows;
-- the absolute max of a row in fp32 (quantization scales);
+- the absolute max of a row in fp32, and the quantizers' scale and inverse scale from it, correctly rounded;
 - round-half-to-even and saturating casts to int8 and fp8 e4m3;
 - epilogue activations on fp32 values, selected by a constexpr code;
 - programmatic dependent launch (wait, let dependents launch) and L2 prefetch, on NVIDIA.
@@ -40,10 +40,12 @@ __all__ = [
     "cast_sat_int8",
     "fast_exp2",
     "fast_rcp",
+    "inverse_scale",
     "normal_cdf",
     "pdl_launch_dependents",
     "pdl_wait",
     "prefetch_l2",
+    "quant_scale",
     "round_half_even",
     "row_offset",
 ]
@@ -93,6 +95,26 @@ def row_offset(row, stride):
 @flyc.func
 def absmax_f32(x, axis: fx.constexpr):
     return fx.max(fx.abs(x.to(fx.float32)), axis=axis)
+
+
+# Both quotients are correctly rounded (div_rn), not Triton's `/` (the GPU's approximate division, within
+# 2 ulp): the codes are round(x * inverse_scale), and 16-bit rows put many elements exactly on a rounding
+# tie of x * QMAX / amax (a row's maximum is itself a 16-bit value: bf16 rows quantized to e4m3 have
+# several percent of their elements on a tie), where one ulp of the inverse picks the code. Correctly
+# rounded, the codes and scales are torch's ``x * (QMAX / amax)`` and ``amax / QMAX`` bit for bit, on
+# every target; a downstream GEMM then matches its reference to the summation order, where a flipped code
+# here moves a whole output row.
+@flyc.func
+def inverse_scale(amax, QMAX: fx.constexpr):
+    """QMAX / amax in fp32, correctly rounded; 0 for amax = 0 (an all-zero row's codes are then 0)."""
+    safe = fx.where(amax > 0, amax, 1.0)
+    return fx.where(amax > 0, fx.div_rn(fx.zeros_like(safe) + QMAX, safe), 0.0)
+
+
+@flyc.func
+def quant_scale(amax, QMAX: fx.constexpr):
+    """amax / QMAX in fp32, correctly rounded: the scale stored beside the codes."""
+    return fx.div_rn(amax, fx.zeros_like(amax) + QMAX)
 
 
 # ----------------------------------------------------------------- rounding

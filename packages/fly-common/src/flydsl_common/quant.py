@@ -28,7 +28,7 @@ import flydsl.expr as fx
 from flydsl.checks import check_last_dim_contiguous, check_tensor, describe
 from flydsl.errors import DTypeError, ShapeError
 
-from .device import FP8_E4M3_MAX, INT8_MAX, absmax_f32, cast_sat_fp8e4m3, cast_sat_int8
+from .device import FP8_E4M3_MAX, INT8_MAX, absmax_f32, cast_sat_fp8e4m3, cast_sat_int8, inverse_scale, quant_scale
 from .rows import RowConfig, as_rows, default_row_config
 
 __all__ = [
@@ -49,12 +49,6 @@ _MODE_STATIC = 2  # write q with the scale read from s_ptr[0]
 
 
 # ------------------------------------------------------------------ kernels
-
-
-@flyc.func
-def _inverse_scale(amax, QMAX: fx.constexpr):
-    """QMAX / amax, and 0 for all-zero rows (whose q is then 0 and scale 0)."""
-    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
 
 
 @flyc.func
@@ -98,7 +92,7 @@ def _quant_rows_kernel(
         mask = row_ok[:, None] & (cols[None, :] < N)
         x = fx.load(x_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)
         amax = absmax_f32(x, 1)
-        inv = _inverse_scale(amax, QMAX)
+        inv = inverse_scale(amax, QMAX)
     else:
         amax = fx.zeros([BLOCK_M], dtype=fx.float32)
         for start in range(0, N, BLOCK_N):
@@ -106,13 +100,13 @@ def _quant_rows_kernel(
             mask = row_ok[:, None] & (c[None, :] < N)
             xc = fx.load(x_rows + c[None, :], mask=mask, other=0.0)
             amax = fx.maximum(amax, absmax_f32(xc, 1))
-        inv = _inverse_scale(amax, QMAX)
+        inv = inverse_scale(amax, QMAX)
 
     if MODE == 1:
         fx.store(s_ptr + rows, amax, mask=row_ok)
     else:
         if MODE == 0:
-            fx.store(s_ptr + rows, amax / QMAX, mask=row_ok)
+            fx.store(s_ptr + rows, quant_scale(amax, QMAX), mask=row_ok)
         if SINGLE_PASS and MODE == 0:
             mask = row_ok[:, None] & (cols[None, :] < N)
             fx.store(q_rows + cols[None, :], _quant_chunk(x, inv[:, None], OUT_INT8), mask=mask)
@@ -131,7 +125,7 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, M, QMAX: fx.constexpr, BLOCK: fx.
     acc = fx.zeros([BLOCK], dtype=fx.float32)
     for start in range(0, M, BLOCK):
         acc = fx.maximum(acc, fx.load(amax_ptr + start + offs, mask=start + offs < M, other=0.0))
-    fx.store(scale_ptr, fx.max(acc, axis=0) / QMAX)
+    fx.store(scale_ptr, quant_scale(fx.max(acc, axis=0), QMAX))
 
 
 # ------------------------------------------------------------ config choice

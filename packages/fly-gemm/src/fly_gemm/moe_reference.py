@@ -196,34 +196,37 @@ def fused_moe_ref(
     out = torch.zeros(t, h, dtype=dtype, device=x.device)
     ids = topk_ids.long()
     w4 = quant and w1.dtype == torch.uint8
-    if w4:  # weight-only int4: the kernel rounds the dequantized weights to x's dtype, quantizes nothing else
-        xs = x.to(dtype)
-        w1d = dequantize_weight_ref(w1, w1_scale, block_shape).to(x.dtype).to(dtype)
-        w2d = dequantize_weight_ref(w2, w2_scale, block_shape).to(x.dtype).to(dtype)
-    elif quant:
+    if quant and not w4:
         qdtype = w1.dtype
         xs = quantize_groups_ref(x, qdtype, h if block_shape is None else block_shape[1]).to(dtype)
-        w1d = dequantize_weight_ref(w1, w1_scale, block_shape).to(dtype)
-        w2d = dequantize_weight_ref(w2, w2_scale, block_shape).to(dtype)
     else:
         xs = x.to(dtype)
-        w1d, w2d = w1, w2
+
+    def expert_weight(w, scale, e):
+        # one expert at a time: a whole layer's dequantized fp32 copy would not fit beside the layer at the
+        # models' sizes. Weight-only int4 is rounded to x's dtype, as the kernel rounds it.
+        if not quant:
+            return w[e].to(dtype)
+        wd = dequantize_weight_ref(w[e : e + 1], scale[e : e + 1], block_shape)[0]
+        return (wd.to(x.dtype) if w4 else wd).to(dtype)
+
     ws = topk_weights.to(dtype)
     for e in range(e_count):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
+        w1d, w2d = expert_weight(w1, w1_scale, e), expert_weight(w2, w2_scale, e)
         a = xs[tok]
         w = ws[tok, slot][:, None]
         if apply_router_weight_on_input:
             a = a * w
-        gate_up = a @ w1d[e].to(dtype).t()
+        gate_up = a @ w1d.t()
         y = torch_activation(gate_up[:, :inter], activation) * gate_up[:, inter:]
         if w4:  # the kernel stores the intermediate in x's dtype
             y = y.to(x.dtype).to(dtype)
         elif quant:  # the kernel keeps the intermediate in fp32 and quantizes it per row (group)
             y = quantize_groups_ref(y.float(), qdtype, inter if block_shape is None else block_shape[1]).to(dtype)
-        y = y @ w2d[e].to(dtype).t()
+        y = y @ w2d.t()
         if not apply_router_weight_on_input:
             y = y * w
         out.index_add_(0, tok, y)

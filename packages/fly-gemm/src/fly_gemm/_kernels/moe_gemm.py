@@ -29,7 +29,15 @@ from __future__ import annotations
 import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import absmax_f32, activation, cast_sat_fp8e4m3, cast_sat_int8, row_offset
+from flydsl_common.device import (
+    absmax_f32,
+    activation,
+    cast_sat_fp8e4m3,
+    cast_sat_int8,
+    inverse_scale,
+    quant_scale,
+    row_offset,
+)
 
 __all__ = [
     "launch_moe_gemm",
@@ -251,8 +259,8 @@ def _moe_quant_kernel(
         ok = row_ok[:, None] & ((c < K) & (c0 + rk < GROUP))[None, :]
         xc = fx.load(x_rows + row_offset(c, stride_xk)[None, :], mask=ok, other=0.0)
         amax = fx.maximum(amax, absmax_f32(xc, 1))
-    inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
-    fx.store(s_ptr + row_offset(rows, stride_sm) + g, amax / QMAX, mask=row_ok)
+    inv = inverse_scale(amax, QMAX)
+    fx.store(s_ptr + row_offset(rows, stride_sm) + g, quant_scale(amax, QMAX), mask=row_ok)
     for c0 in range(0, GROUP, BLOCK_K):
         c = k_lo + c0 + rk
         ok = row_ok[:, None] & ((c < K) & (c0 + rk < GROUP))[None, :]

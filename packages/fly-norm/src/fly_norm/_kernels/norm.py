@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import pdl_wait, row_offset
+from flydsl_common.device import inverse_scale, pdl_wait, quant_scale, row_offset
 
 from .affine import load_bwd_rows, load_weight
 from .pairs import (
@@ -59,7 +59,6 @@ from .pairs import (
 )
 from .passes import (
     clear_share,
-    inverse_scale,
     lane_amax,
     lane_stats,
     load_h,
@@ -103,7 +102,7 @@ def _packed_quant_rows(
     # u = h * w (passes.weighted): the sum of squares and max |u| in one exchange
     ss, umax = sum_absmax_f32(he * he + ho * ho, fx.maximum(fx.abs(he * we), fx.abs(ho * wo)), 1)
     rstd = fx.rsqrt(ss / N + eps)
-    fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+    fx.store(qs_ptr + rows, quant_scale(umax * rstd, QMAX), mask=row_ok)
     inv = inverse_scale(umax, QMAX)
     after = ok2 & (umax >= 0)[:, None]  # ok2, known only after the reduction
     we, wo = bf16_pairs(fx.load(w_words, mask=after, other=0, eviction_policy="evict_last"))
@@ -230,7 +229,7 @@ def norm_fwd_kernel(
             u = weighted(h, w_ptr, s_ptr, cols, cmask, weight_offset, HAS_WEIGHT, HAS_SMOOTH)
             ss, umax = sum_absmax_f32(h * h, u, 1)  # one exchange between warps for both
             rstd = fx.rsqrt(ss / N + eps)
-            fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+            fx.store(qs_ptr + rows, quant_scale(umax * rstd, QMAX), mask=row_ok)
             fx.store(y_rows + cols[None, :], quantize(u, inverse_scale(umax, QMAX), QUANT), mask=mask)
         else:
             if IS_RMS:
@@ -247,7 +246,7 @@ def norm_fwd_kernel(
                 fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
             else:
                 amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
-                fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+                fx.store(qs_ptr + rows, quant_scale(amax, QMAX), mask=row_ok)
                 fx.store(y_rows + cols[None, :], quantize(y, inverse_scale(amax, QMAX), QUANT), mask=mask)
     else:
         # Pass 1 (passes.lane_stats): the statistics in per-lane accumulators, merged once; the residual
@@ -259,12 +258,12 @@ def norm_fwd_kernel(
         inv = rstd  # unused unless quantizing
         if QUANT != 0:
             if FACTORED:  # the codes scale u = y / rstd (passes.weighted): by QMAX / max |u|
-                fx.store(qs_ptr + rows, umax * rstd / QMAX, mask=row_ok)
+                fx.store(qs_ptr + rows, quant_scale(umax * rstd, QMAX), mask=row_ok)
                 inv = inverse_scale(umax, QMAX)
             else:
                 amax = lane_amax(x_rows, r_rows, row_ok, cols, N, mean, rstd, w_ptr, b_ptr, s_ptr, weight_offset,
                                  HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, BLOCK_M, BLOCK_N)  # fmt: skip
-                fx.store(qs_ptr + rows, amax / QMAX, mask=row_ok)
+                fx.store(qs_ptr + rows, quant_scale(amax, QMAX), mask=row_ok)
                 inv = inverse_scale(amax, QMAX)
         write_y(x_rows, r_rows, y_rows, row_ok, cols, N, mean, rstd, inv, w_ptr, b_ptr, s_ptr, weight_offset,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, QUANT, FACTORED, BLOCK_N)  # fmt: skip

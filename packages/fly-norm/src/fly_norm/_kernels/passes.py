@@ -38,7 +38,7 @@ from .pairs import sat_fp8e4m3_pairs, sat_int8_pairs, sum_absmax_f32
 
 __all__ = [
     "LOG2E", "NEG_INF", "clear_share", "finite_or_zero", "row_ptrs", "load_h",
-    "normalize", "weighted", "quantize", "quantize_pairs", "inverse_scale", "lane_stats", "lane_amax", "write_y",
+    "normalize", "weighted", "quantize", "quantize_pairs", "lane_stats", "lane_amax", "write_y",
     "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
 
@@ -147,12 +147,6 @@ def quantize_pairs(even, odd, inv, QUANT: fx.constexpr):
         return sat_int8_pairs(even * inv[:, None], odd * inv[:, None])
     else:
         return sat_fp8e4m3_pairs(even * inv[:, None], odd * inv[:, None])
-
-
-@flyc.func
-def inverse_scale(amax, QMAX: fx.constexpr):
-    """QMAX / amax, 0 for an all-zero row (whose q and scale are then 0)."""
-    return fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)
 
 
 @flyc.func

@@ -61,7 +61,15 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, pdl_launch_dependents, pdl_wait, row_offset
+from flydsl_common.device import (
+    cast_sat_fp8e4m3,
+    cast_sat_int8,
+    inverse_scale,
+    pdl_launch_dependents,
+    pdl_wait,
+    quant_scale,
+    row_offset,
+)
 
 from .affine import load_bwd_rows, load_weight
 from .exchange import collect, collect_from, collect_pairs_from, collect_sum, peek, publish, publish_pair
@@ -225,14 +233,14 @@ def norm_fwd_split_kernel(
                 y = y * fx.load(s_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
             amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0),
                                        row < M, PARTS_POW2, SPIN_LIMIT)  # fmt: skip
-            inv = fx.where(amax > 0, QMAX / fx.where(amax > 0, amax, 1.0), 0.0)  # an all-zero row: q = 0
+            inv = inverse_scale(amax, QMAX)  # an all-zero row: q = 0
             if QUANT == 1:
                 q = cast_sat_int8(y * inv)
             else:
                 q = cast_sat_fp8e4m3(y * inv)
             fx.store(y_ptr + row_offset(row, stride_y) + c, q, mask=cmask)
             # a row given up on (see collect) gets a NaN scale: every value dequantizes to NaN
-            fx.store(qs_ptr + row, fx.where(ok & ok2, amax / QMAX, float("nan")), mask=part == 0)
+            fx.store(qs_ptr + row, fx.where(ok & ok2, quant_scale(amax, QMAX), float("nan")), mask=part == 0)
         if STORE_STATS:
             if not IS_RMS:
                 fx.store(mean_ptr + row, mean, mask=part == 0)
