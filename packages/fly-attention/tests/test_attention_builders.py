@@ -10,8 +10,9 @@ import pytest
 import torch
 from attn_helpers import rand_qkv
 
-from fly_attention import build_flash_attn_func_module, flash_attn_ref
-from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
+from fly_attention import build_flash_attn_func_module, flash_attn, flash_attn_ref
+from fly_attention.reference import flash_attn_fp8_ref
+from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl.testing import assert_rel_close, tolerance
 
 
@@ -65,7 +66,6 @@ def test_empty_batch():
         ({"num_heads": 4, "head_dim": 64, "num_kv_heads": 3}, ArgumentError, "num_kv_heads"),
         ({"num_heads": 4, "head_dim": 64, "dtype_str": "f32"}, DTypeError, "dtype_str"),
         ({"num_heads": 4, "head_dim": 64, "dtype_str": "half-ish"}, DTypeError, "dtype_str"),
-        ({"num_heads": 4, "head_dim": 64, "dtype_str": "fp8"}, UnsupportedError, "dtype_str"),
         ({"num_heads": 4, "head_dim": 64, "causal": "yes"}, ArgumentError, "causal"),
         ({"num_heads": 4, "head_dim": 64, "num_kv_splits": 0}, ArgumentError, "num_kv_splits"),
     ],
@@ -110,3 +110,57 @@ def test_gpu_launch_on_a_stream(device):
     exe(q.view(-1), k.view(-1), v.view(-1), o.view(-1), b, s, stream=stream)
     torch.cuda.current_stream().wait_stream(stream)
     assert_rel_close(o, flash_attn_ref(q, k, v, causal=True), tol=tolerance(torch.bfloat16))
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_qkv(b, s, hq, hkv, d, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ts = (torch.randn(b, s, hq, d, generator=g), torch.randn(b, s, hkv, d, generator=g),
+          torch.randn(b, s, hkv, d, generator=g))  # fmt: skip
+    return tuple(t.to(device=device, dtype=FP8) for t in ts)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_launch_is_flash_attn_fp8(device, out_dtype, causal):
+    """The fp8 launcher writes, bit for bit, what flash_attn's fp8 forward returns for the same descales
+    (tensors or numbers), into a poisoned o of the caller's dtype; its accuracy against the dequantized
+    reference is flash_attn's (test_flash_fp8.py) and the GPU test below."""
+    b, s, hq, hkv, d = 2, 19, 4, 2, 64
+    exe = build_flash_attn_func_module(hq, d, causal=causal, dtype_str="fp8", num_kv_heads=hkv)
+    q, k, v = _fp8_qkv(b, s, hq, hkv, d, device)
+    qd, vd = torch.tensor([0.5], device=device), torch.tensor([1.5], device=device)
+    o = torch.full((b, s, hq, d), float("nan"), dtype=out_dtype, device=device)
+    exe(q.view(-1), k.view(-1), v.view(-1), o.view(-1), b, s, q_descale=qd, k_descale=2.0, v_descale=vd)
+    want = flash_attn(q, k, v, causal=causal, q_descale=qd, k_descale=2.0, v_descale=vd, out_dtype=out_dtype)
+    assert torch.equal(o, want)
+    exe(q, k, v, o, b, s)  # no descales: 1
+    assert torch.equal(o, flash_attn(q, k, v, causal=causal, out_dtype=out_dtype))
+
+
+def test_fp8_bad_buffers_named():
+    b, s, h, d = 1, 5, 2, 32
+    exe = build_flash_attn_func_module(h, d, dtype_str="fp8")
+    q, k, v = _fp8_qkv(b, s, h, h, d, "cpu")
+    with pytest.raises(DTypeError, match="^o: expected dtype bf16 or fp16"):
+        exe(q, k, v, torch.empty(b, s, h, d), b, s)
+    with pytest.raises(DTypeError, match="^o: expected dtype bf16 or fp16"):
+        exe(q, k, v, torch.empty(b, s, h, d, dtype=FP8), b, s)
+    with pytest.raises(DTypeError, match="^k: expected dtype fp8"):
+        exe(q, k.to(torch.bfloat16), v, torch.empty(b, s, h, d, dtype=torch.bfloat16), b, s)
+    with pytest.raises(ShapeError, match="q_descale"):
+        exe(q, k, v, torch.empty(b, s, h, d, dtype=torch.bfloat16), b, s, q_descale=torch.ones(2))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_launch_against_reference(device):
+    b, s, hq, hkv, d = 2, 333, 8, 2, 128
+    exe = build_flash_attn_func_module(hq, d, causal=True, dtype_str="fp8", num_kv_heads=hkv)
+    q, k, v = _fp8_qkv(b, s, hq, hkv, d, device, seed=3)
+    o = torch.full((b, s, hq, d), float("nan"), dtype=torch.bfloat16, device=device)
+    qd, kd, vd = (torch.tensor([x], device=device) for x in (0.25, 0.5, 2.0))
+    exe(q.view(-1), k.view(-1), v.view(-1), o.view(-1), b, s, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = flash_attn_fp8_ref(q, k, v, qd, kd, vd, causal=True)
+    assert_rel_close(o, ref.to(o.device), tol=2.0**-4)  # P's rounding to e4m3: see test_flash_fp8.py

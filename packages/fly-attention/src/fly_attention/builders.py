@@ -3,8 +3,9 @@
 It returns a launcher with the seed's calling convention, ``launch(q, k, v, o, batch, seqlen, *, q_descale=None,
 k_descale=None, v_descale=None, stream=None)`` over ``[batch, seqlen, heads, head_dim]`` buffers (flat,
 as the seed's ``q.view(-1)``, or 4-D), checks the buffers against the builder's parameters and serves the
-call with :func:`fly_attention.flash_attn`. The seed's dense self-attention has one seqlen for q and k, so
-its causal mask is the square lower triangle (no corner-alignment question). Its kernel-choice knobs
+call with :func:`fly_attention.flash_attn` (fp8 e4m3 with the launch's descales included). The seed's
+dense self-attention has one seqlen for q and k, so its causal mask is the square lower triangle (no
+corner-alignment question). Its kernel-choice knobs
 (``num_kv_splits``: split-K of the KV loop on AMD) are accepted and have no effect on the result here.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 import flydsl.compiler as flyc
 from flydsl.checks import describe, dtype_name, parse_dtype
-from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
+from flydsl.errors import ArgumentError, DTypeError, ShapeError
 
 from .attention import IN_DTYPES, MAX_HEAD_DIM, flash_attn
 
@@ -58,8 +59,9 @@ def build_flash_attn_func_module(
     Args:
         num_heads: query heads. head_dim: 1..256 (q, k and v share it, as in the seed).
         causal: the lower-triangular mask (q and k have the same seqlen in this convention).
-        dtype_str: "bf16" or "f16" / "fp16". The seed's "fp8" (e4m3 with descales) is not served yet and
-            raises UnsupportedError.
+        dtype_str: "bf16" or "f16" / "fp16"; or "fp8": e4m3 q, k and v with per-tensor descales (the
+            launch's ``q_descale`` etc.), o bf16 or fp16 (the attention of ``q * q_descale``, ... in fp32,
+            written in o's dtype), served by :func:`fly_attention.flash_attn`'s fp8 forward.
         num_kv_heads: KV heads (default num_heads); must divide num_heads (GQA / MQA).
         num_kv_splits: the seed's split-K knob: accepted (>= 1), no effect here.
 
@@ -67,7 +69,8 @@ def build_flash_attn_func_module(
         ``launch(q, k, v, o, batch, seqlen, *, q_descale=None, k_descale=None, v_descale=None, stream=None)``:
         q, o ``[batch, seqlen, num_heads, head_dim]`` and k, v ``[batch, seqlen, num_kv_heads, head_dim]`` of
         dtype_str, each a 4-D tensor of exactly that shape or a flat contiguous buffer of at least that many
-        elements; o is written in place. The descales belong to the seed's fp8 path and must be None here.
+        elements (fp8: o bf16 or fp16); o is written in place. The descales (fp8 only; None elsewhere) are
+        fp32 tensors of one element on q's device (read in the kernel: no host sync) or numbers; None is 1.
         ``stream``: a torch.cuda.Stream or None (the current stream).
 
     Raises:
@@ -91,10 +94,9 @@ def build_flash_attn_func_module(
         raise ArgumentError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
     _positive_int("num_kv_splits", num_kv_splits)
     dtype = parse_dtype("dtype_str", dtype_str)
-    if dtype == torch.float8_e4m3fn:
-        raise UnsupportedError("dtype_str: the fp8 (e4m3, descaled) forward is not built yet; use 'bf16' or 'f16'")
-    if dtype not in IN_DTYPES:
-        raise DTypeError(f"dtype_str: expected 'bf16' or 'f16', got {dtype_str!r}")
+    fp8 = dtype == torch.float8_e4m3fn
+    if not fp8 and dtype not in IN_DTYPES:
+        raise DTypeError(f"dtype_str: expected 'bf16', 'f16' or 'fp8', got {dtype_str!r}")
 
     @flyc.jit(skip_empty=False)  # the buffers are checked even when a launch has nothing to compute
     def launch_flash_attn(q, k, v, o, batch, seqlen, *, q_descale=None, k_descale=None, v_descale=None,
@@ -102,13 +104,22 @@ def build_flash_attn_func_module(
         for name, n in (("batch", batch), ("seqlen", seqlen)):
             if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
                 raise ArgumentError(f"{name}: expected an int >= 0, got {n!r}")
-        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-            if d is not None:
-                raise ArgumentError(f"{name}: descales belong to the fp8 path; this launcher was built for "
-                                    f"{dtype_name(dtype)}, pass None")  # fmt: skip
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        if not fp8:
+            for name, d in descales.items():
+                if d is not None:
+                    raise ArgumentError(f"{name}: descales belong to the fp8 path; this launcher was built for "
+                                        f"{dtype_name(dtype)}, pass None")  # fmt: skip
         q_shape, kv_shape = (batch, seqlen, num_heads, head_dim), (batch, seqlen, num_kv_heads, head_dim)
         q4, k4, v4 = _buffer("q", q, q_shape, dtype), _buffer("k", k, kv_shape, dtype), _buffer("v", v, kv_shape, dtype)
-        o4 = _buffer("o", o, q_shape, dtype)
-        o4.copy_(flash_attn(q4, k4, v4, causal=causal))  # one extra pass over O: flash_attn allocates its output
+        if not fp8:
+            o4 = _buffer("o", o, q_shape, dtype)
+            o4.copy_(flash_attn(q4, k4, v4, causal=causal))  # one extra pass over O: flash_attn allocates its output
+            return
+        if isinstance(o, torch.Tensor) and o.dtype not in IN_DTYPES:
+            raise DTypeError(f"o: expected dtype bf16 or fp16 (the fp8 launcher's output), got {describe(o)}")
+        o4 = _buffer("o", o, q_shape, o.dtype if isinstance(o, torch.Tensor) else torch.bfloat16)
+        out_dtype = o4.dtype
+        o4.copy_(flash_attn(q4, k4, v4, causal=causal, out_dtype=out_dtype, **descales))
 
     return launch_flash_attn
