@@ -90,3 +90,24 @@ def test_wide_rows_replay_and_stay_right(device, op, m, n):
         _step(op, m, n, device, seed)
     for table in (mod._FWD_REPLAYS, mod._BWD_REPLAYS):
         assert any(type(p).__name__ == "_Plan" for p in table.plans.values()), f"{table.name}: not replayed"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax"])
+@pytest.mark.parametrize("m,n", [(2, 131072), (55, 68374), (7, 40000)])
+def test_wide_inference_calls_replay_and_stay_right(device, op, m, n):
+    """Inference calls the cached launch plans do not take (rows for the split paths) replay their first
+    call's launches too, each answer against fp64 on fresh inputs."""
+    mod = _MODULES[op]
+    mod._FWD_REPLAYS.clear()
+    for seed in range(4):  # the first call records, the next ones replay
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        x, w, b = (torch.randn(*s, generator=g).to(device=device, dtype=torch.bfloat16) for s in ((m, n), (n,), (n,)))
+        xd, wd, bd = x.double(), w.double(), b.double()
+        if op == "rms_norm":
+            y, ref = fly_norm.rms_norm(x, w, 1e-6), F.rms_norm(xd, (n,), wd, 1e-6)
+        elif op == "layer_norm":
+            y, ref = fly_norm.layer_norm(x, w, b, 1e-5), F.layer_norm(xd, (n,), wd, bd, 1e-5)
+        else:
+            y, ref = fly_norm.softmax(x), torch.softmax(xd, -1)
+        assert_rel_close(y, ref)
+    assert any(type(p).__name__ == "_Plan" for p in mod._FWD_REPLAYS.plans.values()), "not replayed"

@@ -290,9 +290,13 @@ def layer_norm(x, weight, bias, eps=1e-5, residual=None, *, weight_offset=0.0, a
         y, h, _, _ = torch.ops.fly_norm.layer_norm_fwd(x, weight, bias, residual, eps, weight_offset, grad)
     elif grad:
         y, h, _, _ = _EagerLayerNorm.apply(x, weight, bias, residual, eps, weight_offset, grad)
-    else:
-        # Eager inference: straight to the launcher (the dispatcher costs microseconds per call).
+    elif autotune:  # eager inference that searches configs: the general path
         y, h, _, _ = _layer_norm_forward(x, weight, bias, residual, eps, weight_offset, False, autotune, False)
+    else:
+        # Eager inference the cached plan did not take (the split widths, layouts it does not cover): the
+        # forward's replayed route, as the autograd forward's (the dispatcher costs microseconds per call)
+        y, h, _, _ = _FWD_REPLAYS.eager(_layer_norm_forward, x, weight, bias, residual, eps, weight_offset, False,
+                                        None)  # fmt: skip
     return y if residual is None else (y, h)
 
 

@@ -281,13 +281,16 @@ def rms_norm(x, weight, eps=1e-6, residual=None, *, weight_offset=0.0, autotune=
         y, h, _ = torch.ops.fly_norm.rms_norm_fwd(x, weight, residual, eps, weight_offset, grad)
     elif grad:
         y, h, _ = _EagerRMSNorm.apply(x, weight, residual, eps, weight_offset, grad)
-    else:
-        # Eager inference: straight to the launcher (the dispatcher costs microseconds per call).
+    elif autotune:  # eager inference that searches configs: the general path
         y, h, _, _ = shared.norm_forward(
             x, weight, None, residual, eps, weight_offset, is_rms=True, store_stats=False, config_for=_fwd_config,
             reference=lambda: rms_norm_ref(x, weight, eps, residual, weight_offset), autotune=autotune,
             placeholders=False,
         )  # fmt: skip
+    else:
+        # Eager inference the cached plan did not take (the split widths, layouts it does not cover): the
+        # forward's replayed route, as the autograd forward's (the dispatcher costs microseconds per call)
+        y, h, _ = _FWD_REPLAYS.eager(_rms_norm_fwd, x, weight, residual, eps, weight_offset, False)
     return y if residual is None else (y, h)
 
 

@@ -459,8 +459,9 @@ def softmax(x: torch.Tensor, dim: int = -1, *, autotune: bool | None = None) -> 
     elif x.requires_grad and torch.is_grad_enabled():
         y = _EagerSoftmax.apply(xt, autotune)
     else:
-        # Eager inference skips the dispatcher (microseconds per call at small shapes).
-        y = _fwd_rows(xt, autotune)
+        # Eager inference skips the dispatcher (microseconds per call at small shapes); what the cached plans
+        # did not take (the split widths, strided rows) replays its first call's launches
+        y = _fwd_rows(xt, autotune) if autotune else _FWD_REPLAYS.eager(_fwd_rows, xt, None)
     return y.movedim(-1, d) if moved else y
 
 
