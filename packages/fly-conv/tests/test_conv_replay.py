@@ -99,8 +99,8 @@ def test_common_layouts_are_replayable(layer, monkeypatch):
     x, w, b = _layer_inputs(shape, cl, w_shape, 0, "cpu")
     foreign, launches = _device_work(monkeypatch, conv, x, w, b, **kw)
     assert not foreign and launches, (foreign, launches)
-    if not cl and math.prod(w_shape[2:]) > 1:  # NC* x: copied to channels-last by the transpose kernel
-        assert "_transpose_kernel" in launches
+    if not cl and math.prod(w_shape[2:]) > 1:  # NC* x: copied to channels-last by the shared copy kernel
+        assert "_copy_padded_kernel" in launches
     # the training step's replayed bodies: the forward (no activation: torch applies it) and both gradients
     rank = len(w_shape) - 2
     stride = conv_mod._per_dim("stride", kw.get("stride", 1), rank, 1)

@@ -42,6 +42,9 @@ CASES = [
     # the persistent TMA kernel (device-side descriptors: the replay allocates their scratch memory)
     (256, 4096, 4096, torch.bfloat16, {"bias": True, "activation": "gelu"}),
     (300, 1024, 1000, torch.float16, {}),
+    # staged (misaligned K: aligned zero-padded copies made by a kernel, then the aligned kernels)
+    (64, 1024, 1000, torch.int8, {"out_dtype": torch.int32}),
+    (57, 4352, 6777, torch.bfloat16, {}),
 ]
 
 
@@ -73,13 +76,8 @@ def test_replays_match_the_reference(device, m, n, k, dtype, opts):
 
 
 def test_calls_that_stay_general(device):
-    """An output given, a config given, a staged (misaligned) call: the general path every time."""
+    """An output given (or a config): the general path every time."""
     _gemm._REPLAYS.clear()
-    a, b = _operands(64, 1024, 1000, torch.int8, device, 0)  # K = 1000: 8-bit operands are staged
-    for _ in range(4):
-        c = gemm(a, b, out_dtype=torch.int32)
-        assert torch.equal(c.cpu().long(), gemm_ref(a, b).cpu().long())
-    assert not _plans()
     a, b = _operands(4, 512, 512, torch.bfloat16, device, 1)
     out = torch.empty(4, 512, device=device, dtype=torch.bfloat16)
     for _ in range(3):

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flydsl_common.copy import copy_padded
+
 from ._kernels.persistent import tma_rows
 
 __all__ = ["Staging", "plan", "stage_operands"]
@@ -109,18 +111,15 @@ def plan(a: torch.Tensor, b_nk: torch.Tensor, c: torch.Tensor, tma: bool) -> Sta
 
 
 def _k_major_copy(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``t`` (``[rows, K]``, any strides) as a contiguous ``[rows, k]`` (k >= K), the columns past K zero."""
-    rows, k0 = t.shape
-    out = torch.empty(rows, k, dtype=t.dtype, device=t.device)
-    out[:, :k0].copy_(t)
-    if k > k0:
-        out[:, k0:].zero_()
-    return out
+    """``t`` (``[rows, K]``, any strides) as a contiguous ``[rows, k]`` (k >= K), the columns past K zero:
+    one launch of the shared strided copy, so a staged call stays replayable (allocations and launches)."""
+    return copy_padded(t, torch.empty(t.shape[0], k, dtype=t.dtype, device=t.device))
 
 
 def stage_operands(s: Staging, a: torch.Tensor, b_nk: torch.Tensor, c: torch.Tensor):
     """(a, b_nk, c) to launch with under staging ``s``; ``c`` is a scratch ``[M, N]`` view of an aligned
-    ``[M, Np]`` buffer when ``s.copy_c`` (the caller copies it into the output after the launch)."""
+    ``[M, Np]`` buffer when ``s.copy_c`` (the caller copies it into the output after the launch, with
+    :func:`flydsl_common.copy.copy_padded`)."""
     if s.copy_a:
         a = _k_major_copy(a, s.k)
     if s.copy_b:
