@@ -28,6 +28,12 @@ def _conv_case(device) -> DemoRun:
                    lambda: F.relu(F.conv2d(x, w, b, padding=1)), "F.relu(F.conv2d)", 2e-2)  # fmt: skip
 
 
+def _tunables():
+    from .autotune import TUNABLE
+
+    return [TUNABLE]
+
+
 def _demo_cases():
     return [DemoCase("conv2d 3x3 + bias + relu", _conv_case)]
 
@@ -44,6 +50,7 @@ FAMILY = Family(
     module="fly_conv",
     version=__version__,
     description="implicit-GEMM convolution 1D/2D/3D",
+    tunables=_tunables,
     demo_cases=_demo_cases,
     bench=_bench,
 )

@@ -1,5 +1,6 @@
 """Launch configurations of fly-conv: :class:`ConvProblem`, :class:`ConvConfig`, the pure default
-(:func:`default_config`) and the one validity predicate (:func:`config_valid`).
+(:func:`default_config`), the one validity predicate (:func:`config_valid`) and the tuning adopter
+(:data:`TUNABLE`, :func:`tuning_key`, :func:`candidates`, :func:`config_for`).
 
 Three kernel kinds share the config type:
 
@@ -14,19 +15,35 @@ The defaults are the published Hopper practice for 16-bit implicit GEMMs (128-ro
 step where the layer has them, 3-4 pipeline stages, grouped tile order), narrowed to the layer where its
 channels are fewer (grouped and small-channel layers), with warps and fp32 tiles chosen by sm_90 compiles
 (no spill, the K loop pipelined); they have not been timed on the H200 yet.
+
+A launch is served (:func:`config_for`) the searched winner of its tuning key, the shipped artifact's
+(``fly_conv/artifacts/conv.json``, written by ``flydsl tune conv`` on the GPU) or the problem's default. The
+key holds what decides the tile (rank, kernel, stride, dilation, group structure, channel and position
+buckets, dtype, kind), never the spatial sizes themselves: the kernels take D / H / W as runtime values, so one
+compiled kernel and one tuned config serve every resolution of a layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import env
+from flydsl.autotune import SearchTask, Tunable
+from flydsl.autotune.timer import rotating_copies
+from flydsl.checks import dtype_name, parse_dtype
+from flydsl.testing import tolerance
 
-__all__ = ["ConvProblem", "ConvConfig", "KINDS", "default_config", "config_valid", "smem_bytes", "wgrad_splits"]
+__all__ = [
+    "ConvProblem", "ConvConfig", "KINDS", "default_config", "config_valid", "smem_bytes", "wgrad_splits",
+    "TUNABLE", "tuning_key", "candidates", "config_for", "key_problem", "clear_memo",
+]  # fmt: skip
 
 KINDS = ("implicit", "depthwise", "wgrad")
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
@@ -41,6 +58,11 @@ class ConvProblem:
     ``m``: GEMM rows (positions: N * OD * OH * OW; for ``"wgrad"`` the positions reduced over), ``n``: output
     channels a group (``"depthwise"``: all output channels), ``cg``: channels a group of the gathered operand,
     ``taps``: KD * KH * KW, ``groups``, ``dtype``: the inputs' dtype.
+
+    The layer's geometry, which the tuning key needs (the default does not): ``kernel``, ``stride`` and
+    ``dilation``, one int a spatial dim (empty: unknown), and ``transposed``: an ``"implicit"`` launch run as
+    the forward's input gradient (``m`` then counts the input's positions, ``n`` the layer's input channels a
+    group and ``cg`` its output channels a group).
     """
 
     kind: str
@@ -50,6 +72,10 @@ class ConvProblem:
     taps: int
     groups: int
     dtype: torch.dtype
+    kernel: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +99,7 @@ def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
 
 
 def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) -> bool:
-    """The one validity predicate (default, tests, a future tuner): power-of-two tiles of at most 256 (at
+    """The one validity predicate (default, tuner, tests): power-of-two tiles of at most 256 (at
     least 16 in every dot dimension), a warp count Triton takes, shared memory within the arch's, split-K for
     the weight gradient only."""
     if problem.kind not in KINDS:
@@ -160,3 +186,402 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
     if problem.kind == "wgrad":
         cfg = dataclasses.replace(cfg, split_k=wgrad_splits(cfg, problem, arch))
     return cfg
+
+
+# ------------------------------------------------------------------ tuning adopter
+#
+# Key: {"kind", "rank", "kernel", "stride", "dilation", "groups", "cin", "cout", "m_bucket", "dtype"} and the
+# arch. "kind" is the launch's kernel: "implicit" (forward), "dgrad" (the implicit GEMM transposed: the input
+# gradient), "depthwise" or "wgrad". "kernel" / "stride" / "dilation" are "3x3"-style text (keys hold JSON
+# scalars only). "groups" is "dense", "depthwise" or "cg<bucket>" (the layer's input channels a group). "cin"
+# and "cout" are the layer's input and output channels, "m_bucket" the launch's rows (N x output positions;
+# the input gradient: N x input positions, the rows it writes), each the next power of two, capped: the tiles
+# are bounded by the channels and the grid's fill by the rows, while the spatial sizes themselves (D, H, W)
+# are runtime values of every kernel and stay out of the key.
+
+_C_CAP = 2048  # channels: past this, every candidate's tile is far narrower than the layer
+_M_CAP = 1 << 20  # rows: past ~8 waves of 128-row tiles on 132 SMs the tail wave no longer decides the tile
+_KEY_KINDS = ("implicit", "dgrad", "depthwise", "wgrad")
+
+
+def _bucket(v: int, cap: int) -> int:
+    return min(flyc.next_power_of_2(max(int(v), 1)), cap)
+
+
+def _dims(values: tuple[int, ...]) -> str:
+    return "x".join(str(int(v)) for v in values)
+
+
+def _parse_dims(key, field: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(v) for v in str(key[field]).split("x"))
+    except (KeyError, ValueError):
+        raise ValueError(f"key: expected {field!r} as '3x3'-style text, got {key.get(field)!r}") from None
+    if not 1 <= len(dims) <= 3 or min(dims) < 1:
+        raise ValueError(f"key: {field!r} must hold 1-3 positive sizes, got {key[field]!r}")
+    return dims
+
+
+def _layer_channels(problem: ConvProblem) -> tuple[int, int, int]:
+    """(input channels, output channels, input channels a group) of the layer a launch belongs to."""
+    if problem.kind == "depthwise":
+        return problem.groups, problem.n, 1
+    if problem.kind == "implicit" and problem.transposed:  # n: the layer's input channels a group
+        return problem.n * problem.groups, problem.cg * problem.groups, problem.n
+    return problem.cg * problem.groups, problem.n * problem.groups, problem.cg
+
+
+def tuning_key(problem: ConvProblem, kind: str | None = None, dtype: torch.dtype | None = None) -> dict:
+    """The bucketed tuning key of ``problem`` (``kind`` / ``dtype``: the problem's unless given; ``kind`` may
+    also be ``"dgrad"``, the transposed implicit GEMM). The spatial sizes are not in it: every resolution of a
+    layer shares its key."""
+    if kind is not None or dtype is not None:
+        transposed = problem.transposed if kind is None else kind == "dgrad"
+        kind = problem.kind if kind is None else "implicit" if kind == "dgrad" else kind
+        problem = dataclasses.replace(problem, kind=kind, dtype=dtype or problem.dtype, transposed=transposed)
+    if problem.kind not in KINDS:
+        raise ValueError(f"kind: expected one of {_KEY_KINDS}, got {problem.kind!r}")
+    rank = len(problem.kernel)
+    if not (1 <= rank <= 3 and len(problem.stride) == rank and len(problem.dilation) == rank):
+        raise ValueError(f"problem: the tuning key needs the layer's kernel, stride and dilation (1-3 ints each, "
+                         f"one a spatial dim), got {problem!r}")  # fmt: skip
+    cin, cout, cg = _layer_channels(problem)
+    if problem.kind == "depthwise":
+        groups = "depthwise"
+    elif problem.groups == 1:
+        groups = "dense"
+    else:
+        groups = f"cg{_bucket(cg, _C_CAP)}"
+    kind = "dgrad" if problem.kind == "implicit" and problem.transposed else problem.kind
+    return {"kind": kind, "rank": rank, "kernel": _dims(problem.kernel), "stride": _dims(problem.stride),
+            "dilation": _dims(problem.dilation), "groups": groups, "cin": _bucket(cin, _C_CAP),
+            "cout": _bucket(cout, _C_CAP), "m_bucket": _bucket(problem.m, _M_CAP),
+            "dtype": dtype_name(problem.dtype)}  # fmt: skip
+
+
+def _key_groups(key) -> int:
+    cin, cout, groups = int(key["cin"]), int(key["cout"]), str(key["groups"])
+    if groups == "dense":
+        return 1
+    if groups == "depthwise":
+        return cin
+    if not groups.startswith("cg") or not groups[2:].isdigit() or int(groups[2:]) < 1:
+        raise ValueError(f"key: expected groups 'dense', 'depthwise' or 'cg<channels a group>', got {groups!r}")
+    return max(1, min(cin // int(groups[2:]), cout))
+
+
+def key_problem(key) -> ConvProblem:
+    """The representative problem of a tuning key: its buckets taken as the sizes (``tuning_key`` of it is
+    ``key`` again). The default, validity and candidates of a key are those of this problem."""
+    kind = key["kind"]
+    if kind not in _KEY_KINDS:
+        raise ValueError(f"key: expected kind one of {_KEY_KINDS}, got {kind!r}")
+    kernel, stride, dilation = (_parse_dims(key, f) for f in ("kernel", "stride", "dilation"))
+    if not len(kernel) == len(stride) == len(dilation) == int(key["rank"]):
+        raise ValueError(f"key: kernel, stride and dilation must have rank = {key['rank']} sizes, got {key!r}")
+    cin, cout, m = int(key["cin"]), int(key["cout"]), int(key["m_bucket"])
+    dtype = parse_dtype("dtype", key["dtype"])
+    groups = _key_groups(key)
+    geo = {"kernel": kernel, "stride": stride, "dilation": dilation}
+    taps = math.prod(kernel)
+    if kind == "depthwise":
+        return ConvProblem("depthwise", m, cout, 1, taps, groups, dtype, **geo)
+    if kind == "dgrad":
+        return ConvProblem("implicit", m, cin // groups, cout // groups, taps, groups, dtype, **geo, transposed=True)
+    return ConvProblem(kind, m, cout // groups, cin // groups, taps, groups, dtype, **geo)
+
+
+def _arch(name: str) -> flydsl.arch.Arch:
+    if name == "cpu":
+        return flydsl.arch.INTERPRETER
+    here = flydsl.arch.current()
+    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
+
+
+def _default(key, arch: str) -> ConvConfig:
+    return default_config(key_problem(key), _arch(arch))
+
+
+def _valid(cfg: ConvConfig, key, arch: str) -> bool:
+    return config_valid(cfg, key_problem(key), _arch(arch))
+
+
+_MAX_CANDIDATES = 30
+
+
+def _warps(area: int) -> tuple[int, ...]:
+    """Warp counts worth trying for a dot tile of ``area`` elements: 4 for small tiles, 8 for large ones (4
+    spills past 128 x 64 in the strided input gradient: see :func:`default_config`), both in between."""
+    if area < 64 * 64:
+        return (4,)
+    return (4, 8) if area <= 128 * 64 else (8,)
+
+
+def _implicit_candidates(p: ConvProblem) -> list[ConvConfig]:
+    """Row tiles of 64 / 128 (256 for narrow layers), column tiles up to the output channels, K steps up to the
+    channels a group, warps and stages by tile size; the implicit GEMM has no split-K (the tile choice fills
+    the grid instead: 64-row tiles double the programs)."""
+    fp8, fp32 = p.dtype.itemsize == 1, p.dtype.itemsize == 4
+    if fp32:  # the IEEE dot keeps its operands in registers: small tiles only (see default_config)
+        n_cap, k_cap = _pow2_in(p.n, 16, 64), _pow2_in(p.cg, 16, 32)
+        shapes, steps, stages = [(32, 32), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128)], (16, 32), (2, 3)
+    else:
+        n_cap = _pow2_in(p.n, 16, _MAX_TILE)
+        k_cap = _pow2_in(p.cg, _DOT_MIN_K_8BIT, 128) if fp8 else _pow2_in(p.cg, 16, 64)
+        rows = (64, 128, 256) if n_cap <= 32 else (64, 128)  # narrow outputs: taller tiles keep a program busy
+        shapes, steps, stages = [(bm, bn) for bm in rows for bn in (64, 128, 256)], (64, 128) if fp8 else (32, 64), ()
+    out = []
+    for bm, bn in shapes:
+        bn = min(bn, n_cap)
+        for step in steps:
+            bk = min(step, k_cap)
+            if fp32:
+                options = [(4 if bm * bn <= 64 * 64 else 8, s) for s in stages]
+            else:  # the short K step pipelines deeper; the 128 x 256 tile keeps 3 stages (shared memory)
+                tiers = (4,) if step == steps[0] else (3,) if bm * bn >= 128 * 256 else (3, 4)
+                options = [(w, s) for w in _warps(bm * bn) for s in tiers]
+            out += [ConvConfig(bm, bn, bk, group_m=8, num_warps=w, num_stages=s) for w, s in options]
+    return out
+
+
+def _depthwise_candidates(p: ConvProblem) -> list[ConvConfig]:
+    """Channel tiles of 8-128 (up to the output channels) against 2048-8192 outputs a program, 4 or 8 warps."""
+    n_cap = _pow2_in(p.n, 1, 128)
+    out = []
+    for bn in sorted({min(b, n_cap) for b in (8, 16, 32, 64, 128)}):
+        for outputs in (2048, 4096, 8192):
+            for warps in (4, 8):
+                out.append(ConvConfig(max(1, min(_MAX_TILE, outputs // bn)), bn, 1, num_warps=warps, num_stages=1))
+    return out
+
+
+def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
+    """The default's tile and its halves, two position steps, and each with the splits of the positions that
+    fill the SMs (:func:`wgrad_splits`), half and twice that (where the positions allow) and none."""
+    base = default_config(p, a)
+    steps = (16, 32) if p.dtype.itemsize == 4 else (32, 64)
+    out = []
+    for bm in sorted({base.block_m, max(16, base.block_m // 2)}, reverse=True):
+        for bn in sorted({base.block_n, max(16, base.block_n // 2)}, reverse=True):
+            for bk in steps:
+                cfg = ConvConfig(bm, bn, bk, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+                fill = wgrad_splits(cfg, p, a)
+                more = fill * 2 if flyc.cdiv(p.m, bk) // (fill * 2) >= _WGRAD_MIN_STEPS // 2 else fill
+                out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, 1, max(1, fill // 2), more})]
+    return out
+
+
+def candidates(key, arch: str) -> list[ConvConfig]:
+    """A bounded space per key (at most 30 configs, each valid for the key's problem on ``arch``)."""
+    p, a = key_problem(key), _arch(arch)
+    if a.is_interpreter:  # the interpreter executes every element of a tile: the default and one other
+        if p.kind == "depthwise":
+            other = ConvConfig(16, 16, 1, num_stages=1)
+        else:
+            other = ConvConfig(16, 16, _DOT_MIN_K_8BIT if p.dtype.itemsize == 1 else 16, group_m=1, num_stages=1)
+        out = [default_config(p, a), other]
+    elif p.kind == "depthwise":
+        out = _depthwise_candidates(p)
+    elif p.kind == "wgrad":
+        out = _wgrad_candidates(p, a)
+    else:
+        out = _implicit_candidates(p)
+    return [c for c in dict.fromkeys(out) if config_valid(c, p, a)][:_MAX_CANDIDATES]
+
+
+def _key_layer(key) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(batch, input spatial size, output spatial size, padding) of the layer a key's search times: its rows
+    as a batch of images of up to 4096 positions (3D: 32768), each dim a power of two, 'same'-style padding."""
+    p = key_problem(key)
+    rank = len(p.kernel)
+    rows = p.m // math.prod(p.stride) if key["kind"] == "dgrad" else p.m  # dgrad: m counts input positions
+    bits = max(rows, 1).bit_length() - 1
+    image = min(bits, 15 if rank == 3 else 12)
+    out_size = tuple(1 << (image // rank + (i < image % rank)) for i in range(rank))
+    pad = tuple(d * (k - 1) // 2 for k, d in zip(p.kernel, p.dilation, strict=True))
+    in_size = tuple((o - 1) * s + d * (k - 1) + 1 - 2 * q
+                    for o, s, d, k, q in zip(out_size, p.stride, p.dilation, p.kernel, pad, strict=True))  # fmt: skip
+    return 1 << (bits - image), in_size, out_size, pad
+
+
+def _make_task(key, device):
+    """The offline search task of a key: the key's representative layer (:func:`_key_layer`) with seeded
+    random operands, timed through the real host path and launch, rotating over copies of the operands where
+    they fit in L2. Every candidate is first checked against :func:`fly_conv.reference.conv_ref` (the
+    gradients: torch's fp64 ``conv*d_input`` / ``conv*d_weight``); the forward and input gradient on the first
+    and last image only (small problems, whatever the batch: an indexing slip between images still shows)."""
+    from .conv import _conv_forward, _conv_input_grad, _conv_weight_grad  # here: conv imports this module
+    from .reference import conv_ref
+
+    p, kind = key_problem(key), key["kind"]
+    batch, in_size, out_size, pad = _key_layer(key)
+    rank, groups = len(p.kernel), p.groups
+    cin, cout = int(key["cin"]), int(key["cout"])
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def channels_last(c, size):  # NC* view of channels-last memory: the kernels' native layout
+        return torch.randn(batch, *size, c, generator=gen, device=device).movedim(-1, 1)
+
+    w = torch.randn(cout, cin // groups, *p.kernel, generator=gen, device=device)
+    fan_in = (cin // groups) * p.taps
+    geo = (p.stride, pad, p.dilation, groups)
+    idx = sorted({0, batch - 1})
+    grad_fns = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+    wgrad_fns = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+    def view(out):  # the run's output to the checked images (the reference already holds only those)
+        return out[idx] if out.shape[0] == batch else out
+
+    xs = ws = out_dtype = None
+    if kind in ("implicit", "depthwise"):
+        x = channels_last(cin, in_size)
+        if p.dtype.itemsize == 1:  # fp8: raw e4m3 values, the scales carry the magnitudes
+            xs = torch.full((1,), 0.5, device=device)
+            ws = (torch.rand(cout, generator=gen, device=device) + 0.5) * fan_in**-0.5
+            x, w, out_dtype = x.to(p.dtype), w.to(p.dtype), torch.bfloat16
+        else:
+            x, w = x.to(p.dtype), (w * fan_in**-0.5).to(p.dtype)
+        operands = (x, w, xs, ws)
+
+        def call(cfg, x, w, xs, ws):
+            return _conv_forward(x, w, None, p.stride, pad, pad, p.dilation, groups, 0, True, cfg, xs, ws, out_dtype)
+
+        def reference():
+            return conv_ref(x[idx], w, None, *geo, x_scale=xs, w_scale=ws)
+
+    elif kind == "dgrad":
+        g, w = channels_last(cout, out_size).to(p.dtype), (w * fan_in**-0.5).to(p.dtype)
+        operands = (g, w)
+
+        def call(cfg, g, w):
+            return _conv_input_grad(g, w, (batch, cin, *in_size), *geo, True, config=cfg)
+
+        def reference():
+            return grad_fns[rank]((len(idx), cin, *in_size), w.double(), g[idx].double(), *geo)
+
+    else:  # wgrad: the whole gradient (it sums over every image)
+        g, x = channels_last(cout, out_size).to(p.dtype), channels_last(cin, in_size).to(p.dtype)
+        operands = (g, x)
+
+        def call(cfg, g, x):
+            return _conv_weight_grad(g, x, tuple(w.shape), *geo, config=cfg)
+
+        def reference():
+            return wgrad_fns[rank](x.double(), tuple(w.shape), g.double(), *geo)
+
+    l2 = flydsl.arch.current().l2_bytes if torch.device(device).type == "cuda" else 0
+    sets = rotating_copies(operands, l2)  # identical copies: any one gives the same output
+    turn = iter(range(1 << 62))
+
+    out = out_dtype or p.dtype
+    if out == torch.float32:
+        rtol = 1e-4  # fp32 accumulation over up to millions of products
+    else:
+        rtol = tolerance(out) * (2 if kind in ("dgrad", "wgrad") else 1)  # as the gradient tests budget
+    return SearchTask(run=lambda cfg: call(cfg, *sets[next(turn) % len(sets)]), reference=reference, rtol=rtol,
+                      view=view if kind in ("implicit", "depthwise", "dgrad") else None)  # fmt: skip
+
+
+def _bench_problems(case, dtype: torch.dtype, train: bool) -> list[ConvProblem]:
+    """The launches of one bench layer (``fly_conv.bench``'s case params): its forward, and for a training
+    step its input and weight gradients too."""
+    prm = case.params
+    spatial, ks, s, groups = tuple(prm["spatial"]), prm["ks"], prm["stride"], prm["groups"]
+    rank, c, k, n = len(spatial), prm["C"], prm["K"], prm["N"]
+    out = tuple((i + 2 * (ks // 2) - ks) // s + 1 for i in spatial)
+    geo = {"kernel": (ks,) * rank, "stride": (s,) * rank, "dilation": (1,) * rank}
+    taps, rows = ks**rank, n * math.prod(out)
+    if groups > 1 and groups == c and k % c == 0:
+        return [ConvProblem("depthwise", rows, k, 1, taps, groups, dtype, **geo)]
+    cg, kg = c // groups, k // groups
+    problems = [ConvProblem("implicit", rows, kg, cg, taps, groups, dtype, **geo)]
+    if train:
+        problems += [ConvProblem("implicit", n * math.prod(spatial), cg, kg, taps, groups, dtype, **geo,
+                                 transposed=True),
+                     ConvProblem("wgrad", rows, kg, cg, taps, groups, dtype, **geo)]  # fmt: skip
+    return problems
+
+
+def _tune_keys(arch: str) -> list[dict]:
+    """The offline tuning set: ``fly_conv.bench``'s tuned layers (ResNet-50 / UNet 3x3 and 1x1, 3D 3x3x3, 1D
+    k = 7, depthwise, grouped; the training layers' gradients; the fp8 forward's layers), one key each launch."""
+    from . import bench  # here: bench imports conv, which imports this module
+
+    problems = []
+    for cases in (bench._CONV, bench._NCHW, bench._1X1, bench._DEPTHWISE, bench._GROUPED):
+        problems += [p for case in cases for p in _bench_problems(case, torch.bfloat16, False)]
+    problems += [p for case in bench._TRAIN for p in _bench_problems(case, torch.bfloat16, True)]
+    problems += [p for case in bench._FP8_LAYERS for p in _bench_problems(case, torch.float8_e4m3fn, False)]
+    keys = {}
+    for problem in problems:
+        key = tuning_key(problem)
+        keys.setdefault(tuple(sorted(key.items())), key)
+    return list(keys.values())
+
+
+def _make_tunable():
+    return Tunable(
+        name="conv",
+        config_type=ConvConfig,
+        default=_default,
+        candidates=candidates,
+        is_valid=_valid,
+        artifact_dir=Path(__file__).parent / "artifacts",
+        max_candidates=_MAX_CANDIDATES + 1,  # the default and the candidates
+        tune_keys=_tune_keys,
+        make_task=_make_task,
+    )
+
+
+TUNABLE = _make_tunable()
+_FAST: dict = {}  # (problem, arch name, default) -> config: one dict lookup a launch
+_FAST_LIMIT = 4096
+
+
+def config_for(problem: ConvProblem, kind: str | None = None, dtype: torch.dtype | None = None, device=None, *,
+               arch: flydsl.arch.Arch | None = None, autotune: bool | None = None, task=None,
+               default=None) -> ConvConfig:  # fmt: skip
+    """The launch config of ``problem`` (``kind`` / ``dtype`` as in :func:`tuning_key`) on ``arch`` (default:
+    ``device``'s): its key's searched winner, the shipped artifact's or the default.
+
+    The default is the problem's own :func:`default_config` (``default``: the function to use instead): a key
+    whose answer is its representative problem's default (nothing searched or shipped, or the default won)
+    serves every problem of the key its own default, exact channels and positions rather than the key's
+    rounded ones. ``autotune`` (default ``FLYDSL_AUTOTUNE``) searches the key once a process with ``task()``
+    (default: the key's representative task, :func:`_make_task`). A served config is valid for ``problem``;
+    answers are memoised per problem, so a launch pays one dict lookup."""
+    if kind is not None or dtype is not None:
+        transposed = problem.transposed if kind is None else kind == "dgrad"
+        kind = problem.kind if kind is None else "implicit" if kind == "dgrad" else kind
+        problem = dataclasses.replace(problem, kind=kind, dtype=dtype or problem.dtype, transposed=transposed)
+    a = arch if arch is not None else flydsl.arch.current(device)
+    choose = default_config if default is None else default
+    search = env.get("FLYDSL_AUTOTUNE") if autotune is None else autotune
+    fast_key = (problem, a.name, choose)
+    if not search:
+        cfg = _FAST.get(fast_key)
+        if cfg is not None:
+            return cfg
+    if not problem.kernel:  # no geometry, no key: the problem's default
+        cfg = choose(problem, a)
+    else:
+        key = tuning_key(problem)
+        if task is None:
+            device = device if device is not None else "cpu" if a.is_interpreter else "cuda"
+            task = lambda: _make_task(key, device)  # noqa: E731
+        cfg = TUNABLE.select(key, a.name, autotune=search, task=task)
+        if cfg == TUNABLE.default(key, a.name) or not config_valid(cfg, problem, a):
+            cfg = choose(problem, a)
+    if not config_valid(cfg, problem, a):
+        raise ValueError(f"config_for: the default {cfg!r} is not valid for {problem!r} on {a.name}")
+    if not search:
+        if len(_FAST) >= _FAST_LIMIT:
+            _FAST.clear()
+        _FAST[fast_key] = cfg
+    return cfg
+
+
+def clear_memo() -> None:
+    """Forget every resolved config of this process (tests; after tuning)."""
+    _FAST.clear()
+    TUNABLE.clear_memo()

@@ -15,7 +15,6 @@ contiguous along the positions). Outputs are written in their final layout direc
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
@@ -32,7 +31,7 @@ from ._kernels.depthwise import launch_depthwise
 from ._kernels.implicit_gemm import geom_pointwise, launch_implicit_gemm
 from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_wgrad
-from .autotune import ConvConfig, ConvProblem, config_valid, default_config
+from .autotune import ConvConfig, ConvProblem, config_for, config_valid, default_config
 
 __all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "PADDING_MODES"]
 
@@ -240,8 +239,11 @@ def _geom(kernel, stride, lo, dilation):
 
 
 def _config(problem: ConvProblem, arch, config):
+    """``config`` checked, or for None the tuned choice (:func:`~fly_conv.autotune.config_for`: searched winner,
+    shipped artifact or this module's ``default_config``; memoised per problem, and never paid by a replayed
+    call, which keeps its recorded launches)."""
     if config is None:
-        return _default(default_config, problem, arch)
+        return config_for(problem, arch=arch, default=default_config)
     return _checked(config, problem, arch)
 
 
@@ -250,12 +252,6 @@ def _checked(cfg, problem: ConvProblem, arch):
         raise ArgumentError(f"config: {cfg!r} is not a valid launch config for a {problem.kind} convolution in "
                             f"{dtype_name(problem.dtype)} on {arch.name}")  # fmt: skip
     return cfg
-
-
-@functools.lru_cache(maxsize=4096)
-def _default(choose, problem: ConvProblem, arch):
-    """``choose(problem, arch)`` (the module's ``default_config``: pure), checked, once per problem."""
-    return _checked(choose(problem, arch), problem, arch)
 
 
 def _is_depthwise(c_in: int, k_out: int, groups: int) -> bool:
@@ -282,14 +278,17 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
     y5 = _ndhwc(y, rank)
     arch = flydsl.arch.current(x.device)
     if _is_depthwise(c_in, k_out, groups):
-        cfg = _config(ConvProblem("depthwise", y5.numel() // k_out, k_out, 1, taps, groups, x.dtype), arch, config)
+        problem = ConvProblem("depthwise", y5.numel() // k_out, k_out, 1, taps, groups, x.dtype, kernel, stride,
+                              dilation)  # fmt: skip
+        cfg = _config(problem, arch, config)
         launch_depthwise(_channels_last(x, rank), weight.reshape(k_out, taps).contiguous(), y5, bias, geom, act, cfg)
         return y
     cg = c_in // groups
     # 1x1 stride-1 layers read an NC* x in place (rows contiguous along the positions)
     x5 = _ndhwc(x, rank) if geom_pointwise(geom) else _channels_last(x, rank)
     w2 = _forward_weight(weight, rank, taps)
-    problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype)
+    problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype, kernel, stride,
+                          dilation)  # fmt: skip
     launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config), x_scale, w_scale)
     return y
 
@@ -304,9 +303,10 @@ def _bias_plane(bias, y):
     return bias.float().reshape(1, -1, *([1] * (y.dim() - 2))).expand(y.shape)
 
 
-def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channels_last):
+def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channels_last, config=None):
     """dL/dx of the forward (``x_size``: x's NC* shape), as the implicit GEMM transposed: the output gradient
-    gathered through the forward's taps against the weight packed as ``[C_in, (kd, kh, kw, k)]``."""
+    gathered through the forward's taps against the weight packed as ``[C_in, (kd, kh, kw, k)]``. ``config``:
+    the launch's (the tuner's search), else chosen."""
     rank = weight.dim() - 2
     n, c_in = x_size[:2]
     dx = _alloc(n, c_in, x_size[2:], grad.dtype, grad.device, channels_last)
@@ -327,26 +327,30 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
             wd = wd.contiguous()
     dx5 = _ndhwc(dx, rank)
     arch = flydsl.arch.current(grad.device)
-    problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype)
-    launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, _config(problem, arch, None))
+    problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype, kernel, stride, dilation,
+                          transposed=True)  # fmt: skip
+    launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, _config(problem, arch, config))
     return dx
 
 
-def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups):
+def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups, config=None):
     """dL/dweight (``w_size``: the weight's shape): per tap and group, the output gradient's channels against
-    the input's gathered pixels, summed over batch and positions (split runs added in a fixed order)."""
+    the input's gathered pixels, summed over batch and positions (split runs added in a fixed order).
+    ``config``: the launch's (the tuner's search), else chosen."""
     rank = len(w_size) - 2
     k_out, cg = w_size[:2]
     if grad.device.type == "meta":
         return torch.empty(w_size, dtype=grad.dtype, device=grad.device)
     if grad.numel() == 0 or x.numel() == 0:
         return torch.zeros(w_size, dtype=grad.dtype, device=grad.device)
-    geom = _geom(tuple(w_size[2:]), stride, lo, dilation)
+    kernel = tuple(w_size[2:])
+    geom = _geom(kernel, stride, lo, dilation)
     taps = geom[0][0] * geom[0][1] * geom[0][2]
     g5, x5 = _channels_last(grad, rank), _channels_last(x, rank)
     positions = g5.numel() // k_out
     arch = flydsl.arch.current(grad.device)
-    cfg = _config(ConvProblem("wgrad", positions, k_out // groups, cg, taps, groups, grad.dtype), arch, None)
+    problem = ConvProblem("wgrad", positions, k_out // groups, cg, taps, groups, grad.dtype, kernel, stride, dilation)
+    cfg = _config(problem, arch, config)
     steps = -(-positions // cfg.block_k)
     split_steps = -(-steps // cfg.split_k)
     splits = -(-steps // split_steps)  # every split holds positions
@@ -568,8 +572,9 @@ def conv(
         output_layout: None: the input's layout, and for NC* the input's memory format (channels-last memory
             in, channels-last memory out); or the rank's NC* name (contiguous NC*) or N*C name (dims
             ``[N, *spatial, K_out]``, contiguous).
-        config: a :class:`~fly_conv.autotune.ConvConfig` for the forward kernel (default: chosen for the
-            shape); not taken under autograd or torch.compile.
+        config: a :class:`~fly_conv.autotune.ConvConfig` for the forward kernel (default: the layer's tuned
+            config, searched under ``FLYDSL_AUTOTUNE=1`` or shipped, else the shape's default:
+            :func:`fly_conv.autotune.config_for`); not taken under autograd or torch.compile.
         x_scale, w_scale: the dequantization scales of fp8 (``torch.float8_e4m3fn``) ``x`` and ``weight``,
             both required for fp8 inputs (no default of 1.0: pass it explicitly) and refused for others.
             ``x_scale``: a number or a one-element fp32 tensor (per tensor); ``w_scale``: a number, a
