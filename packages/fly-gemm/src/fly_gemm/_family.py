@@ -29,8 +29,9 @@ def _gemm_case(device) -> DemoRun:
 
 def _tunables():
     from .autotune import TUNABLE
+    from .moe_config import MOE_TUNABLE
 
-    return [TUNABLE]
+    return [TUNABLE, MOE_TUNABLE]
 
 
 def _demo_cases():

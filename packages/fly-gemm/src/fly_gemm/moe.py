@@ -41,8 +41,10 @@ import torch
 
 import flydsl.arch
 from flydsl import direct
+from flydsl.autotune import SearchTask
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
+from flydsl.testing import tolerance
 from flydsl_common.device import activation_code
 
 from ._kernels.moe_gemm import (
@@ -54,7 +56,8 @@ from ._kernels.moe_gemm import (
     launch_moe_quant,
     launch_moe_sum,
 )
-from .moe_config import MoeConfig, default_moe_config, moe_config_valid
+from .moe_config import MoeConfig, moe_config_for, moe_config_valid
+from .moe_reference import fused_moe_ref
 from .moe_routing import align, check_id_values, check_topk_ids
 
 __all__ = ["fused_moe", "MOE_DTYPES", "MOE_QUANT_DTYPES", "MOE_ACTIVATIONS"]
@@ -268,14 +271,27 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
         return out
     arch = flydsl.arch.current(x.device)
     fp4 = w1_scale is not None and w1_scale.dtype == _E8M0
-    if fp4:  # the kernel reads the e8m0 exponents as bytes
-        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     # the dot's operands: x's dtype, or the 8-bit weights' (the activations quantized to it); int4 weights
     # are dequantized to x's dtype
     in_dtype = x.dtype if quant == QUANT_W4 else w1.dtype
     if config is None:
-        config = default_moe_config(t, e, inter, h, k, in_dtype, arch)
-        if quant in (QUANT_BLOCK, QUANT_W4) and config.block_k > scale_block[1]:
+        s1_in, s2_in = w1_scale, w2_scale
+
+        def task():  # the search task of this call (FLYDSL_AUTOTUNE=1): its own operands, the fp32 reference
+            def run(cfg):  # a fresh output: ``out`` may be x itself
+                return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+                                  None, cfg, s1_in, s2_in, block_shape)  # fmt: skip
+
+            def reference():
+                return fused_moe_ref(x, w1, w2, topk_weights, topk_ids, activation=activation,
+                                     apply_router_weight_on_input=apply_router_weight_on_input, w1_scale=s1_in,
+                                     w2_scale=s2_in, block_shape=block_shape)  # fmt: skip
+
+            return SearchTask(run=run, reference=reference, rtol=tolerance(x.dtype))
+
+        config = moe_config_for(t, e, inter, h, k, in_dtype, _quant_mode(quant, scale_block, fp4), x.device,
+                                task=task)  # fmt: skip
+        if quant in (QUANT_BLOCK, QUANT_W4) and config.block_k > scale_block[1]:  # the shipped configs fit it
             config = dataclasses.replace(config, block_k=scale_block[1])
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")
@@ -284,6 +300,8 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
     if quant in (QUANT_BLOCK, QUANT_W4) and scale_block[1] % config.block_k:
         raise ArgumentError(f"config: block_k {config.block_k} must divide block_shape's block_k "
                             f"{scale_block[1]} (each K step lies in one scale block)")  # fmt: skip
+    if fp4:  # the kernel reads the e8m0 exponents as bytes
+        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     numel = t * k
     sorted_ids, expert_ids, num_padded = align(topk_ids, e, config.block_m)
     act = activation_code(activation)
@@ -309,6 +327,20 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
                     fp4=fp4)  # fmt: skip
     launch_moe_sum(down, topk_ids, out, e)
     return out
+
+
+def _quant_mode(quant: int, scale_block: tuple[int, int], fp4: bool) -> str:
+    """The tuning key's name of a call's quantization (:func:`~fly_gemm.moe_config.moe_tuning_key`)."""
+    if quant == QUANT_NONE:
+        return "none"
+    if quant == QUANT_CHANNEL:
+        return "channel"
+    bn, bk = scale_block
+    if quant == QUANT_BLOCK:
+        return f"block{bn}x{bk}"
+    if fp4:
+        return "mxfp4" if bk == 32 else f"mxfp4g{bk}"  # the MX format's block of 32 goes unnamed
+    return f"w4g{bk}"
 
 
 def _quantize(a, qdtype, group):

@@ -5,22 +5,42 @@ One config serves both stages of a call: ``block_m`` is also the alignment's blo
 belongs to one expert), so the two stages must agree on it; the column tile and K step serve the gate/up
 projection (two accumulators, two weight tiles a step) and the down projection alike.
 
-Not yet tuned on the H200: the default follows the published Hopper practice for grouped MoE GEMMs (row
-tiles near the expected rows an expert, 16 at decode; 64-128-wide column tiles; K steps of 64 for 16-bit
-inputs; 3-4 pipeline stages; grouped tile order so the blocks of one expert share its weight tiles in L2).
+The default follows the published Hopper practice for grouped MoE GEMMs (row tiles near the expected rows
+an expert, 16 at decode; 64-128-wide column tiles; K steps of 64 for 16-bit inputs; 3-4 pipeline stages;
+grouped tile order so the blocks of one expert share its weight tiles in L2); it is not yet measured on the
+H200.
+
+The tuning adopter (:data:`MOE_TUNABLE`, :func:`moe_config_for`) serves a call the searched winner, the
+artifact shipped in ``fly_gemm/artifacts/moe.json`` (``flydsl tune gemm --only moe`` on the H200; none
+shipped yet) or the default, as the dense GEMM's (:mod:`.autotune`) does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import env
+from flydsl.autotune import SearchTask, Tunable
+from flydsl.autotune.timer import rotating_copies
+from flydsl.checks import dtype_name, parse_dtype
+from flydsl.errors import ArgumentError
+from flydsl.testing import tolerance
 
-__all__ = ["MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes"]
+from .autotune import _arch
+
+__all__ = [
+    "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
+    "moe_candidates", "moe_config_for", "clear_moe_memo", "MOE_TUNE_MODELS", "MOE_TUNE_TOKENS", "MOE_TUNE_QUANTS",
+]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 
@@ -80,3 +100,232 @@ def default_moe_config(
         cfg = MoeConfig(cfg.block_m, max(_DOT_MIN, flyc.next_power_of_2(cfg.block_n // 2)), cfg.block_k,
                         cfg.group_m, cfg.num_warps, 1)  # fmt: skip
     return cfg
+
+
+# ------------------------------------------------------------------ tuning adopter
+#
+# Key: {"tokens_bucket": next power of two of the tokens (capped), "experts", "inter", "hidden", "topk",
+# "dtype": the dot's operand dtype, "quant": the weights' quantization} and the arch. E, I, H and k are exact
+# (a model has one of each); the tokens are bucketed (the batch varies call to call). The quantization is
+# part of the key because it changes the kernel (8-bit dots, per-step block scales, in-kernel 4-bit
+# dequantization) and bounds the K step (it must lie in one scale block).
+
+# The largest bucket: 16384 tokens route 16384 k rows, past which every expert's row tiles are full at any
+# row tile of the space (Mixtral: 4096 rows an expert), so more tokens only add waves.
+_TOKENS_CAP = 16384
+_QUANT = re.compile(r"(none|channel)|block([1-9][0-9]*)x([1-9][0-9]*)|w4g([1-9][0-9]*)|mxfp4(?:g([1-9][0-9]*))?")
+_MXFP4_GROUP = 32  # the OCP MX format's block: "mxfp4" names it, other groups are "mxfp4g<group>"
+
+# The offline tuning set (`flydsl tune gemm --only moe`): the models of moe_bench.MODELS, (E, k, H, I), at
+# decode and prefill token counts, bf16 and DeepSeek-V3's block-scaled fp8.
+MOE_TUNE_MODELS = {
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v3": (256, 8, 7168, 2048),
+}
+MOE_TUNE_TOKENS = (1, 16, 64, 1024, 4096, 16384)
+MOE_TUNE_QUANTS = ((torch.bfloat16, "none"), (torch.float8_e4m3fn, "block128x128"))
+
+
+def _scale_k(quant: str) -> int | None:
+    """The K extent of one scale block of a quant mode (the K step must divide it), None when unbounded."""
+    m = _QUANT.fullmatch(quant) if isinstance(quant, str) else None
+    if m is None:
+        raise ArgumentError(f"quant: expected 'none', 'channel', 'block<bn>x<bk>', 'w4g<group>', 'mxfp4' or "
+                            f"'mxfp4g<group>', got {quant!r}")  # fmt: skip
+    if m.group(1):
+        return None
+    bk = m.group(3) or m.group(4) or m.group(5)
+    return int(bk) if bk else _MXFP4_GROUP
+
+
+def moe_tuning_key(tokens: int, num_experts: int, inter: int, hidden: int, topk: int, in_dtype: torch.dtype,
+                   quant: str) -> dict:  # fmt: skip
+    """The bucketed key of one fused MoE call: ``tokens`` rounded up to a power of two (capped at 16384),
+    ``num_experts``, ``inter`` (I), ``hidden`` (H) and ``topk`` exact, ``in_dtype`` the dot's operands (x's
+    dtype; the 8-bit weights' for w8a8), ``quant`` one of "none", "channel" (fp8 / int8 per channel),
+    "block<bn>x<bk>" (block-scaled), "w4g<group>" (int4), "mxfp4" (fp4 e2m1, groups of 32; "mxfp4g<group>"
+    for other groups)."""
+    _scale_k(quant)  # names a bad mode
+    bucket = min(flyc.next_power_of_2(max(tokens, 1)), _TOKENS_CAP)
+    return {"tokens_bucket": bucket, "experts": num_experts, "inter": inter, "hidden": hidden, "topk": topk,
+            "dtype": dtype_name(in_dtype), "quant": quant}  # fmt: skip
+
+
+def _key_dtype(key) -> torch.dtype:
+    return parse_dtype("dtype", key["dtype"])
+
+
+def _fit_scale(cfg: MoeConfig, key) -> MoeConfig:
+    """``cfg`` with its K step cut to the key's scale block where it is longer (as fused_moe cuts its own)."""
+    sk = _scale_k(key["quant"])
+    return cfg if sk is None or cfg.block_k <= sk else dataclasses.replace(cfg, block_k=sk)
+
+
+def _moe_default(key, arch: str) -> MoeConfig:
+    cfg = default_moe_config(key["tokens_bucket"], key["experts"], key["inter"], key["hidden"], key["topk"],
+                             _key_dtype(key), _arch(arch))  # fmt: skip
+    return _fit_scale(cfg, key)
+
+
+def _moe_valid(cfg: MoeConfig, key, arch: str) -> bool:
+    sk = _scale_k(key["quant"])
+    return moe_config_valid(cfg, _key_dtype(key), _arch(arch)) and (sk is None or sk % cfg.block_k == 0)
+
+
+_BLOCK_M = (16, 32, 64, 128)
+_MAX_CANDIDATES = 30
+
+
+def moe_candidates(key, arch: str) -> list[MoeConfig]:
+    """A bounded space per key (at most 30 configs): the default's row tile and its two neighbours (the rows
+    an expert gets decide it, and padding against tile efficiency is what a search settles), column tiles
+    of 64-256, K steps of 64 and 128 for 16-bit operands (128 for 8-bit ones; cut to the scale block), 3 or
+    4 stages; 4 warps for tiles up to 64 x 64, 8 from 128 x 128, both between. Every config passes the key's
+    validity predicate (shared memory, scale block)."""
+    a = _arch(arch)
+    if a.is_interpreter:  # the interpreter runs every element of a tile: two small configs
+        small = _fit_scale(MoeConfig(32, 32, 16, group_m=1, num_warps=4, num_stages=1), key)
+        return [c for c in dict.fromkeys([_moe_default(key, arch), small]) if _moe_valid(c, key, arch)]
+    dtype = _key_dtype(key)
+    default = _moe_default(key, arch)
+    i = _BLOCK_M.index(default.block_m) if default.block_m in _BLOCK_M else 0
+    block_ms = _BLOCK_M[max(0, i - 1) : i + 2]
+    sk = _scale_k(key["quant"])
+    block_ks = sorted({min(bk, sk or bk) for bk in ((128,) if dtype.itemsize == 1 else (64, 128))})
+    out = [default]
+    for block_m, block_n, block_k, stages in itertools.product(block_ms, (64, 128, 256), block_ks, (3, 4)):
+        tile = block_m * block_n
+        warps = (4,) if tile <= 64 * 64 else (8,) if tile >= 128 * 128 else (4, 8)
+        for w in warps:
+            out.append(MoeConfig(block_m, block_n, block_k, group_m=8 if block_m >= 64 else 1, num_warps=w,
+                                 num_stages=stages))  # fmt: skip
+    return [c for c in dict.fromkeys(out) if _moe_valid(c, key, arch)][:_MAX_CANDIDATES]
+
+
+def _moe_tune_keys(arch: str) -> list[dict]:
+    return [moe_tuning_key(t, e, inter, h, k, dtype, quant) for dtype, quant in MOE_TUNE_QUANTS
+            for e, k, h, inter in MOE_TUNE_MODELS.values() for t in MOE_TUNE_TOKENS]  # fmt: skip
+
+
+def _random_layer(key, device, seed: int = 0):
+    """Random inputs of a key's shape at its bucket's token count: unit-scale activations, quantized weights
+    of unit-scale products (random codes, scales of 1 / (the codes' rms x sqrt(K))), uniform softmax routing
+    (the ids drawn on the CPU). Weights are filled an expert at a time (DeepSeek-V3's bf16 w1 is 15 GB).
+    Returns (fused_moe's positional arguments, its keyword arguments)."""
+    from .moe_reference import topk_softmax_ref
+
+    t, e, inter, h, k = (key[n] for n in ("tokens_bucket", "experts", "inter", "hidden", "topk"))
+    dtype, quant = _key_dtype(key), key["quant"]
+    m = _QUANT.fullmatch(quant)
+    if m is None:
+        raise ArgumentError(f"quant: not a quant mode: {quant!r}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    gc = torch.Generator().manual_seed(seed)
+    w4 = bool(m.group(4) or quant.startswith("mxfp4"))
+    x_dtype = dtype if dtype.itemsize == 2 else torch.bfloat16  # 8-bit operands: bf16 x quantized on the fly
+    x = torch.randn(t, h, device=device, generator=g).to(x_dtype)
+    if w4:  # two 4-bit codes a byte along K
+        w1 = torch.empty(e, 2 * inter, h // 2, device=device, dtype=torch.uint8)
+        w2 = torch.empty(e, h, inter // 2, device=device, dtype=torch.uint8)
+    else:
+        wdt = dtype if quant != "none" else x_dtype
+        w1 = torch.empty(e, 2 * inter, h, device=device, dtype=wdt)
+        w2 = torch.empty(e, h, inter, device=device, dtype=wdt)
+    for w in (w1, w2):
+        for i in range(e):
+            if w.dtype == torch.uint8:  # any two codes a byte
+                w[i].random_(0, 256, generator=g)
+            elif w.dtype == torch.int8:
+                w[i].random_(-127, 128, generator=g)
+            elif w.dtype.itemsize == 1:  # fp8: normal codes
+                w[i] = torch.randn(w.shape[1:], device=device, generator=g).to(w.dtype)
+            else:
+                w[i].normal_(0.0, w.shape[2] ** -0.5, generator=g)
+    kw = {}
+    if quant != "none":
+        # the codes' rms: fp8 normal 1, int8 uniform in [-127, 127] ~73.3, int4 uniform in [-8, 7] ~4.6, fp4 e2m1
+        # uniform over its 16 codes ~2.9
+        rms = 2.9 if quant.startswith("mxfp4") else 4.6 if w4 else 73.3 if dtype == torch.int8 else 1.0
+        sk = _scale_k(quant)
+        bn = int(m.group(2)) if m.group(2) else 1
+        scales = []
+        for n, kk in ((2 * inter, h), (h, inter)):
+            if sk is None:  # per output channel
+                shape = (e, n)
+            else:
+                shape = (e, -(-n // bn), -(-kk // sk))
+            s = (torch.rand(shape, device=device, generator=g) + 0.5) / (rms * kk**0.5)
+            if quant.startswith("mxfp4"):  # e8m0: powers of two
+                s = torch.exp2(torch.round(torch.log2(s))).to(torch.float8_e8m0fnu)
+            scales.append(s)
+        kw = {"w1_scale": scales[0], "w2_scale": scales[1]}
+        if sk is not None:
+            kw["block_shape"] = [bn, sk]
+    w, ids = topk_softmax_ref(torch.randn(t, e, generator=gc), k)
+    return (x, w1, w2, w.to(device), ids.to(device)), kw
+
+
+def _moe_make_task(key, device):
+    """The offline search task of a key: one full fused_moe call (routing alignment, both grouped GEMMs,
+    the reduce; for w8a8 the activations' quantization) on random routing of the bucket's token count,
+    checked against :func:`~fly_gemm.moe_reference.fused_moe_ref` within x's dtype's tolerance. Inputs that
+    fit in L2 are timed rotating over copies (as the benchmarks do), so a decode key reads its experts'
+    weights from memory, not from a warm L2."""
+    from .moe import fused_moe  # here: moe imports this module
+    from .moe_reference import fused_moe_ref
+
+    args, kw = _random_layer(key, device)
+    x = args[0]
+    out = torch.empty_like(x)
+    names = sorted(kw)
+    l2 = flydsl.arch.current().l2_bytes if torch.device(device).type == "cuda" else 0
+    # identical copies: any one gives the same output
+    sets = rotating_copies((*args, out, *(kw[n] for n in names)), l2)
+    turn = itertools.count()
+
+    def run(cfg):
+        x_, w1_, w2_, w_, ids_, out_, *rest = sets[next(turn) % len(sets)]
+        return fused_moe(x_, w1_, w2_, w_, ids_, out=out_, config=cfg, **dict(zip(names, rest, strict=True)))
+
+    return SearchTask(run=run, reference=lambda: fused_moe_ref(*args, **kw), rtol=tolerance(x.dtype))
+
+
+MOE_TUNABLE = Tunable(
+    name="moe",
+    config_type=MoeConfig,
+    default=_moe_default,
+    candidates=moe_candidates,
+    is_valid=_moe_valid,
+    artifact_dir=Path(__file__).parent / "artifacts",
+    max_candidates=_MAX_CANDIDATES + 1,  # the default, when the space lacks it
+    tune_keys=_moe_tune_keys,
+    make_task=_moe_make_task,
+)
+# (tokens bucket, E, I, H, k, dtype, quant, device) -> config: one dict lookup a call once resolved
+_FAST: dict = {}
+
+
+def moe_config_for(tokens, num_experts, inter, hidden, topk, in_dtype, quant: str, device, *,
+                   task=None) -> MoeConfig:  # fmt: skip
+    """The launch config of a fused MoE call: searched winner, shipped artifact or the default (cut to the
+    scale block), as :func:`fly_gemm.autotune.config_for` serves the GEMM's (``FLYDSL_AUTOTUNE=1`` searches
+    once per key with ``task()``, a :class:`~flydsl.autotune.SearchTask` of the call)."""
+    bucket = 1 if tokens <= 1 else min(1 << (tokens - 1).bit_length(), _TOKENS_CAP)
+    fast_key = (bucket, num_experts, inter, hidden, topk, in_dtype, quant, device)
+    search = bool(env.get("FLYDSL_AUTOTUNE"))
+    if not search:
+        cfg = _FAST.get(fast_key)
+        if cfg is not None:
+            return cfg
+    key = moe_tuning_key(tokens, num_experts, inter, hidden, topk, in_dtype, quant)
+    cfg = MOE_TUNABLE.select(key, flydsl.arch.name(device), task=task)
+    if not search:
+        _FAST[fast_key] = cfg
+    return cfg
+
+
+def clear_moe_memo() -> None:
+    """Forget every resolved MoE config of this process (tests; after tuning)."""
+    _FAST.clear()
+    MOE_TUNABLE.clear_memo()
