@@ -92,6 +92,12 @@ def default_moe_config(
     block_n = 64 if block_m <= 32 else 128
     block_k = 64 if in_dtype.itemsize == 2 else 128
     warps = 8 if block_m * block_n >= 128 * 128 else 4
+    if in_dtype.itemsize == 1:
+        # 8-bit: BLOCK_K 128 beside the gated stage's two fp32 accumulators (gate, up). Compiled for sm_90,
+        # 128-wide column tiles sit at the 255-register cap and spill (24-432 bytes; per-channel promoted and
+        # block-scaled), 64-wide ones do not (128 rows, 8 warps: 186-231 registers; 64 rows, 4 warps: 251)
+        block_n = 64
+        warps = 8 if block_m >= 128 else 4
     cfg = MoeConfig(block_m, block_n, block_k, group_m=8 if block_m >= 64 else 1, num_warps=warps,
                     num_stages=4 if arch.backend == "cuda" else 2)  # fmt: skip
     while not moe_config_valid(cfg, in_dtype, arch) and cfg.num_stages > 1:
