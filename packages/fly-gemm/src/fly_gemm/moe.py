@@ -110,11 +110,7 @@ def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
                 raise ShapeError(f"{name}: expected [{e}, {rows}] or [{e}, {rows}, 1] (one scale an output "
                                  f"channel of each expert), got {describe(s)}")  # fmt: skip
         return QUANT_CHANNEL, (1, 1)
-    if (not isinstance(block_shape, (list, tuple)) or len(block_shape) != 2
-            or any(type(b) is not int for b in block_shape)):  # fmt: skip
-        raise ArgumentError(f"block_shape: expected [block_n, block_k] (two ints, e.g. [128, 128]), got "
-                            f"{block_shape!r}")  # fmt: skip
-    bn, bk = block_shape
+    bn, bk = _block_pair(block_shape)
     # the kernel's K step must lie in one scale block: a power-of-two block of at least the dot's 16
     if bn < 1 or bk < 16 or bk & (bk - 1):
         raise ArgumentError(f"block_shape: expected block_n >= 1 and block_k a power of two >= 16, got "
@@ -130,8 +126,19 @@ def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
     return (QUANT_W4 if wdt == torch.uint8 else QUANT_BLOCK), (bn, bk)
 
 
-def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out):
-    """Every argument checked, naming it; returns (E, I, H, T, k, quant mode, scale block)."""
+def _block_pair(block_shape) -> tuple[int, int]:
+    """``block_shape`` as (block_n, block_k): a list or tuple of two ints (values checked by the caller)."""
+    if (not isinstance(block_shape, (list, tuple)) or len(block_shape) != 2
+            or any(type(b) is not int for b in block_shape)):  # fmt: skip
+        raise ArgumentError(f"block_shape: expected [block_n, block_k] (two ints, e.g. [128, 128]), got "
+                            f"{block_shape!r}")  # fmt: skip
+    return block_shape[0], block_shape[1]
+
+
+def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out, id_values=True):
+    """Every argument checked, naming it; returns (E, I, H, T, k, quant mode, scale block). Shapes, dtypes
+    and devices only, except topk_ids' values on the CPU (``id_values=False``: not them either, for the op's
+    fake implementation, whose tensors have no values to read)."""
     check_tensor("x", x, ndim=2)
     if x.dtype not in MOE_DTYPES:
         if x.dtype == torch.float8_e4m3fn:
@@ -173,7 +180,8 @@ def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, bl
             raise ShapeError(f"out: expected [{t}, {h}] (x's shape), got {describe(out)}")
     check_same_device(x=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out,
                       w1_scale=w1_scale, w2_scale=w2_scale)  # fmt: skip
-    check_id_values(topk_ids, e)  # on the CPU only, where reading them costs no device synchronization
+    if id_values:
+        check_id_values(topk_ids, e)  # on the CPU only, where reading them costs no device synchronization
     return e, inter, h, t, topk_ids.shape[1], quant, scale_block
 
 
@@ -238,16 +246,23 @@ def fused_moe(
         y = fused_moe(x, w1, w2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[128, 128])
 
     Quantized calls take the general path (checks, config, launches) each time; 16-bit calls replay.
+
+    Under ``torch.compile`` (``fullgraph=True`` included) the call is traced as the custom op
+    ``torch.ops.fly_gemm.fused_moe`` (a fake implementation gives the result's shape and checks what shapes
+    and dtypes tell); ``out`` is then filled by a copy of the op's result, and ``config`` is refused (the op
+    takes the tuned config). No gradient: as in eager calls, the result does not require grad.
     """
     if (type(apply_router_weight_on_input) is bool and type(activation) is str and w1_scale is None
             and w2_scale is None and block_shape is None and (config is None or type(config) is MoeConfig)
             and all(type(a) in _PLAIN for a in (x, w1, w2, topk_weights, topk_ids))
             and (out is None or type(out) in _PLAIN)):  # fmt: skip
         # every argument hashable and of a type the key tells apart (a bool, not an int equal to it)
-        return _REPLAYS.eager(_fused_moe, x, w1, w2, topk_weights, topk_ids, activation,
+        # (under torch.compile Replays.eager takes the general path, _general, which routes to the op: no
+        # check of tracing of its own on the replayed route)
+        return _REPLAYS.eager(_general, x, w1, w2, topk_weights, topk_ids, activation,
                               apply_router_weight_on_input, out, config)  # fmt: skip
-    return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-                      w1_scale, w2_scale, block_shape)  # fmt: skip
+    return _general(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+                    w1_scale, w2_scale, block_shape)  # fmt: skip
 
 
 # Plain eager calls of a kind seen before (every operand's layout, the options, the stream) replay the first
@@ -256,6 +271,19 @@ def fused_moe(
 # mode, and calls on the CPU, take the general path below.
 _REPLAYS = direct.Replays("fly_gemm.fused_moe")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _general(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+             w1_scale=None, w2_scale=None, block_shape=None):  # fmt: skip
+    """Every call that is not replayed: traced ones through the custom op, eager ones the general path."""
+    if _compiling():
+        return _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+                       w1_scale, w2_scale, block_shape)  # fmt: skip
+    return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
+                      w1_scale, w2_scale, block_shape)  # fmt: skip
+
+
+_compiling = torch.compiler.is_compiling
 
 
 def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
@@ -351,3 +379,65 @@ def _quantize(a, qdtype, group):
     scale = torch.empty(m, _cdiv(kk, group), dtype=torch.float32, device=a.device)
     launch_moe_quant(a, q, scale, group)
     return q, scale
+
+
+# ------------------------------------------------------------------ custom op (torch.compile)
+
+
+def _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config, w1_scale,
+            w2_scale, block_shape):  # fmt: skip
+    """A call under torch.compile: the op on the arguments its schema takes (checked here first where the
+    schema would refuse them without naming the argument), ``out`` filled by a copy of its result."""
+    if config is not None:
+        raise ArgumentError("config: not taken under torch.compile (the op serves its tuned config)")
+    for name, a in (("x", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(a, torch.Tensor):
+            raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(a).__name__}")
+    for name, a in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("out", out)):
+        if a is not None and not isinstance(a, torch.Tensor):
+            raise ArgumentError(f"{name}: expected None or a torch.Tensor, got {type(a).__name__}")
+    if not isinstance(activation, str):
+        raise ArgumentError(f"activation: expected one of {list(MOE_ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(apply_router_weight_on_input, bool):
+        raise ArgumentError(f"apply_router_weight_on_input: expected a bool, got {apply_router_weight_on_input!r}")
+    if block_shape is not None:
+        block_shape = list(_block_pair(block_shape))
+    # No gradient, as an eager call's result (written by the kernels) has none: the op has no backward, and
+    # without this a traced call on inputs that require grad would return a result that claims one.
+    with torch.no_grad():
+        y = torch.ops.fly_gemm.fused_moe(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation,
+                                         apply_router_weight_on_input, block_shape)  # fmt: skip
+    if out is None:
+        return y
+    check_tensor("out", out, dtypes=(x.dtype,), ndim=2)
+    if tuple(out.shape) != tuple(y.shape):
+        raise ShapeError(f"out: expected {list(y.shape)} (x's shape), got {describe(out)}")
+    return out.copy_(y)
+
+
+# Through torch.library.Library, as fly_gemm::gemm (see gemm.py: custom_op's kernel imports torch._dynamo on
+# its first eager call); a fragment, since gemm.py defines the namespace. No ``out`` (the op returns a new
+# tensor; traced code copies into one) and no config (not a schema type).
+_LIB = torch.library.Library("fly_gemm", "FRAGMENT")
+_LIB.define(
+    "fused_moe(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? w1_scale, "
+    "Tensor? w2_scale, str activation, bool apply_router_weight_on_input, int[]? block_shape) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _fused_moe_op(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation, apply_router_weight_on_input,
+                  block_shape):  # fmt: skip
+    return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, None, None,
+                      w1_scale, w2_scale, block_shape)  # fmt: skip
+
+
+_LIB.impl("fused_moe", _fused_moe_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fly_gemm::fused_moe", lib=_LIB)
+def _(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation, apply_router_weight_on_input,
+      block_shape):  # fmt: skip
+    # shapes, dtypes and devices as the real call checks them; topk_ids' values are not there to read
+    _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, None, id_values=False)
+    return x.new_empty(x.shape)
