@@ -11,7 +11,10 @@ Triton's launcher specializes them (ints equal to 1 as constants, ints and point
 0 is a spill; WGMMA_E4M3: a ``wgmma.mma_async`` on e4m3 operands, the fp8 path's tensor-core dot;
 CP_ASYNC: the K loop's loads are asynchronous copies; PIPELINE: ``autotune.smem_bytes`` of the config, its
 A and B tiles times num_stages, which shared memory reaches only when the loop is multi-buffered) or
-``FAIL <name> <error>``."""
+``FAIL <name> <error>``.
+
+``--split`` compiles the split-K forward instead (:data:`SPLIT_VARIANTS`: the partial-sum launch and the
+epilogue-reduce launch at the default of a layer whose grid is under a wave), in lines of the same form."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 
 import flydsl.compiler as flyc
 from fly_conv._kernels.depthwise import launch_depthwise
-from fly_conv._kernels.implicit_gemm import launch_implicit_gemm
+from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
 from fly_conv._kernels.wgrad import launch_wgrad
 from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
 from flydsl.arch import SM90
@@ -94,10 +97,11 @@ def _out(size: int, k: int, stride: int, pad: int) -> int:
 
 
 def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=True, act=1, transposed=False,
-              w_scale=None):  # fmt: skip
+              w_scale=None, split_reduce=False):  # fmt: skip
     """The implicit GEMM of a 2D layer (forward, or its input gradient with ``transposed``). fp8 ``dtype``: the
     scaled forward, bf16 output and bias, x's scale per tensor, the weight's ``w_scale`` (``"tensor"`` or
-    ``"channel"``)."""
+    ``"channel"``). A default with split-K records its partial-sum launch, or with ``split_reduce`` its
+    epilogue-reduce launch."""
     fp8 = dtype == torch.float8_e4m3fn
     osz = _out(size, k, stride, pad)
     taps = k * k
@@ -116,6 +120,13 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
         scales = (torch.empty((1,), dtype=torch.float32, device="meta"), ws)
     cfg = default_config(problem, SM90)
     geom = _geom(k, stride, pad)
+    if split_reduce or cfg.split_k > 1:  # split-K: the partial sums into a workspace, or the reduce pass
+        assert cfg.split_k > 1, cfg
+        parts = torch.empty((k_splits(x5, geom, groups, cfg)[0], *y5.shape), dtype=torch.float32, device="meta")
+        if split_reduce:
+            return _record(launch_split_epilogue, parts, y5, b, act, *scales), cfg, problem
+        scales = scales or (None, None)
+        return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, False, groups, cfg, *scales, parts), cfg, problem
     return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg, *scales), cfg, problem
 
 
@@ -165,10 +176,20 @@ VARIANTS = [
     ("pointwise_fp8", lambda: _implicit(FP8, 32, 64, 256, 56, 1, bias=False, act=0, w_scale="channel")),
 ]
 
+# split-K (``--split``): the 7x7 512 -> 512 3x3 layer at batch 32 (52 tiles of 128 x 128: split 2 by default),
+# bf16 and fp8 (per-channel weight scales); the partial-sum kernel and the reduce pass with the epilogue
+SPLIT_VARIANTS = [
+    ("implicit_7x7_split", lambda: _implicit(BF16, 32, 512, 512, 7, 3, pad=1)),
+    ("split_epilogue", lambda: _implicit(BF16, 32, 512, 512, 7, 3, pad=1, split_reduce=True)),
+    ("implicit_7x7_split_fp8", lambda: _implicit(FP8, 32, 512, 512, 7, 3, pad=1, w_scale="channel")),
+    ("split_epilogue_fp8", lambda: _implicit(FP8, 32, 512, 512, 7, 3, pad=1, w_scale="channel", split_reduce=True)),
+]
+
 if __name__ == "__main__":
     import re
+    import sys
 
-    for name, launch in VARIANTS:
+    for name, launch in SPLIT_VARIANTS if "--split" in sys.argv[1:] else VARIANTS:
         try:
             record, cfg, problem = launch()
             k = compile_launch(*record)

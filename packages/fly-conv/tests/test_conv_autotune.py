@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -64,7 +65,9 @@ def test_validity_predicate_refuses():
     assert not config_valid(ConvConfig(64, 64, 8), p, SM90)  # under the dot's 16
     assert not config_valid(ConvConfig(48, 64, 32), p, SM90)  # not a power of two
     assert not config_valid(ConvConfig(64, 64, 32, num_warps=3), p, SM90)
-    assert not config_valid(ConvConfig(64, 64, 32, split_k=2), p, SM90)  # split-K is the weight gradient's
+    assert config_valid(ConvConfig(64, 64, 32, split_k=2), p, SM90)  # split-K: the forward and the weight gradient
+    dgrad = dataclasses.replace(p, transposed=True)
+    assert not config_valid(ConvConfig(64, 64, 32, split_k=2), dgrad, SM90)  # not the input gradient
     assert not config_valid(ConvConfig(256, 256, 256, num_stages=4), p, SM90)  # shared memory
     assert smem_bytes(ConvConfig(128, 128, 64, num_stages=4), p) == 4 * 256 * 64 * 2
     dw = ConvProblem("depthwise", 1024, 64, 1, 9, 64, torch.bfloat16)

@@ -6,6 +6,8 @@ Three kernel kinds share the config type:
 
 - ``"implicit"``: the implicit GEMM (forward, and the input gradient as the same kernel transposed):
   ``block_m`` output positions x ``block_n`` output channels of a group, ``block_k`` input channels a step;
+  the forward's K steps (taps x channel blocks) split ``split_k`` ways where its grid is short of the SMs
+  (fp32 partial sums, added in a fixed order by a second pass that runs the epilogue);
 - ``"depthwise"``: the direct depthwise kernel: ``block_m`` positions x ``block_n`` channels (no dot, so no
   tensor-core minimum; ``block_k`` unused);
 - ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of one tap,
@@ -42,6 +44,7 @@ from flydsl.testing import tolerance
 
 __all__ = [
     "ConvProblem", "ConvConfig", "KINDS", "default_config", "config_valid", "smem_bytes", "wgrad_splits",
+    "implicit_splits",
     "TUNABLE", "tuning_key", "candidates", "config_for", "key_problem", "clear_memo",
 ]  # fmt: skip
 
@@ -88,7 +91,7 @@ class ConvConfig:
     group_m: int = 8  # implicit GEMM: row-tiles a group of programs walks before moving right (L2 reuse)
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1  # wgrad: runs the positions are cut into (each its own fp32 partial sums)
+    split_k: int = 1  # wgrad: runs the positions are cut into; forward implicit GEMM: runs of the K steps
 
 
 def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
@@ -101,7 +104,7 @@ def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
 def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) -> bool:
     """The one validity predicate (default, tuner, tests): power-of-two tiles of at most 256 (at
     least 16 in every dot dimension), a warp count Triton takes, shared memory within the arch's, split-K for
-    the weight gradient only."""
+    the weight gradient and the forward implicit GEMM (not its transposed form, the input gradient)."""
     if problem.kind not in KINDS:
         return False
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
@@ -113,7 +116,7 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False  # fp8: the forward implicit GEMM only
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
-    if cfg.split_k > 1 and problem.kind != "wgrad":
+    if cfg.split_k > 1 and not (problem.kind == "wgrad" or (problem.kind == "implicit" and not problem.transposed)):
         return False
     return smem_bytes(cfg, problem) <= arch.smem_per_block
 
@@ -136,6 +139,30 @@ def wgrad_splits(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     while tiles * split < _WGRAD_PROGRAMS_PER_SM * arch.sm_count and steps // (2 * split) >= _WGRAD_MIN_STEPS:
         split *= 2
     return split
+
+
+# Split-K of the forward implicit GEMM (fly-gemm's rule): a grid of output tiles under one wave of the SMs
+# splits its K steps (taps x channel blocks) into the most runs whose (tile, split) programs still fit in one
+# wave, each run keeping at least _IMPLICIT_MIN_STEPS steps (the pipeline fills, and the fp32 partial sums stay
+# small against the operands each run reads), at most _IMPLICIT_MAX_SPLITS. The 7x7 512 -> 512 3x3 layer at
+# batch 32 (1568 x 512, 52 tiles of 128 x 128, K = 4608: 72 steps of 64) splits 2: 104 programs of 36 steps.
+# Derived, not yet timed on the H200.
+_IMPLICIT_MIN_STEPS = 8
+_IMPLICIT_MAX_SPLITS = 8
+
+
+def _k_steps(cfg: ConvConfig, problem: ConvProblem) -> int:
+    return problem.taps * flyc.cdiv(problem.cg, cfg.block_k)
+
+
+def implicit_splits(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) -> int:
+    """Splits of the K steps for a forward implicit GEMM launched with tile ``cfg`` (pure): 1 unless its grid
+    is under one wave and the steps are many (see ``_IMPLICIT_MIN_STEPS``)."""
+    if problem.kind != "implicit" or problem.transposed:
+        return 1
+    tiles = flyc.cdiv(problem.m, cfg.block_m) * flyc.cdiv(problem.n, cfg.block_n) * problem.groups
+    fill = arch.sm_count // max(tiles, 1)
+    return max(1, min(fill, _k_steps(cfg, problem) // _IMPLICIT_MIN_STEPS, _IMPLICIT_MAX_SPLITS))
 
 
 def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
@@ -166,21 +193,23 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
         # (128 KB of shared memory at 128 x 128 x 64). 8 warps from 128 x 64 up: at 4 warps a 128 x 64 x 64
         # tile takes 191 registers in the forward, 252 in the strided input gradient and spills there with
         # int64 offsets; at 8 warps 112-166, no spill. A grid short of one wave (small batch, small images)
-        # takes 64-row tiles: twice the programs.
+        # splits its K steps where they are many (implicit_splits: the 128-row tile keeps its operand reuse),
+        # else takes 64-row tiles: twice the programs.
         # fp8 takes twice the channels a step (128: the same bytes a stage, and 128 KB at 4 stages, as 16-bit's
         # 64) and at least the 32 an 8-bit dot needs.
         block_n = _pow2_in(problem.n, 16, 128)
         block_k = _pow2_in(problem.cg, _DOT_MIN_K_8BIT, 128) if fp8 else _pow2_in(problem.cg, 16, 64)
-        block_m = 128
-        if flyc.cdiv(problem.m, 128) * flyc.cdiv(problem.n, block_n) * problem.groups < arch.sm_count:
+        block_m, split = 128, implicit_splits(ConvConfig(128, block_n, block_k), problem, arch)
+        if split == 1 and flyc.cdiv(problem.m, 128) * flyc.cdiv(problem.n, block_n) * problem.groups < arch.sm_count:
             block_m = 64
         cfg = ConvConfig(block_m, block_n, block_k, group_m=8, num_warps=8 if block_m * block_n >= 128 * 64 else 4,
-                         num_stages=4)  # fmt: skip
+                         num_stages=4, split_k=split)  # fmt: skip
     else:
         # fp32 runs the full-precision dot (IEEE products, no tensor cores): its operands live in registers,
         # so the tile is small. 64 x 64 x 16 at 4 warps compiles in at most 168 registers with int32 or int64
         # offsets; 128 x 64 x 16 and 64 x 128 x 16 spill (255 registers, 8-32 bytes of stack).
         cfg = ConvConfig(64, _pow2_in(problem.n, 16, 64), 16, group_m=8, num_warps=4, num_stages=3)
+        cfg = dataclasses.replace(cfg, split_k=implicit_splits(cfg, problem, arch))
     while not config_valid(cfg, problem, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     if problem.kind == "wgrad":
@@ -317,10 +346,11 @@ def _warps(area: int) -> tuple[int, ...]:
     return (4, 8) if area <= 128 * 64 else (8,)
 
 
-def _implicit_candidates(p: ConvProblem) -> list[ConvConfig]:
+def _implicit_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
     """Row tiles of 64 / 128 (256 for narrow layers), column tiles up to the output channels, K steps up to the
-    channels a group, warps and stages by tile size; the implicit GEMM has no split-K (the tile choice fills
-    the grid instead: 64-row tiles double the programs)."""
+    channels a group, warps and stages by tile size; a forward whose grid is under a wave adds split-K (at most
+    four configs: 128-row tiles of up to 128 and 256 columns at the long K step, each split to fill one wave
+    (:func:`implicit_splits`) and twice that where the steps allow)."""
     fp8, fp32 = p.dtype.itemsize == 1, p.dtype.itemsize == 4
     if fp32:  # the IEEE dot keeps its operands in registers: small tiles only (see default_config)
         n_cap, k_cap = _pow2_in(p.n, 16, 64), _pow2_in(p.cg, 16, 32)
@@ -341,6 +371,16 @@ def _implicit_candidates(p: ConvProblem) -> list[ConvConfig]:
                 tiers = (4,) if step == steps[0] else (3,) if bm * bn >= 128 * 256 else (3, 4)
                 options = [(w, s) for w in _warps(bm * bn) for s in tiers]
             out += [ConvConfig(bm, bn, bk, group_m=8, num_warps=w, num_stages=s) for w, s in options]
+    if not p.transposed:
+        bk = min(steps[-1], k_cap)
+        for bn in sorted({min(128, n_cap), min(256, n_cap)}):
+            bm = 64 if fp32 else 128
+            cfg = ConvConfig(bm, bn, bk, group_m=8, num_warps=4 if fp32 else 8, num_stages=3)
+            fill = implicit_splits(cfg, p, a)
+            if fill > 1:
+                more = min(2 * fill, _IMPLICIT_MAX_SPLITS)
+                more = more if _k_steps(cfg, p) // more >= _IMPLICIT_MIN_STEPS else fill
+                out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, more})]
     return out
 
 
@@ -385,7 +425,7 @@ def candidates(key, arch: str) -> list[ConvConfig]:
     elif p.kind == "wgrad":
         out = _wgrad_candidates(p, a)
     else:
-        out = _implicit_candidates(p)
+        out = _implicit_candidates(p, a)
     return [c for c in dict.fromkeys(out) if config_valid(c, p, a)][:_MAX_CANDIDATES]
 
 

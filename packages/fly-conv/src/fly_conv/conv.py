@@ -28,7 +28,7 @@ from flydsl_common.device import activation_code
 from flydsl_common.reference import torch_activation
 
 from ._kernels.depthwise import launch_depthwise
-from ._kernels.implicit_gemm import geom_pointwise, launch_implicit_gemm
+from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
 from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_wgrad
 from .autotune import ConvConfig, ConvProblem, config_for, config_valid, default_config
@@ -289,7 +289,16 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
     w2 = _forward_weight(weight, rank, taps)
     problem = ConvProblem("implicit", y5.numel() // k_out, k_out // groups, cg, taps, groups, x.dtype, kernel, stride,
                           dilation)  # fmt: skip
-    launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, _config(problem, arch, config), x_scale, w_scale)
+    cfg = _config(problem, arch, config)
+    splits = k_splits(x5, geom, groups, cfg)[0] if cfg.split_k > 1 else 1
+    if splits == 1:
+        launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, cfg, x_scale, w_scale)
+        return y
+    # split-K (a grid short of the SMs): fp32 partial sums of each split's run of K steps, then one pass adds
+    # them in split order (deterministic) and applies the epilogue into y's final layout
+    parts = _empty((splits, *y5.shape), torch.float32, x.device)
+    launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, cfg, x_scale, w_scale, parts)
+    launch_split_epilogue(parts, y5, bias, act, x_scale, w_scale)
     return y
 
 

@@ -26,6 +26,13 @@ Tensors are read and written through their strides, so channels-last tensors (th
 contiguous, the gathers vectorize) and any other layout are served by the same code. Accumulation in fp32;
 the epilogue adds the bias and applies the activation in fp32 before the one downcast.
 
+Split-K (``SPLIT_K`` > 1, the forward only): a grid of output tiles short of the SMs (small maps, many channels)
+also cuts the flat K loop into contiguous runs of ``split_steps`` steps (grid axis 2). Each run stores its raw
+fp32 partial sums to its own slice of a contiguous workspace ``[splits, M, K_out]``, and
+:func:`launch_split_epilogue` adds the slices in split order (fixed: the result never depends on scheduling,
+no atomics) and runs the epilogue once on the sum (scales, bias, activation, the downcast, the store through the
+output's strides).
+
 fp8 (e4m3) operands take the same code: A and B tiles load as fp8 and the dot multiplies them as they are (B
 as ``[BLOCK_N, BLOCK_K]`` with K contiguous, transposed for the dot: K-major operands, which Hopper's 8-bit
 wgmma requires). The epilogue then multiplies the fp32 accumulator by the dequantization scales
@@ -41,13 +48,13 @@ import math
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import activation
+from flydsl_common.device import activation, row_offset
 
-__all__ = ["launch_implicit_gemm"]
+__all__ = ["launch_implicit_gemm", "launch_split_epilogue", "k_splits"]
 
 # Sizes that change with the resolution or batch: not specialized, so a new size never compiles again.
 _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
-                  "dd", "dh", "dw"]  # fmt: skip
+                  "dd", "dh", "dw", "split_steps", "s_split"]  # fmt: skip
 
 
 @flyc.func
@@ -76,11 +83,11 @@ def _hint(v, VEC: fx.constexpr, idx: fx.constexpr):
 def _conv_implicit_kernel(
     x_ptr, w_ptr, y_ptr, bias_ptr, xs_ptr, ws_ptr,
     M, N_OUT, CG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-    sx_n, sx_d, sx_h, sx_w, sx_c, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c,
+    sx_n, sx_d, sx_h, sx_w, sx_c, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c, split_steps, s_split,
     HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr, POINTWISE: fx.constexpr,
     UNIT_STRIDE: fx.constexpr, IDX64: fx.constexpr, C_VEC: fx.constexpr, IEEE: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
-    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0,
+    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0, SPLIT_K: fx.constexpr = 1,
 ):
     # fmt: on
     # Offsets in int32 where the host proved every one of them fits (IDX64 otherwise): half the registers
@@ -103,10 +110,25 @@ def _conv_implicit_kernel(
     c_ptrs = x_ptr + fx.cast(g * cg + rk, idx) * sx_c  # this group's first BLOCK_K channels of x
     w_ptrs = w_ptr + (fx.cast(g * N_OUT + rn, idx) * swn)[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    # The K steps this program reduces: all of them, or split-K's contiguous run of ``split_steps`` (grid axis 2)
+    if POINTWISE:
+        k_steps = fx.cdiv(cg, BLOCK_K)
+    else:
+        k_steps = KD * KH * KW * fx.cdiv(cg, BLOCK_K)
+    if SPLIT_K > 1:
+        k_lo = fx.program_id(2) * split_steps
+        k_hi = fx.minimum(k_steps, k_lo + split_steps)
+        c_lo = k_lo * BLOCK_K  # the pointwise loop's channels
+        c_hi = k_hi * BLOCK_K
+    else:
+        k_lo = 0
+        k_hi = k_steps
+        c_lo = 0
+        c_hi = cg
     if POINTWISE:  # 1x1, stride 1, no padding: a plain GEMM on x's rows, read in place
         a_ptrs = c_ptrs[None, :] + (fx.cast(nb, idx) * sxn + fx.cast(od, idx) * sxd + fx.cast(oh, idx) * sxh
                                     + fx.cast(ow, idx) * sxw)[:, None]  # fmt: skip
-        for c0 in range(0, cg, BLOCK_K):
+        for c0 in range(c_lo, c_hi, BLOCK_K):
             c_ok = rk < cg - c0
             a = fx.load(a_ptrs + fx.cast(c0, idx) * sx_c, mask=m_ok[:, None] & c_ok[None, :], other=0.0)
             b = fx.load(w_ptrs + c0, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
@@ -138,7 +160,7 @@ def _conv_implicit_kernel(
         c_blocks = fx.cdiv(cg, BLOCK_K)
         # One flat loop over (tap, channel block): the software pipeline runs across taps (a layer of 64
         # channels has one block a tap); the tap's decomposition is scalar work.
-        for kk in range(0, KD * khw * c_blocks):
+        for kk in range(k_lo, k_hi):
             tap = kk // c_blocks
             c0 = (kk - tap * c_blocks) * BLOCK_K
             kd = tap // khw
@@ -175,10 +197,30 @@ def _conv_implicit_kernel(
             else:
                 acc = fx.dot(a, fx.trans(b), acc)
 
-    # the epilogue decodes its rows again rather than keep them live through the K loop
-    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
     co = g * N_OUT + rn  # output channels
     out = acc
+    if SPLIT_K > 1:
+        # split-K: the raw fp32 partial sums into this split's slice of the workspace (y: [splits, M, K_out],
+        # contiguous, so a row's offset is m * K_out = m * sy_w; addressing it through the decoded rows, as
+        # below, spills 128 x 128 fp32 tiles on sm_90), the epilogue run once on their sum by
+        # _conv_split_epilogue_kernel
+        y_row = fx.cast(rm, idx) * sy_w + fx.cast(fx.program_id(2), idx) * s_split
+        fx.store(y_ptr + y_row[:, None] + (fx.cast(co, idx) * sy_c)[None, :], out,
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+    else:
+        # the epilogue decodes its rows again rather than keep them live through the K loop
+        nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
+        out = _epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
+        y_row = (fx.cast(nb, idx) * sy_n + fx.cast(od, idx) * sy_d + fx.cast(oh, idx) * sy_h
+                 + fx.cast(ow, idx) * sy_w)  # fmt: skip
+        y_ptrs = y_ptr + y_row[:, None] + (fx.cast(co, idx) * sy_c)[None, :]
+        fx.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@flyc.func
+def _epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
+              X_SCALE: fx.constexpr, W_SCALE: fx.constexpr):  # fmt: skip
+    """The fp32 tile ``out`` (columns: output channels ``co``) dequantized, biased and activated."""
     if X_SCALE:  # fp8: x's per-tensor dequantization scale
         out = out * fx.load(xs_ptr).to(fx.float32)
     if W_SCALE == 1:  # fp8: the weight's per-tensor scale
@@ -187,11 +229,37 @@ def _conv_implicit_kernel(
         out = out * fx.load(ws_ptr + co, mask=n_ok, other=0.0).to(fx.float32)[None, :]
     if HAS_BIAS:
         out += fx.load(bias_ptr + co, mask=n_ok, other=0.0).to(fx.float32)[None, :]
-    out = activation(out, ACT)
-    y_row = (fx.cast(nb, idx) * sy_n + fx.cast(od, idx) * sy_d + fx.cast(oh, idx) * sy_h
-             + fx.cast(ow, idx) * sy_w)  # fmt: skip
-    y_ptrs = y_ptr + y_row[:, None] + (fx.cast(co, idx) * sy_c)[None, :]
-    fx.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    return activation(out, ACT)
+
+
+_RED_SIZES = ["M", "OD", "OH", "OW", "splits", "s_split"]
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=_RED_SIZES)
+def _conv_split_epilogue_kernel(
+    parts_ptr, y_ptr, bias_ptr, xs_ptr, ws_ptr,
+    M, K_OUT, OD, OH, OW, splits, s_split, sy_n, sy_d, sy_h, sy_w, sy_c,
+    HAS_BIAS: fx.constexpr, ACT: fx.constexpr, X_SCALE: fx.constexpr, W_SCALE: fx.constexpr,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+):
+    # fmt: on
+    # split-K's second pass: the splits' fp32 partial sums (``parts`` [splits, M, K_OUT], rows contiguous)
+    # added in split order (fixed: the result never depends on scheduling), then the forward's epilogue
+    # and the store into y's own strides
+    rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
+    co = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = co < K_OUT
+    mask = m_ok[:, None] & n_ok[None, :]
+    p_ptrs = parts_ptr + (rm.to(fx.int64) * K_OUT)[:, None] + co[None, :]
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for s in range(0, splits):
+        acc += fx.load(p_ptrs + row_offset(s, s_split), mask=mask, other=0.0)
+    out = _epilogue(acc, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
+    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
+    y_row = row_offset(nb, sy_n) + row_offset(od, sy_d) + row_offset(oh, sy_h) + row_offset(ow, sy_w)
+    fx.store(y_ptr + y_row[:, None] + row_offset(co, sy_c)[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def geom_pointwise(geom) -> bool:
@@ -235,9 +303,17 @@ def _index_meta(x5, w2, y5, geom, transposed: bool, cg: int) -> dict:
     return {"IDX64": max(bounds) > _I32_MAX, "C_VEC": vec, "UNIT_STRIDE": transposed and all(s == 1 for s in stride)}
 
 
+def k_splits(x5, geom, groups: int, cfg) -> tuple[int, int]:
+    """(splits, K steps a split) of a forward launched with ``cfg``: ``cfg.split_k`` runs of whole K steps
+    (taps x channel blocks), as even as they come, fewer where the steps are fewer (no split is empty)."""
+    steps = geom[0][0] * geom[0][1] * geom[0][2] * flyc.cdiv(x5.shape[4] // groups, cfg.block_k)
+    per = flyc.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    return flyc.cdiv(steps, per), per
+
+
 @flyc.jit
 def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, groups: int, cfg, x_scale=None,
-                         w_scale=None, stream=None):  # fmt: skip
+                         w_scale=None, parts=None, stream=None):  # fmt: skip
     """Launch the implicit-GEMM kernel.
 
     ``x5``: the gathered operand as a ``[N, D, H, W, C]`` view (any strides; channels contiguous is the fast
@@ -248,6 +324,10 @@ def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, gro
     ``cfg``: a :class:`fly_conv.autotune.ConvConfig`. ``x_scale`` / ``w_scale`` (fp8 forward only): fp32
     dequantization scales, x's of one element, the weight's of one element or one an output channel
     (``[groups * N_OUT]``, contiguous), or None.
+
+    ``parts`` (split-K, the forward only): an fp32 workspace ``[splits, N, OD, OH, OW, groups * N_OUT]``
+    (contiguous), ``splits`` from :func:`k_splits`: each split's partial sums go to its slice, with no
+    epilogue (``bias``, ``act`` and the scales are then :func:`launch_split_epilogue`'s) and ``y5`` unwritten.
     """
     nb, d, h, w, c = x5.shape
     _, od, oh, ow, k_out = y5.shape
@@ -256,16 +336,52 @@ def launch_implicit_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, gro
     n_out = k_out // groups
     cg = c // groups
     tiles = flyc.cdiv(m, cfg.block_m) * flyc.cdiv(n_out, cfg.block_n)
+    splits, per, s_split, out, y_all = 1, 0, 0, y5, y5
+    if parts is not None:
+        splits, per = k_splits(x5, geom, groups, cfg)
+        if transposed or tuple(parts.shape) != (splits, *y5.shape) or not parts.is_contiguous():
+            raise ValueError(f"parts: expected a contiguous fp32 [{splits}, *y5's shape] for a forward, got "
+                             f"{tuple(parts.shape)} (transposed={transposed})")  # fmt: skip
+        s_split, out = parts.stride(0), parts[0]
+        y_all = parts.view(-1, *parts.shape[2:])  # every split's rows: the int32 bound covers the workspace
+        bias = x_scale = w_scale = None
+        act = 0
     # fmt: off
     flyc.launch(
-        _conv_implicit_kernel, (tiles, groups),
-        x5, w2, y5, bias, x_scale, w_scale,
+        _conv_implicit_kernel, (tiles, groups, splits),
+        x5, w2, parts if parts is not None else y5, bias, x_scale, w_scale,
         m, n_out, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-        *x5.stride(), w2.stride(0), *y5.stride(),
+        *x5.stride(), w2.stride(0), *out.stride(), per, s_split,
         HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed, POINTWISE=geom_pointwise(geom),
-        **_index_meta(x5, w2, y5, geom, transposed, cg), IEEE=x5.dtype.itemsize == 4,
+        **_index_meta(x5, w2, y_all, geom, transposed, cg), IEEE=x5.dtype.itemsize == 4,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         X_SCALE=x_scale is not None, W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # fmt: on
+
+
+_RED_BLOCK_M = 32  # rows x channels of a reduce program: 4096 fp32 partials a split, 32 a thread at 4 warps
+_RED_BLOCK_N = 128
+
+
+@flyc.jit
+def launch_split_epilogue(parts, y5, bias, act: int, x_scale=None, w_scale=None, stream=None):
+    """Split-K's second pass: ``y5 = act(sum(parts) * x_scale * w_scale + bias)`` in ``y5``'s dtype and
+    strides, the splits added in order. ``parts``: :func:`launch_implicit_gemm`'s contiguous fp32 workspace
+    ``[splits, *y5's shape]``; the rest as :func:`launch_implicit_gemm` takes them."""
+    splits = parts.shape[0]
+    _, od, oh, ow, k_out = y5.shape
+    m = y5.numel() // k_out
+    blk_n = min(_RED_BLOCK_N, flyc.next_power_of_2(k_out))
+    blk_m = max(_RED_BLOCK_M, 4096 // blk_n)
+    grid = (flyc.cdiv(m, blk_m), flyc.cdiv(k_out, blk_n))
+    # fmt: off
+    flyc.launch(
+        _conv_split_epilogue_kernel, grid,
+        parts, y5, bias, x_scale, w_scale, m, k_out, od, oh, ow, splits, parts.stride(0), *y5.stride(),
+        HAS_BIAS=bias is not None, ACT=act, X_SCALE=x_scale is not None,
+        W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2, BLOCK_M=blk_m, BLOCK_N=blk_n,
+        num_warps=4,
     )
     # fmt: on
