@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from conv_helpers import rand, weight
 
-import flydsl.compiler as flyc
 from fly_conv import FlyConv2d, conv, conv_ref
 from flydsl import direct
 from flydsl.errors import ArgumentError
-from flydsl.testing import assert_rel_close, tolerance
+from flydsl.testing import assert_rel_close, host_work, tolerance
 
 BF16, F16 = torch.bfloat16, torch.float16
 conv_mod = importlib.import_module("fly_conv.conv")
@@ -78,26 +77,14 @@ def _layer_inputs(shape, cl, w_shape, seed, device):
     return x, w, b
 
 
-def _device_work(monkeypatch, fn, *args, **kwargs):
-    """(the torch ops ``fn`` runs other than allocations and views, the kernels it launches) with every launch
-    stubbed out: what a flydsl.direct recording watches. A replay is made only where the first is empty."""
-    launches = []
-    monkeypatch.setattr(flyc, "launch", lambda kernel, grid, *a, **k: launches.append(kernel.__name__))
-    watch = direct._Watch(launches)
-    with watch:
-        fn(*args, **kwargs)
-    monkeypatch.undo()
-    return [str(op) for op in watch.foreign], launches
-
-
 @pytest.mark.parametrize("layer", _LAYERS, ids=lambda c: c[0])
-def test_common_layouts_are_replayable(layer, monkeypatch):
+def test_common_layouts_are_replayable(layer):
     """The forward of every common layout, and the training step's forward body and backward kernels, do
     nothing on the device but allocate, take views and launch flydsl kernels (the channels-last copies, the
     weight packs and the split sum are kernels): the calls flydsl.direct replays on a GPU."""
     _, shape, cl, w_shape, kw = layer
     x, w, b = _layer_inputs(shape, cl, w_shape, 0, "cpu")
-    foreign, launches = _device_work(monkeypatch, conv, x, w, b, **kw)
+    foreign, launches = host_work(conv, x, w, b, **kw)
     assert not foreign and launches, (foreign, launches)
     if not cl and math.prod(w_shape[2:]) > 1:  # NC* x: copied to channels-last by the shared copy kernel
         assert "_copy_padded_kernel" in launches
@@ -106,7 +93,7 @@ def test_common_layouts_are_replayable(layer, monkeypatch):
     stride = conv_mod._per_dim("stride", kw.get("stride", 1), rank, 1)
     pad = conv_mod._per_dim("padding", kw.get("padding", 0), rank, 0)
     dil, groups = (1,) * rank, kw.get("groups", 1)
-    foreign, launches = _device_work(monkeypatch, conv_mod._conv_forward, x, w, b, stride, pad, pad, dil, groups, 0,
+    foreign, launches = host_work(conv_mod._conv_forward, x, w, b, stride, pad, pad, dil, groups, 0,
                                      cl)  # fmt: skip
     assert not foreign and launches, (foreign, launches)
     y_shape = (shape[0], w_shape[0], *conv_mod._out_size(shape[2:], w_shape[2:], stride, pad, pad, dil))
@@ -114,7 +101,7 @@ def test_common_layouts_are_replayable(layer, monkeypatch):
         rand(*y_shape, dtype=BF16, device="cpu", seed=9),
         _channels_last(rand(*y_shape, dtype=BF16, device="cpu")),
     ):
-        foreign, launches = _device_work(monkeypatch, conv_mod._eager_grads, g, x, w, stride, pad, dil, groups, True,
+        foreign, launches = host_work(conv_mod._eager_grads, g, x, w, stride, pad, dil, groups, True,
                                          True, cl)  # fmt: skip
         assert not foreign, foreign
         assert "_conv_wgrad_kernel" in launches and "_conv_implicit_kernel" in launches

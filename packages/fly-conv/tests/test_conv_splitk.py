@@ -31,9 +31,8 @@ from fly_conv.autotune import (
     implicit_splits,
     tuning_key,
 )
-from flydsl import direct
 from flydsl.arch import INTERPRETER, SM90
-from flydsl.testing import assert_rel_close, tolerance
+from flydsl.testing import assert_rel_close, host_work, tolerance
 
 F32, BF16, F8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 conv_mod = importlib.import_module("fly_conv.conv")
@@ -217,18 +216,6 @@ def test_candidates_split_an_underfilled_forward():
 # ------------------------------------------------------------------------------ the host path
 
 
-def _device_work(monkeypatch, fn, *args, **kwargs):
-    """(torch ops ``fn`` runs other than allocations and views, kernels it launches), launches stubbed: what a
-    flydsl.direct recording watches (a replay is made only where the first is empty)."""
-    launches = []
-    monkeypatch.setattr(flyc, "launch", lambda kernel, grid, *a, **k: launches.append(kernel.__name__))
-    watch = direct._Watch(launches)
-    with watch:
-        fn(*args, **kwargs)
-    monkeypatch.undo()
-    return [str(op) for op in watch.foreign], launches
-
-
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_split_host_path_is_replayable(channels_last, monkeypatch):
     """A split forward's device work is allocations, views and flydsl launches: the partial-sum GEMM and the
@@ -236,7 +223,7 @@ def test_split_host_path_is_replayable(channels_last, monkeypatch):
     default that splits (the plain call flydsl.direct replays)."""
     x, w, b, kw = _inputs(CASES[0], BF16, "cpu", channels_last=channels_last)
     kw["activation"] = None
-    foreign, launches = _device_work(monkeypatch, conv, x, w, b, **kw, config=_cfg(2))
+    foreign, launches = host_work(conv, x, w, b, **kw, config=_cfg(2))
     assert not foreign, foreign
     assert launches[-2:] == ["_conv_implicit_kernel", "_conv_split_epilogue_kernel"], launches
     default = conv_mod.default_config
@@ -246,7 +233,7 @@ def test_split_host_path_is_replayable(channels_last, monkeypatch):
         return dataclasses.replace(cfg, split_k=2) if problem.kind == "implicit" and not problem.transposed else cfg
 
     monkeypatch.setattr(conv_mod, "default_config", split_default)
-    foreign, launches = _device_work(monkeypatch, conv_mod._conv_forward, x, w, b, (1, 1), (1, 1), (1, 1), (1, 1), 1, 1,
+    foreign, launches = host_work(conv_mod._conv_forward, x, w, b, (1, 1), (1, 1), (1, 1), (1, 1), 1, 1,
                                      channels_last)  # fmt: skip
     assert not foreign, foreign
     assert launches[-2:] == ["_conv_implicit_kernel", "_conv_split_epilogue_kernel"], launches

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import flydsl.compiler as flyc
 from fly_gemm import GemmConfig, _staging, gemm, gemm_ref
 from fly_gemm._staging import Staging, plan
-from flydsl import direct
-from flydsl.testing import assert_rel_close, empty_poisoned
+from flydsl.testing import assert_rel_close, empty_poisoned, host_work
 
 TMA = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=True)
 TILED = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1)
@@ -202,31 +199,15 @@ def test_gpu_misaligned_shapes(device, m, n, k, dtype):
     assert_rel_close(c, gemm_ref(a, b, bias=bias, activation="gelu", **kw))
 
 
-class _Ops(TorchDispatchMode):
-    """Every torch op of a call."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("cfg", [TMA, TILED], ids=["tma", "tiled"])
-def test_staged_host_path_only_allocates_and_launches(stage_small, monkeypatch, cfg):
+def test_staged_host_path_only_allocates_and_launches(stage_small, cfg):
     """The copies (operands in, a scratch output back) are launches of flydsl-common's copy kernel, so a
     staged call is allocations, views and launches only: what flydsl.direct replays on a GPU. Kernels are
     recorded, not run (the interpreter's own tensor work is not the call's)."""
     a = _rand(40, 47, dtype=torch.float16, device="cpu")  # K = 47: both operands padded to 48
     b = _rand(17, 47, dtype=torch.float16, device="cpu", seed=1)
     out = torch.empty(40, 17 + 3, dtype=torch.float16)[:, :17]  # rows TMA cannot store: a scratch output
-    launches = []
-    monkeypatch.setattr(flyc, "launch", lambda kernel, grid, *args, **kw: launches.append(kernel.__name__))
-    with _Ops() as mode:
-        gemm(a, b, out=out, config=cfg)
-    foreign = [op for op in mode.ops if op not in direct._ALLOCATIONS and op not in direct._VIEWS]
+    foreign, launches = host_work(gemm, a, b, out=out, config=cfg)
     assert stage_small and not foreign, (stage_small, foreign)
     copies = 3 if stage_small[0].copy_c else 2
     assert launches.count("_copy_padded_kernel") == copies, launches

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_quant import quantize_weight  # the fp8 weight quantizer of the quantized MoE tests
 
 from fly_gemm.moe import fused_moe
 from fly_gemm.moe_config import MoeConfig
@@ -34,31 +35,14 @@ def _layer(dtype=torch.bfloat16, seed=0):
     return x.to(DEV), w1.to(DEV), w2.to(DEV), w.to(DEV), ids.to(DEV)
 
 
-def _fp8(w: torch.Tensor, block_shape=None):
-    """(fp8 e4m3 q, fp32 scale) of fp32 weights [E, N, K]: one scale an output channel ([E, N]) or a
-    [bn, bk] block ([E, cdiv(N, bn), cdiv(K, bk)]); ``w = q * scale``."""
-    e, n, k = w.shape
-    if block_shape is None:
-        scale = w.abs().amax(-1) / 448.0
-        full = scale[:, :, None]
-    else:
-        bn, bk = block_shape
-        gn, gk = -(-n // bn), -(-k // bk)
-        padded = torch.zeros(e, gn * bn, gk * bk, dtype=w.dtype, device=w.device)
-        padded[:, :n, :k] = w
-        scale = padded.view(e, gn, bn, gk, bk).abs().amax((2, 4)) / 448.0
-        full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)[:, :n, :k]
-    return (w / full).clamp(-448.0, 448.0).to(FP8), scale.float()
-
-
 def _operands(mode: str, seed=0):
     """(x, w1, w2, topk_weights, topk_ids, keyword arguments) of one weight format."""
     x, w1, w2, w, ids = _layer(seed=seed)
     if mode == "bf16":
         return x, w1.to(x.dtype), w2.to(x.dtype), w, ids, {}
     block = None if mode == "fp8-channel" else [32, 32]
-    q1, s1 = _fp8(w1, block)
-    q2, s2 = _fp8(w2, block)
+    q1, s1 = quantize_weight(w1, FP8, block)
+    q2, s2 = quantize_weight(w2, FP8, block)
     return x, q1, q2, w, ids, {"w1_scale": s1, "w2_scale": s2, "block_shape": block}
 
 

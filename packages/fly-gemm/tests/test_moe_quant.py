@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import flydsl.compiler as flyc
 from fly_gemm import moe as moe_mod
 from fly_gemm.moe import fused_moe
 from fly_gemm.moe_config import MoeConfig
@@ -25,9 +23,8 @@ from fly_gemm.moe_reference import (
     unpack_int4_ref,
 )
 from fly_gemm.moe_routing import grouped_topk, topk_softmax
-from flydsl import direct
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
-from flydsl.testing import assert_rel_close, default_device, empty_poisoned, rel_error, tolerance
+from flydsl.testing import assert_rel_close, default_device, empty_poisoned, host_work, rel_error, tolerance
 
 DEV = default_device()
 FP8 = torch.float8_e4m3fn
@@ -280,18 +277,6 @@ def test_quant_bad_input_names_the_argument():
             fused_moe(*pos, **args)
 
 
-class _HostOps(TorchDispatchMode):
-    """Every torch op of the host path."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(
     "qdtype,block_shape,kernels",
     [(FP8, None, 8), (FP8, [128, 128], 8), (INT4, [1, 32], 6)],
@@ -302,13 +287,9 @@ def test_quant_host_path_only_allocates_and_launches(monkeypatch, qdtype, block_
     capture needs. Kernels are recorded, not run; the CPU-only read of the ids' values is left out."""
     x, _, q, w, ids = _layer(9, 256, 128, 4, 2, torch.bfloat16, qdtype, block_shape, seed=1,
                              device=torch.device("cpu"))  # fmt: skip
-    launches = []
-    monkeypatch.setattr(flyc, "launch", lambda kernel, grid, *a, **kw: launches.append(kernel))
     monkeypatch.setattr(moe_mod, "check_id_values", lambda ids, e: None)
     q1, q2, s1, s2 = q
-    with _HostOps() as mode:
-        fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=block_shape)
-    foreign = [op for op in mode.ops if op not in direct._ALLOCATIONS and op not in direct._VIEWS]
+    foreign, launches = host_work(fused_moe, x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=block_shape)
     assert not foreign, f"torch ops other than allocations and views: {foreign}"
     # alignment (3), two activation quantizations (8-bit weights; int4 is weight-only), two GEMMs, the reduce
     assert len(launches) == kernels, launches

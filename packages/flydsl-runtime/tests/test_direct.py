@@ -346,3 +346,25 @@ def test_eager_keys_every_argument_and_replays(stand_ins, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
     out = replays.eager(axpy, torch.randn(100), torch.randn(100), 2.0)
     assert len(stand_ins) == 2  # a CPU tensor: the general path
+
+
+def test_host_work_names_foreign_ops_and_launches():
+    """flydsl.testing.host_work: allocations and views pass, any other torch op is named, launches are
+    recorded by kernel name and not run, and flyc.launch is restored afterwards."""
+    import flydsl.compiler as flyc
+    from flydsl.testing import host_work
+
+    def kernel_stub():
+        pass
+
+    real = flyc.launch
+
+    def replayable(x):
+        y = torch.empty_like(x)
+        flyc.launch(kernel_stub, (1,), x, y)
+        return y.view(-1)
+
+    assert host_work(replayable, torch.ones(4)) == ([], ["kernel_stub"])
+    foreign, launches = host_work(lambda x: x.add(1), torch.ones(4))
+    assert launches == [] and any("add" in op for op in foreign)
+    assert flyc.launch is real

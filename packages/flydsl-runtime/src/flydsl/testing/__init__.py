@@ -8,6 +8,8 @@
 - ``poison`` / ``empty_poisoned``: fill outputs with values a kernel never
   writes (NaN for floats), so unwritten elements fail the comparison.
 - ``rel_error`` / ``assert_rel_close``: the comparison, in float64; NaN never passes.
+- ``host_work``: what a call does on the device, its kernels recorded and not run: the check that a host
+  path is replayable by :mod:`flydsl.direct` (and capturable in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "empty_poisoned",
     "rel_error",
     "assert_rel_close",
+    "host_work",
     "seeded_generator",
 ]
 
@@ -124,3 +127,22 @@ def seeded_generator(seed: int, device=None) -> torch.Generator:
     g = torch.Generator(device=device or "cpu")
     g.manual_seed(seed)
     return g
+
+
+def host_work(fn, *args, **kwargs) -> tuple[list[str], list[str]]:
+    """(the torch ops ``fn(*args, **kwargs)`` runs other than allocations and views, the names of the kernels
+    it launches through ``flydsl.compiler.launch``), every launch recorded and not run (the interpreter's own
+    tensor work is not the call's). What a :mod:`flydsl.direct` recording watches: a call replays only where
+    the first list is empty."""
+    from .. import compiler, direct
+
+    launches: list[str] = []
+    real = compiler.launch
+    compiler.launch = lambda kernel, grid, *a, **k: launches.append(kernel.__name__)
+    try:
+        watch = direct._Watch(launches)
+        with watch:
+            fn(*args, **kwargs)
+    finally:
+        compiler.launch = real
+    return [str(op) for op in watch.foreign], launches
