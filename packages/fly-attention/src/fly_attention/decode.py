@@ -21,7 +21,7 @@ import torch
 import flydsl.arch
 from flydsl import direct
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
-from flydsl.errors import ArgumentError, DTypeError, LayoutError, ShapeError
+from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
 
 from ._kernels.decode import launch_decode
 from .decode_config import (
@@ -61,7 +61,7 @@ def _check_scale(name, scale, heads_kv, device):
     if isinstance(scale, torch.Tensor):
         check_tensor(name, scale, dtypes=(torch.float32,))
         if scale.device != device:
-            raise ArgumentError(f"{name}: expected a tensor on {device} (the caches' device), got {describe(scale)}")
+            raise DeviceError(f"{name}: expected a tensor on {device} (the caches' device), got {describe(scale)}")
         if scale.numel() == 1 or (scale.dim() == 1 and scale.shape[0] == heads_kv):
             return
         raise ShapeError(f"{name}: expected one element (per tensor) or [{heads_kv}] (per KV head), got "

@@ -228,6 +228,11 @@ class _SlowPath:
         tensors = self.tensors(args, kwargs)
         if any(t.device != tensors[0][1].device for _, t in tensors):
             self.raise_mixed(args, kwargs)
+        if tensors[0][1].device.type == "meta":
+            raise DeviceError(
+                f"{self.name}: got meta tensors, which hold no data to run a kernel on; the public ops take meta "
+                "inputs before launching (a meta result of the right shape)"
+            )
         if tensors[0][1].device.type == "cpu" and not _backend.interpreting():
             raise DeviceError(
                 f"{self.name}: got CPU tensors, but this process compiles kernels for the GPU. "
