@@ -207,7 +207,9 @@ def quantize_per_token(
     _check(x, dtype)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
+    if x.numel() == 0:  # rows of no columns: an all-zero row's scale, 0
+        return q, scale.zero_()
+    if x.is_meta:  # shapes and dtypes only
         return q, scale
     x2 = as_rows(x)
     cfg = config or default_quant_config(x2.shape[1], x.element_size())
@@ -243,8 +245,8 @@ def quantize_per_tensor(
     else:
         scale_t = torch.empty((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if x.numel() == 0:
-        if scale is None:
+    if x.numel() == 0 or x.is_meta:  # nothing to quantize (a dynamic scale of nothing is 0), or shapes only
+        if scale is None and not x.is_meta:
             scale_t.zero_()
         return q, scale_t
     x2 = as_rows(x)

@@ -68,5 +68,7 @@ def vec_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
         check_shape("out", out, a.shape, "the shape of a")
         if not out.is_contiguous():
             raise LayoutError(f"out: must be contiguous, got strides {tuple(out.stride())}")
+    if a.is_meta:  # shapes and dtypes only
+        return out
     _launch_vec_add(a.contiguous(), b.contiguous(), out, a.numel())
     return out

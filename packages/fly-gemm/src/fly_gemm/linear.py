@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flydsl.checks import check_tensor, describe, dtype_name
+from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl_common.device import activation_code
 from flydsl_common.reference import torch_activation
@@ -36,6 +36,7 @@ def _check_args(x, weight, bias) -> bool:
         check_tensor("bias", bias, ndim=1)
         if bias.shape[0] != n:
             raise ShapeError(f"bias: expected [{n}] (one per output feature), got {describe(bias)}")
+    check_same_device(x=x, weight=weight.weight if packed else weight, bias=bias)
     return packed
 
 
