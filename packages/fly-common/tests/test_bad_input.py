@@ -279,7 +279,7 @@ NAN_N = 13
 def test_nan_inf(device, op, qdtype):
     """vec_add: NaN and Inf as torch's sum (inf + -inf = NaN). The quantizers: a row (tensor) holding +-inf
     gets an infinite scale, as the reference, so its dequantization is not finite; the finite rows are
-    unaffected (per token). NaN inputs: test_nan_inf_quantize_nan (an xfail)."""
+    unaffected (per token). NaN inputs: test_nan_inf_quantize_nan."""
     if op == "vec_add":
         if qdtype != torch.int8:
             pytest.skip("vec_add has no quantized dtype")
@@ -303,15 +303,11 @@ def test_nan_inf(device, op, qdtype):
         assert not torch.isfinite(q.float() * s).any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NaN is dropped by the absolute max of a row (and of the tensor): a NaN among finite values, and a "
-    "row (tensor) of NaN only narrower than its block (padding lanes of 0 win), get a finite scale with the NaN "
-    "elements coded 0, so they dequantize to finite values where torch's amax (and the reference) give NaN",
-)
 @pytest.mark.parametrize("case", ["nan_among_finite", "all_nan"])
 @pytest.mark.parametrize("op", QUANT)
 def test_nan_inf_quantize_nan(device, op, case):
+    """A row (tensor) holding a NaN gets a NaN scale, as torch's amax gives it (the abs-max dropped NaN: a
+    finite scale with the NaN coded as finite values)."""
     x = _randn(2, NAN_N, device=device)
     if case == "all_nan":
         x[1, :] = float("nan")

@@ -41,6 +41,8 @@ __all__ = [
     "fast_exp2",
     "fast_rcp",
     "inverse_scale",
+    "max_nan",
+    "maximum_nan",
     "normal_cdf",
     "pdl_launch_dependents",
     "pdl_wait",
@@ -93,8 +95,23 @@ def row_offset(row, stride):
 
 
 @flyc.func
+def max_nan(x, axis: fx.constexpr):
+    """fp32 max along ``axis`` that is NaN where any element is NaN, as torch's amax (a max reduction drops
+    NaN on every target: a NaN row would get a finite quantization scale, its NaN coded as finite values)."""
+    m = fx.max(x, axis=axis)
+    return fx.where(fx.max((x != x).to(fx.int32), axis=axis) > 0, float("nan"), m)
+
+
+@flyc.func
+def maximum_nan(a, b):
+    """Elementwise max, NaN where either is NaN (to carry :func:`max_nan` across chunks of a row)."""
+    return fx.maximum(a, b, propagate_nan=fx.PropagateNan.ALL)
+
+
+@flyc.func
 def absmax_f32(x, axis: fx.constexpr):
-    return fx.max(fx.abs(x.to(fx.float32)), axis=axis)
+    """max |x| along ``axis`` in fp32, NaN where x holds a NaN (:func:`max_nan`)."""
+    return max_nan(fx.abs(x.to(fx.float32)), axis)
 
 
 # Both quotients are correctly rounded (div_rn), not Triton's `/` (the GPU's approximate division, within

@@ -28,7 +28,17 @@ import flydsl.expr as fx
 from flydsl.checks import check_last_dim_contiguous, check_tensor, describe
 from flydsl.errors import DTypeError, ShapeError
 
-from .device import FP8_E4M3_MAX, INT8_MAX, absmax_f32, cast_sat_fp8e4m3, cast_sat_int8, inverse_scale, quant_scale
+from .device import (
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    absmax_f32,
+    cast_sat_fp8e4m3,
+    cast_sat_int8,
+    inverse_scale,
+    max_nan,
+    maximum_nan,
+    quant_scale,
+)
 from .rows import RowConfig, as_rows, default_row_config
 
 __all__ = [
@@ -99,7 +109,7 @@ def _quant_rows_kernel(
             c = start + cols
             mask = row_ok[:, None] & (c[None, :] < N)
             xc = fx.load(x_rows + c[None, :], mask=mask, other=0.0)
-            amax = fx.maximum(amax, absmax_f32(xc, 1))
+            amax = maximum_nan(amax, absmax_f32(xc, 1))
         inv = inverse_scale(amax, QMAX)
 
     if MODE == 1:
@@ -124,8 +134,8 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, M, QMAX: fx.constexpr, BLOCK: fx.
     offs = fx.arange(0, BLOCK)
     acc = fx.zeros([BLOCK], dtype=fx.float32)
     for start in range(0, M, BLOCK):
-        acc = fx.maximum(acc, fx.load(amax_ptr + start + offs, mask=start + offs < M, other=0.0))
-    fx.store(scale_ptr, quant_scale(fx.max(acc, axis=0), QMAX))
+        acc = maximum_nan(acc, fx.load(amax_ptr + start + offs, mask=start + offs < M, other=0.0))
+    fx.store(scale_ptr, quant_scale(max_nan(acc, 0), QMAX))
 
 
 # ------------------------------------------------------------ config choice

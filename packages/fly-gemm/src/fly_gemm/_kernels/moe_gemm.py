@@ -35,6 +35,7 @@ from flydsl_common.device import (
     cast_sat_fp8e4m3,
     cast_sat_int8,
     inverse_scale,
+    maximum_nan,
     quant_scale,
     row_offset,
 )
@@ -267,7 +268,7 @@ def _moe_quant_kernel(
         c = k_lo + c0 + rk
         ok = row_ok[:, None] & ((c < K) & (c0 + rk < GROUP))[None, :]
         xc = fx.load(x_rows + row_offset(c, stride_xk)[None, :], mask=ok, other=0.0)
-        amax = fx.maximum(amax, absmax_f32(xc, 1))
+        amax = maximum_nan(amax, absmax_f32(xc, 1))
     inv = inverse_scale(amax, QMAX)
     fx.store(s_ptr + row_offset(rows, stride_sm) + g, quant_scale(amax, QMAX), mask=row_ok)
     for c0 in range(0, GROUP, BLOCK_K):
