@@ -228,11 +228,6 @@ class _SlowPath:
         tensors = self.tensors(args, kwargs)
         if any(t.device != tensors[0][1].device for _, t in tensors):
             self.raise_mixed(args, kwargs)
-        if tensors[0][1].device.type == "meta":
-            raise DeviceError(
-                f"{self.name}: got meta tensors, which hold no data to run a kernel on; the public ops take meta "
-                "inputs before launching (a meta result of the right shape)"
-            )
         if tensors[0][1].device.type == "cpu" and not _backend.interpreting():
             raise DeviceError(
                 f"{self.name}: got CPU tensors, but this process compiles kernels for the GPU. "
@@ -369,6 +364,18 @@ class _Recording(threading.local):
 _RECORDING = _Recording()
 
 
+def _refuse_meta(kernel, args) -> None:
+    """Meta tensors hold no data to run a kernel on: a DeviceError naming the kernel (Triton would fail on them
+    with torch's NotImplementedError). Checked where a launch takes Triton's own path (the interpreter, the
+    first launch of a specialization), never on the compiled fast path; the public ops return meta results
+    before launching. (Offline compile scripts stub ``launch`` itself and pass meta tensors through the
+    launchers, so the launchers do not check.)"""
+    for i, a in enumerate(args):
+        if isinstance(a, _Tensor) and a.is_meta:
+            name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+            raise DeviceError(f"{name}: argument {i} is a meta tensor, which holds no data to run a kernel on")
+
+
 def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with Triton's per-call host work skipped once compiled.
 
@@ -390,6 +397,7 @@ def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None
     if recorder is not None:  # flydsl.direct is recording a call's launches (to replay them)
         recorder.append((kernel, grid, args, meta, launch_pdl))
     if interpreting():
+        _refuse_meta(kernel, args)
         if getattr(kernel, "_flydsl_gluon", False):
             raise RuntimeError(f"{kernel.__name__} is a gluon_kernel: it compiles for a GPU only, and this process "
                                "runs kernels through the CPU interpreter")  # fmt: skip
@@ -400,6 +408,7 @@ def launch(kernel, grid: tuple, *args, launch_pdl: bool = False, **meta) -> None
     key = _key(device, args, meta)
     entry = lean.table.get(key)
     if entry is None or not hooks_idle():
+        _refuse_meta(kernel, args)
         lean.first(key, grid, args, meta)
         return
     g1 = grid[1] if len(grid) > 1 else 1
