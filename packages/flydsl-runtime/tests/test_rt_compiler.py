@@ -125,6 +125,7 @@ def test_cache_key_follows_helper_source(tmp_path, fresh_python):
 
 
 @pytest.mark.gpu
+@pytest.mark.overlap
 @pytest.mark.parametrize("as_handle", [False, True])
 def test_launch_goes_to_the_given_stream(as_handle):
     """With the default stream held busy, a launch on a side stream must finish on its own."""
@@ -186,6 +187,7 @@ def test_lean_spec_separates_what_triton_specializes():
 
 
 @pytest.mark.gpu
+@pytest.mark.overlap
 def test_lean_launch_follows_the_current_stream():
     x = torch.randn(4096, device="cuda")
     out = empty_poisoned(4096, dtype=torch.float32, device="cuda")
@@ -204,6 +206,7 @@ def test_lean_launch_follows_the_current_stream():
 
 
 @pytest.mark.gpu
+@pytest.mark.overlap
 def test_bound_launch_matches_reference_and_follows_the_stream():
     x = torch.randn(4096, device="cuda")
     bound = flyc.bind(_scale_kernel, x, x, 4096, 1, 2.0, BLOCK=64)

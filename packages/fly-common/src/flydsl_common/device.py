@@ -267,8 +267,8 @@ def normal_cdf(x):
 @flyc.func
 def activation(x, ACT: fx.constexpr):
     """Apply activation ``ACT`` (an ACT_* code) to fp32 ``x``."""
-    if ACT == 1:  # relu
-        return fx.maximum(x, 0.0)
+    if ACT == 1:  # relu; NaN stays NaN as in torch (the GPU's plain max returns the other operand: 0)
+        return fx.maximum(x, 0.0, propagate_nan=fx.PropagateNan.ALL)
     elif ACT == 2:  # silu
         return x * fast_rcp(1.0 + fast_exp2(x * -1.4426950408889634))
     elif ACT == 3:  # gelu, tanh approximation: 0.5 * (1 + tanh(u)) = sigmoid(2u), no cancellation for x < 0

@@ -65,6 +65,7 @@ from .passes import (
     normalize,
     quantize,
     quantize_pairs,
+    row_mean,
     row_ptrs,
     weighted,
     write_y,
@@ -176,7 +177,7 @@ def _packed_norm_rows(
     e1, o1 = bf16_pairs(w1)
     e2, o2 = bf16_pairs(w2)
     e3, o3 = bf16_pairs(w3)
-    mean = fx.sum((e0 + o0) + (e1 + o1) + (e2 + o2) + (e3 + o3), axis=1) / N  # masked words are 0
+    mean = row_mean(fx.sum((e0 + o0) + (e1 + o1) + (e2 + o2) + (e3 + o3), axis=1), N)  # masked words are 0
     m2 = _part_m2(w0, k0, mean) + _part_m2(w1, k1, mean) + _part_m2(w2, k2, mean) + _part_m2(w3, k3, mean)
     rstd = fx.rsqrt(fx.sum(m2, axis=1) / N + eps)
     y_words = as_words(y_rows)
@@ -236,7 +237,7 @@ def norm_fwd_kernel(
                 mean = fx.zeros([BLOCK_M], dtype=fx.float32)
                 var = fx.sum(h * h, axis=1) / N
             else:
-                mean = fx.sum(h, axis=1) / N
+                mean = row_mean(fx.sum(h, axis=1), N)
                 d = fx.where(mask, h - mean[:, None], 0.0)
                 var = fx.sum(d * d, axis=1) / N
             rstd = fx.rsqrt(var + eps)

@@ -37,7 +37,7 @@ from .affine import load_weight
 from .pairs import sat_fp8e4m3_pairs, sat_int8_pairs, sum_absmax_f32
 
 __all__ = [
-    "LOG2E", "NEG_INF", "clear_share", "finite_or_zero", "row_ptrs", "load_h",
+    "LOG2E", "NEG_INF", "row_mean", "clear_share", "finite_or_zero", "row_ptrs", "load_h",
     "normalize", "weighted", "quantize", "quantize_pairs", "lane_stats", "lane_amax", "write_y",
     "softmax_lane_stats", "softmax_write",
 ]  # fmt: skip
@@ -46,6 +46,15 @@ __all__ = [
 # The difference x - max is formed first, so large magnitudes (|x| ~ 1e4) lose no precision to the scaling.
 LOG2E = fx.constexpr(1.4426950408889634)
 NEG_INF = fx.constexpr(float("-inf"))
+
+
+@flyc.func
+def row_mean(total, N):
+    """total / N correctly rounded (div_rn), not Triton's approximate `/` (within 2 ulp on the GPU): a row
+    whose sum is exact (a row of one value, as padding rows are) then has its mean exactly, so LayerNorm gives
+    it exact zeros as torch does, where one ulp off would leave ulp * rstd of noise that the quantized
+    variants scale up to full-range codes."""
+    return fx.div_rn(total, fx.zeros_like(total) + N)
 
 
 @flyc.func

@@ -74,7 +74,7 @@ from flydsl_common.device import (
 from .affine import load_bwd_rows, load_weight
 from .exchange import collect, collect_from, collect_pairs_from, collect_sum, peek, publish, publish_pair
 from .pairs import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words, sum2_f32
-from .passes import LOG2E, NEG_INF, clear_share
+from .passes import LOG2E, NEG_INF, clear_share, row_mean
 
 __all__ = [
     "norm_fwd_split_kernel", "softmax_fwd_split_kernel", "softmax_bwd_split_kernel", "norm_bwd_split_kernel",
@@ -116,7 +116,7 @@ def _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS: fx.constexpr, SPIN_LIMI
     _, pairs, pairs_ok = _pair_slots(base, 0, p_idx, p_ok)
     ab, ok = collect(pairs, pairs_ok, SPIN_LIMIT)
     a, b = _unpair(ab)
-    mean = fx.sum(a * p_count, axis=0) / N
+    mean = row_mean(fx.sum(a * p_count, axis=0), N)
     dm = fx.where(p_ok, a - mean, 0.0)
     return mean, (fx.sum(b, axis=0) + fx.sum(p_count * dm * dm, axis=0)) / N, ok
 
@@ -689,7 +689,7 @@ def norm_fwd_staged_kernel(
             y = bf16_words(xe * rstd * we, xo * rstd * wo)
         else:
             sums, m2s = collect_pairs_from(early, slots, kmask, SPIN_LIMIT)
-            mean = fx.sum(sums, axis=0) / N
+            mean = row_mean(fx.sum(sums, axis=0), N)
             dev = fx.where(kmask, sums / n_k - mean, 0.0)  # each slice's mean against the row's
             m2, spread = sum2_f32(m2s, n_k * dev * dev, 0)  # Chan: the slices' M2s and their means' spread
             rstd = fx.rsqrt((m2 + spread) / N + eps)

@@ -1,8 +1,9 @@
 """The fuzzing profile every family's property-based tests share (needs ``hypothesis``, a test extra).
 
 Two profiles, chosen by the device: ``cpu`` (the interpreter: 80 cases a test, small shapes) and ``gpu``
-(500 cases a test). ``FLYDSL_FUZZ_EXAMPLES`` and ``FLYDSL_FUZZ_SEED`` override the count and the seed (40);
-``FLYDSL_FUZZ_SHRINK=1`` turns shrinking on. Usage::
+(500 cases a test, gpu-marked so a GPU shard's ``-m gpu`` runs it). ``FLYDSL_FUZZ_EXAMPLES`` and
+``FLYDSL_FUZZ_SEED`` override the count and the seed (40); ``FLYDSL_FUZZ_SHRINK=1`` turns shrinking on.
+Usage::
 
     from flydsl.testing.fuzz import fuzz, banner
 
@@ -18,6 +19,7 @@ That pool is emptied here, where this Hypothesis has it.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 
 from .. import env
@@ -40,8 +42,10 @@ FUZZ = settings(
 
 
 def fuzz(test):
-    """The shared settings and seed on a ``@given`` test."""
-    return seed(SEED)(FUZZ(test))
+    """The shared settings and seed on a ``@given`` test; on a GPU machine also the ``gpu`` marker (the CPU
+    profile stays unmarked, so the CPU suite runs it)."""
+    test = seed(SEED)(FUZZ(test))
+    return pytest.mark.gpu(test) if PROFILE == "gpu" else test
 
 
 def banner(family: str) -> str:

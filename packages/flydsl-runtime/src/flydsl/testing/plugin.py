@@ -34,6 +34,11 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU; skipped where kernels run in the interpreter")
+    config.addinivalue_line(
+        "markers",
+        "overlap: needs kernels of two streams to run at once (compute-sanitizer serializes every launch, so the "
+        "sanitize sessions deselect it)",
+    )
     if config.getoption("--require-gpu") and not gpu_available():
         raise pytest.UsageError(
             "--require-gpu: no GPU is visible to this process (or FLYDSL_INTERPRET=1 forces the interpreter)"
