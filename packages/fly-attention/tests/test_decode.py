@@ -404,6 +404,7 @@ def test_gpu_head_dims(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_capture(device):
     """Captured once with a fixed output buffer (no host sync inside), replayed with new lengths, queries
     and cache contents (the sequences grow into their blocks: the serving loop)."""

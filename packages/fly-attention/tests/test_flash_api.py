@@ -235,6 +235,7 @@ def test_empty_shapes(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_capture_and_replay(device):
     """Dense and varlen forwards captured in one CUDA graph (no host sync inside), replayed on new inputs."""
     q, k, v = rand_qkv(2, 300, 300, 8, 2, 128, dtype=torch.bfloat16, device=device)

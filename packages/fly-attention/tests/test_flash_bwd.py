@@ -366,6 +366,7 @@ def test_gpu_varlen(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_capture_of_forward_and_backward(device):
     """Forward + backward (dense and varlen) captured in one CUDA graph (no host sync inside), replayed on
     new inputs: the gradients of the new inputs."""

@@ -259,6 +259,7 @@ def test_gpu_exact_probabilities(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_reads_descales_from_memory(device):
     """Captured once, replayed with new descale values in the same tensors: the kernel reads them at run
     time (no host copy of their values)."""

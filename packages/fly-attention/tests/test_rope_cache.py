@@ -229,6 +229,7 @@ def test_gpu_fp8(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_capture(device):
     args = make(64, 32, 8, 128, 128, 16, dtype=torch.bfloat16, device=device, pad=4)
     q, k, v, cs, pos, kc, vc, slots = args

@@ -289,6 +289,7 @@ def test_split_k_reduced_by_the_last_split(device, dtype, split_k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k,reduce_last", [(1, False), (3, False), (3, True)])
+@pytest.mark.graph
 def test_pdl_launches_wait_for_the_kernel_before(device, split_k, reduce_last):
     """PDL (sm_90+): a GEMM that may start while the kernel before it finishes reads its A only after that
     kernel's writes are visible. In a chain where each GEMM's A is the previous one's poisoned-then-written

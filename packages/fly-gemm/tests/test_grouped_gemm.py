@@ -380,6 +380,7 @@ def test_gpu_all_rows_in_one_group_and_tail(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_cuda_graph_capture_and_inductor(device):
     a, b = _operands(4096, 1024, 1024, 8, torch.bfloat16, seed=2, device=device)
     offsets = _sizes_to_offsets(_skewed_sizes(4096, 8, seed=2), device)

@@ -132,6 +132,7 @@ def test_torch_compile_fullgraph(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_cuda_graph_capture(device):
     a, b = _rand(256, 1024, device=device, dtype=torch.bfloat16), _rand(512, 1024, device=device, seed=1,
                                                                           dtype=torch.bfloat16)  # fmt: skip

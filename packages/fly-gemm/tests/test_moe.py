@@ -281,6 +281,7 @@ def _gpu_routing(t, e, k, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.graph
 def test_fused_moe_gpu_cuda_graph_capture(t):
     """Captured once at Qwen3-30B-A3B's decode shapes, replayed with new tokens and new routing of the same
     shapes (one replay with every token on the same 8 experts): nothing of the call depends on the routing on

@@ -351,6 +351,7 @@ def test_quant_gpu_model_sizes(t, h, inter, e, k, qdtype, block_shape, grouped):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_quant_gpu_block_scaled_odd_shapes_and_cuda_graph():
     """Shapes off the 128 grid on the device, and a quantized call captured in a CUDA graph (the host path
     launches only), replayed with fresh inputs."""

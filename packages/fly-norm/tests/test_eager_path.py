@@ -180,6 +180,7 @@ def test_plain_calls_take_the_c_path_and_keep_no_references(c_path):
     assert ([sys.getrefcount(t) for t in (x, w, b)], torch.cuda.memory_allocated()) == before
 
 
+@pytest.mark.graph
 def test_driver_path_launches_on_the_current_stream(c_path):
     """The C path launches through the driver on torch's current stream: calls captured in a CUDA graph on a
     side stream replay with the graph (a launch on any other stream would fail the capture or miss the

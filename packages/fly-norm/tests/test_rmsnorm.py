@@ -513,6 +513,7 @@ def test_gpu_shapes(dtype, m, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_gpu_compile_and_cuda_graph():
     torch._dynamo.reset()
     x = randn(256, 4096, dtype=torch.bfloat16, device="cuda")

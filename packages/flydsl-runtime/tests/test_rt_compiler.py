@@ -290,6 +290,7 @@ def test_pdl_is_a_launch_attribute(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.graph
 def test_cuda_graph_capture_after_pdl_launches():
     """Eager PDL launches, then a plain launch of the same specialization under CUDA graph capture (what the
     packages do): the capture neither compiles nor loads a module (capture forbids it), and replays right."""

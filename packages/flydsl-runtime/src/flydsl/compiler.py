@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _backend, _interp_numpy, cache
+from . import _backend, _interp_bf16, _interp_numpy, cache
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
@@ -96,6 +96,7 @@ def kernel(
             # through flydsl.expr, so make triton.language visible to it.
             f.__globals__.setdefault("__flydsl_triton_language__", tl)
             _interp_numpy.apply()  # the interpreter on numpy >= 2.4 (see the module)
+            _interp_bf16.apply()  # fp32 -> bf16 rounded to nearest even, as on the GPU
             return _interpreter_compatible(triton.jit(f, **opts) if opts else triton.jit(f))
         return triton.jit(f, **opts) if opts else triton.jit(f)
 

@@ -161,11 +161,12 @@ def describe() -> list[tuple[str, str, str, str]]:
 
 # Variables of other tools that FlyDSL reads or writes. Listed so the one place
 # touching the environment is this module.
-_EXTERNAL = {"TRITON_INTERPRET", "TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"}
+# (PYTORCH_NO_CUDA_MEMORY_CACHING: the test plugin skips CUDA graph captures without torch's caching allocator.)
+_EXTERNAL = {"TRITON_INTERPRET", "TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER", "PYTORCH_NO_CUDA_MEMORY_CACHING"}
 
 
 def read_external(name: str) -> str | None:
-    """Read one of the non-FlyDSL variables FlyDSL coordinates with (Triton's)."""
+    """Read one of the non-FlyDSL variables FlyDSL coordinates with (Triton's, torch's)."""
     if name not in _EXTERNAL:
         raise KeyError(f"{name} is not a variable FlyDSL coordinates with")
     return os.environ.get(name)

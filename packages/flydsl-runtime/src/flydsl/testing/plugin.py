@@ -19,6 +19,7 @@ import pytest
 
 import flydsl  # noqa: F401 - fixes the backend before test modules import triton
 
+from .. import env
 from . import default_device, gpu_available
 
 
@@ -39,6 +40,12 @@ def pytest_configure(config):
         "overlap: needs kernels of two streams to run at once (compute-sanitizer serializes every launch, so the "
         "sanitize sessions deselect it)",
     )
+    config.addinivalue_line(
+        "markers",
+        "graph: captures a CUDA graph (capture needs torch's caching allocator: skipped when "
+        "PYTORCH_NO_CUDA_MEMORY_CACHING=1, the sanitize sessions' exact-bounds pass, which runs them in a second "
+        "pass with the allocator on)",
+    )
     if config.getoption("--require-gpu") and not gpu_available():
         raise pytest.UsageError(
             "--require-gpu: no GPU is visible to this process (or FLYDSL_INTERPRET=1 forces the interpreter)"
@@ -46,6 +53,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if env.read_external("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        # Without the caching allocator a capture's allocations are cudaMalloc calls, which a capture refuses; the
+        # failed capture leaves the process's CUDA state (its RNG, a pending error) unfit for the tests after it.
+        no_graph = pytest.mark.skip(reason="captures a CUDA graph: needs torch's caching allocator")
+        for item in items:
+            if "graph" in item.keywords:
+                item.add_marker(no_graph)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a GPU (kernels run through the interpreter here)")
