@@ -21,14 +21,22 @@ __all__ = [
 ]
 
 
-def _pre_add(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def _pre_add(x: torch.Tensor, residual: torch.Tensor | None, h_dtype: torch.dtype | None) -> torch.Tensor:
+    """h = x (+ residual) in fp64; with a residual, rounded to the dtype residual_out stores it in (``h_dtype``,
+    default the residual's): the kernels normalize the stored sum, as torch's ``norm(x + residual)`` does. The
+    gradient passes through the rounding unchanged (fp64 leaves with ``h_dtype`` give the gradient of what the
+    kernels compute)."""
     h = x.double()
-    return h if residual is None else h + residual.double()
+    if residual is None:
+        return h
+    h = h + residual.double()
+    return h + (h.to(h_dtype or residual.dtype).double() - h).detach()
 
 
-def rms_norm_ref(x, weight, eps=1e-6, residual=None, weight_offset=0.0):
-    """y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset), h = x (+ residual); returns y or (y, h)."""
-    h = _pre_add(x, residual)
+def rms_norm_ref(x, weight, eps=1e-6, residual=None, weight_offset=0.0, *, h_dtype=None):
+    """y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset), h = x (+ residual) rounded to ``h_dtype``
+    (residual_out's dtype, default the residual's); returns y or (y, h)."""
+    h = _pre_add(x, residual, h_dtype)
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     y = h * rstd
     if weight is not None:
@@ -36,9 +44,10 @@ def rms_norm_ref(x, weight, eps=1e-6, residual=None, weight_offset=0.0):
     return y if residual is None else (y, h)
 
 
-def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, weight_offset=0.0):
-    """y = (h - mean) / sqrt(var + eps) * (weight + weight_offset) + bias; returns y or (y, h)."""
-    h = _pre_add(x, residual)
+def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, weight_offset=0.0, *, h_dtype=None):
+    """y = (h - mean) / sqrt(var + eps) * (weight + weight_offset) + bias, h as in :func:`rms_norm_ref`;
+    returns y or (y, h)."""
+    h = _pre_add(x, residual, h_dtype)
     mean = h.mean(-1, keepdim=True)
     var = (h - mean).pow(2).mean(-1, keepdim=True)
     y = (h - mean) * torch.rsqrt(var + eps)

@@ -99,10 +99,17 @@ def row_ptrs(x_ptr, r_ptr, y_ptr, h_ptr, rows, stride_x, stride_r, stride_y, str
 
 @flyc.func
 def load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.constexpr):
-    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint."""
+    """h = x (+ residual) of one chunk, in fp32 (16-bit arithmetic is never used); ``EVICT``: cache hint.
+
+    With a residual, h is the sum as residual_out stores it: added in fp32, rounded to the residual's dtype
+    (residual_out's). The norm of that stored h is what the backward differentiates (it reads h back from
+    residual_out against the forward's statistics) and what torch's ``norm(x + residual)`` computes: the
+    statistics of the unrounded sum beside a rounded h put a row of one value's rounding error, times
+    rstd = 1 / sqrt(eps), into the gradient."""
     h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
     if HAS_RESIDUAL:
-        h += fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
+        r = fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT)
+        h = (h + r.to(fx.float32)).to(r.dtype).to(fx.float32)
     return h
 
 

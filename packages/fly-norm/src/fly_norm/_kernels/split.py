@@ -196,8 +196,8 @@ def norm_fwd_split_kernel(
     # measured slower on the H200.
     for row in range(group, M, groups):
         h = x_nx.to(fx.float32)
-        if HAS_RESIDUAL:
-            h += r_nx.to(fx.float32)
+        if HAS_RESIDUAL:  # the sum as residual_out stores it (passes.load_h)
+            h = (h + r_nx.to(fx.float32)).to(r_nx.dtype).to(fx.float32)
             fx.store(h_ptr + row_offset(row, stride_h) + c, h.to(h_ptr.dtype.element_ty), mask=cmask)
         # 1. this slice's statistics, published
         if IS_RMS:
