@@ -108,9 +108,14 @@ def load_h(x_rows, r_rows, c, mask, HAS_RESIDUAL: fx.constexpr, EVICT: fx.conste
     rstd = 1 / sqrt(eps), into the gradient."""
     h = fx.load(x_rows + c, mask=mask, other=0.0, eviction_policy=EVICT).to(fx.float32)
     if HAS_RESIDUAL:
-        r = fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT)
-        h = (h + r.to(fx.float32)).to(r.dtype).to(fx.float32)
+        h = stored_sum(h, fx.load(r_rows + c, mask=mask, other=0.0, eviction_policy=EVICT))
     return h
+
+
+@flyc.func
+def stored_sum(h, r):
+    """fp32 ``h`` + residual ``r``, added in fp32 and rounded to r's dtype (residual_out's), back in fp32."""
+    return (h + r.to(fx.float32)).to(r.dtype).to(fx.float32)
 
 
 @flyc.func

@@ -74,7 +74,7 @@ from flydsl_common.device import (
 from .affine import load_bwd_rows, load_weight
 from .exchange import collect, collect_from, collect_pairs_from, collect_sum, peek, publish, publish_pair
 from .pairs import as_words, bf16_pairs, bf16_pairs_again, bf16_pairs_third, bf16_words, sum2_f32
-from .passes import LOG2E, NEG_INF, clear_share, row_mean
+from .passes import LOG2E, NEG_INF, clear_share, row_mean, stored_sum
 
 __all__ = [
     "norm_fwd_split_kernel", "softmax_fwd_split_kernel", "softmax_bwd_split_kernel", "norm_bwd_split_kernel",
@@ -197,7 +197,7 @@ def norm_fwd_split_kernel(
     for row in range(group, M, groups):
         h = x_nx.to(fx.float32)
         if HAS_RESIDUAL:  # the sum as residual_out stores it (passes.load_h)
-            h = (h + r_nx.to(fx.float32)).to(r_nx.dtype).to(fx.float32)
+            h = stored_sum(h, r_nx)
             fx.store(h_ptr + row_offset(row, stride_h) + c, h.to(h_ptr.dtype.element_ty), mask=cmask)
         # 1. this slice's statistics, published
         if IS_RMS:
