@@ -398,6 +398,19 @@ def test_layer_norm_two_columns_through_a_16_bit_residual():
     _run_norm(case, True, None)
 
 
+def test_layer_norm_rows_of_one_value_against_an_exact_reference():
+    """test_fuzz_layer_norm's GPU draw (seed 20261202): bf16 rows of one value, 107 columns, no weight or bias,
+    offset 1, eps 0.1. The kernel's y is the exact 0; the fp64 reference's CUDA mean (a multiply by a rounded
+    1 / 107) left each row an ulp from its value, y +-7e-16, so every output was "100% off". The reference
+    now divides its sum by the width."""
+    case = {"lead": (1, 3), "n": 107, "dtype": torch.bfloat16, "kind": "equal", "seed": 14683,
+            "layout": "contiguous", "weight": None, "residual": None, "eps": 0.1, "offset": 1.0, "grad": False,
+            "bias": None}  # fmt: skip
+    _run_norm(case, True, None)
+    x = _values((3, 107), torch.bfloat16, "equal", 14683).to(DEVICE)
+    assert torch.equal(layer_norm_ref(x, None, None, 0.1), torch.zeros(3, 107, dtype=torch.float64, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_layer_norm_fp32_bias_grad_not_rounded_to_weight_dtype(dtype):
     """x and weight 16-bit, bias fp32 (test_fuzz_layer_norm's draw x [1, 5, 110] fp16, fp32 bias): dbias is the
