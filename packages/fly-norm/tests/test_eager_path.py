@@ -150,6 +150,7 @@ def c_path():
     return eager.fast.__self__
 
 
+@pytest.mark.host_refs
 def test_plain_calls_take_the_c_path_and_keep_no_references(c_path):
     """With a C compiler at hand (as Triton needs one), plain calls go through eager_native.c: right results,
     the same plans as the Python path, no reference or memory kept per call."""

@@ -42,6 +42,11 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "host_refs: counts the host references a call keeps (under compute-sanitizer each call's Python frames "
+        "stay alive, held from outside Python's reach, so the sanitize sessions deselect it)",
+    )
+    config.addinivalue_line(
+        "markers",
         "graph: captures a CUDA graph (capture needs torch's caching allocator: skipped when "
         "PYTORCH_NO_CUDA_MEMORY_CACHING=1, the sanitize sessions' exact-bounds pass, which runs them in a second "
         "pass with the allocator on)",
