@@ -436,7 +436,7 @@ def _test_at_floors(session: nox.Session, pkg: Package) -> None:
 
     constraints = Path(session.create_tmp()) / "constraints-floors.txt"
     constraints.write_text(floors.merged_constraints(Path(CONSTRAINTS).read_text(), third))
-    session.install("-c", str(constraints), *(f.name for f in third), "pytest", "pytest-xdist", "hypothesis")
+    session.install("-c", str(constraints), *(f.name for f in third), *TEST_TOOLS)
     if from_pypi:
         session.install("-c", str(constraints), *from_pypi)
     session.install("--no-deps", *[a for p in [*editable, pkg] for a in ("-e", str(ROOT / p.path))])

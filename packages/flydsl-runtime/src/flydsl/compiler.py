@@ -652,6 +652,7 @@ def ensure_scratch_allocator() -> None:
     from triton.runtime import _allocation
 
     current = getattr(_allocation, "_allocator", None)
-    null = getattr(_allocation, "_NULL_ALLOCATOR", None)
-    if current is None or null is None or current.get() is null:
+    # "none set" is Triton's NullAllocator (one shared instance from 3.6, a fresh default before): by its type
+    null_type = getattr(_allocation, "NullAllocator", None)
+    if current is None or null_type is None or isinstance(current.get(), null_type):
         triton.set_allocator(_torch_scratch)
