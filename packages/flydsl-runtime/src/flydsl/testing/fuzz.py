@@ -7,7 +7,7 @@ Usage::
 
     from flydsl.testing.fuzz import fuzz, banner
 
-    @fuzz
+    @fuzz                                  # or @fuzz(cpu_examples=30) for a slow interpreted op
     @given(...)
     def test_op(...): ...
 
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from .. import env
 from . import gpu_available
 
-__all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "banner"]
+__all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "examples", "banner"]
 
 SEED = env.get("FLYDSL_FUZZ_SEED")
 PROFILE = "gpu" if gpu_available() else "cpu"
@@ -41,16 +41,29 @@ FUZZ = settings(
 )
 
 
-def fuzz(test):
+def fuzz(test=None, *, cpu_examples: int | None = None):
     """The shared settings and seed on a ``@given`` test; on a GPU machine also the ``gpu`` marker (the CPU
-    profile stays unmarked, so the CPU suite runs it)."""
-    test = seed(SEED)(FUZZ(test))
+    profile stays unmarked, so the CPU suite runs it). ``@fuzz(cpu_examples=N)``: N cases on the CPU profile
+    instead of the shared count, for tests the interpreter runs slowly (each case a kernel of many programs);
+    ``FLYDSL_FUZZ_EXAMPLES`` still sets every count, and the GPU profile keeps its own."""
+    if test is None:
+        return lambda t: fuzz(t, cpu_examples=cpu_examples)
+    count = examples(cpu_examples)
+    test = seed(SEED)((FUZZ if count == MAX_EXAMPLES else settings(FUZZ, max_examples=count))(test))
     return pytest.mark.gpu(test) if PROFILE == "gpu" else test
 
 
-def banner(family: str) -> str:
+def examples(cpu_examples: int | None = None) -> int:
+    """The case count of a test: :data:`MAX_EXAMPLES`, or ``cpu_examples`` (at most that) on the CPU profile
+    when FLYDSL_FUZZ_EXAMPLES is not set."""
+    if cpu_examples is None or PROFILE != "cpu" or env.get("FLYDSL_FUZZ_EXAMPLES") is not None:
+        return MAX_EXAMPLES
+    return min(cpu_examples, MAX_EXAMPLES)
+
+
+def banner(family: str, cpu_examples: int | None = None) -> str:
     """The line a fuzz module prints once: profile, case count, seed, and how to change them."""
-    return (f"{family} fuzz: profile {PROFILE}, {MAX_EXAMPLES} examples a test, seed {SEED} "
+    return (f"{family} fuzz: profile {PROFILE}, {examples(cpu_examples)} examples a test, seed {SEED} "
             f"(FLYDSL_FUZZ_SEED, FLYDSL_FUZZ_EXAMPLES, FLYDSL_FUZZ_SHRINK)")  # fmt: skip
 
 
