@@ -128,7 +128,7 @@ def _decode_kernel(
         acc = fx.dot(p.to(q.dtype), v.to(q.dtype), acc)
         m_i = m_new
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # no key: 0 (lse -inf); a NaN score: NaN, which the split merge keeps
     v_sc = v_mul
     if V_SCALE:
         v_sc = v_sc * fx.load(vs_ptr + h * vs_stride)

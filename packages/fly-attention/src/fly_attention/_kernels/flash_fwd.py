@@ -145,7 +145,7 @@ def _flash_fwd_kernel(
                                 lo_off, hi_off, qk_scale, cap_in, cap_out, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                                 BLOCK_N, True, SOFTCAP)  # fmt: skip
 
-    seen = l_i > 0.0  # rows that saw no key store 0 and lse -inf
+    seen = l_i != 0.0  # rows that saw no key store 0 and lse -inf (a NaN score: NaN, as torch)
     out = acc / fx.where(seen, l_i, 1.0)[:, None]
     o_base = head_base(o_ptr, b, q_start, h, stride_ob, stride_os, stride_oh)
     fx.store(o_base + row_offset(rows, stride_os)[:, None] + rdv[None, :], out.to(o_ptr.dtype.element_ty),

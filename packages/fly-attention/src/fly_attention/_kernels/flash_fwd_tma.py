@@ -90,7 +90,7 @@ def _flash_fwd_tma_kernel(
                                       seqlen_k, rows, lo_off, hi_off, qk_scale, cap_in, cap_out, BLOCK_N,
                                       True, SOFTCAP)  # fmt: skip
 
-    seen = l_i > 0.0  # rows that saw no key store 0 and lse -inf
+    seen = l_i != 0.0  # rows that saw no key store 0 and lse -inf (a NaN score: NaN, as torch)
     out = (acc / fx.where(seen, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty)
     o_base = head_base(o_ptr, b, q_start, h, stride_ob, stride_os, stride_oh)
     if TMA_STORE:  # clipped to [seqlen_q, HEAD_DIM_V]: rows past the sequence and padded columns stay unwritten
