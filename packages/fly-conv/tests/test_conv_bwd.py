@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conv_helpers import rand, weight
+from conv_helpers import GRAD_TOL, rand, weight
 from torch import nn
 
 from fly_conv import FlyConv1d, FlyConv2d, FlyConv3d, conv
@@ -36,8 +36,6 @@ CASES = [
     (1, 2, 17, 9, (23,), 7, 2, 3, 1, 1, "zeros"),  # 1D, 17 channels
     (3, 1, 3, 4, (3, 5, 4), 3, 1, 1, 1, 1, "zeros"),  # 3D
 ]
-# gradients through 16-bit kernels: dy and the products are rounded to fp16 (2^-11 a value)
-GRAD_TOL = {F16: 2e-3, BF16: 2e-2, F32: 1e-5}
 
 
 def _grads(case, dtype, device, activation=None, channels_last=False, fn=conv):
