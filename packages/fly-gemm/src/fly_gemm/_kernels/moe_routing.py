@@ -38,17 +38,24 @@ def _select(
 ):  # fmt: skip
     """Take the K largest of ``v`` a row (ties to the lower column) and store their columns as ids and their
     ``vals`` as weights, times ``scale_num`` over the chosen weights' sum (RENORM) or times ``scale_num``.
-    The weights are kept in registers until scaled, so nothing is read back from memory."""
+    The weights are kept in registers until scaled, so nothing is read back from memory.
+
+    A taken column is set to -inf and also marked taken: once only -inf scores remain (a row with fewer
+    than K finite logits), the next pick is the lowest column not yet taken, as the reference's stable sort
+    gives; without the mark it was column 0 again and again (a repeated id carrying its weight again)."""
     rk = fx.arange(0, BLOCK_K)
     ids = fx.zeros([BLOCK_T, BLOCK_K], dtype=fx.int32)
     w = fx.zeros([BLOCK_T, BLOCK_K], dtype=fx.float32)
+    taken = (rt[:, None] < 0) & (re[None, :] < 0)  # all False
     for j in fx.static_range(K):
-        _, idx = _take_max(v, re, BLOCK_E)
+        best = fx.max(v, axis=1)
+        idx = fx.min(fx.where((v == best[:, None]) & ~taken, re[None, :], BLOCK_E), axis=1)
         hit = re[None, :] == idx[:, None]
         wj = fx.sum(fx.where(hit, vals, 0.0), axis=1)
         ids = fx.where(rk[None, :] == j, idx[:, None], ids)
         w = fx.where(rk[None, :] == j, wj[:, None], w)
         v = fx.where(hit, _NEG_INF, v)
+        taken = taken | hit
     if RENORM:
         w = w * (scale_num / fx.sum(w, axis=1))[:, None]
     else:
