@@ -45,10 +45,21 @@ def _record(launcher, *args):
     return seen[0]
 
 
+def _specialize(backend, arg, specialize_value: bool):
+    """(Triton type, specialization) of a scalar argument as Triton's launcher finds it: its C function from
+    Triton 3.6, the Python one before."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:
+        from triton.runtime.jit import create_specialize_impl
+
+        return create_specialize_impl(backend.get_arg_specialization)(arg, False, specialize_value, True)
+    return native_specialize_impl(backend, arg, False, specialize_value, True)
+
+
 def compile_launch(kernel, args: tuple, meta: dict):
     """Compile for sm_90 what ``flyc.launch(kernel, grid, *args, **meta)`` compiles on a GPU."""
     import triton
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
@@ -70,7 +81,7 @@ def compile_launch(kernel, args: tuple, meta: dict):
             if not param.do_not_specialize_on_alignment:
                 attrs[(i,)] = CUDABackend.parse_attr("D")
             continue
-        kind, spec = native_specialize_impl(CUDABackend, arg, False, not param.do_not_specialize, True)
+        kind, spec = _specialize(CUDABackend, arg, not param.do_not_specialize)
         if kind == "constexpr":
             sig[name], const[(i,)] = "constexpr", spec
         else:
