@@ -1,7 +1,7 @@
 """The lowest versions each package declares it works with, for ``nox -s test-<name>-min``.
 
 A package's floor set is the lower end of every third-party requirement of the package
-and of our packages it installs with (torch>=2.5 -> torch==2.5), plus the lower end of
+and of our packages it installs with (torch>=2.9 -> torch==2.9), plus the lower end of
 its ranges on our packages. Every direct requirement must have a lower end: one without
 cannot be tested at its floor. Standard library plus ``packaging``.
 """
@@ -31,7 +31,7 @@ OURS = {canonicalize_name(p.distribution) for p in PACKAGES}
 class Floor:
     name: str  # canonical distribution name
     version: Version
-    required_by: tuple[str, ...]  # "fly-gemm: torch>=2.5", ...
+    required_by: tuple[str, ...]  # "fly-gemm: torch>=2.9", ...
 
     @property
     def pin(self) -> str:

@@ -27,7 +27,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from flydsl.errors import LayoutError
-from flydsl.testing import assert_rel_close, default_device, empty_poisoned, gpu_available
+from flydsl.testing import assert_rel_close, cpu_select, default_device, empty_poisoned, gpu_available
 from flydsl.testing.fuzz import banner, fuzz
 from flydsl_common import quantize_per_tensor, quantize_per_token, vec_add
 from flydsl_common.reference import quantize_per_tensor_ref, quantize_per_token_ref, vec_add_ref
@@ -161,10 +161,10 @@ def test_fuzz_quantize_per_token(data):
         return
     _check_special_scales(s, sr, special)
     ok = ~special
-    q2, s2, x2 = q.reshape(-1, n).cpu()[ok], s.reshape(-1).cpu()[ok], x.reshape(-1, n).cpu()[ok]
-    assert_quant_close(q2, s2, qr.reshape(-1, n)[ok], sr.reshape(-1)[ok], per_token=True, x=x2)
+    q2, s2, x2 = cpu_select(q.reshape(-1, n), ok), s.reshape(-1).cpu()[ok], x.reshape(-1, n).cpu()[ok]
+    assert_quant_close(q2, s2, cpu_select(qr.reshape(-1, n), ok), sr.reshape(-1)[ok], per_token=True, x=x2)
     zero = (x2 == 0).all(-1)
-    assert (s2[zero] == 0).all() and (q2[zero].float() == 0).all(), "a row of zeros: scale 0 and codes 0"
+    assert (s2[zero] == 0).all() and (cpu_select(q2, zero).float() == 0).all(), "a row of zeros: scale 0 and codes 0"
 
 
 @fuzz

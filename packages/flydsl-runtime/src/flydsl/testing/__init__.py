@@ -28,6 +28,7 @@ __all__ = [
     "default_device",
     "poison",
     "empty_poisoned",
+    "cpu_select",
     "rel_error",
     "assert_rel_close",
     "host_work",
@@ -92,6 +93,15 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     else:
         t.fill_(-1)
     return t
+
+
+def cpu_select(t: torch.Tensor, index) -> torch.Tensor:
+    """``t[index]`` on the CPU for any dtype: 8-bit floats through their bytes (torch before 2.10 has no CPU
+    indexing of fp8), the same elements and dtype."""
+    t = t.cpu()
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        return t.view(torch.uint8)[index].view(t.dtype)
+    return t[index]
 
 
 def empty_poisoned(*shape, dtype: torch.dtype, device=None) -> torch.Tensor:
