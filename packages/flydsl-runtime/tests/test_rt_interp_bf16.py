@@ -1,4 +1,4 @@
-"""fp32 <-> bf16 in kernels as torch converts, interpreted (flydsl._interp_bf16) or compiled.
+"""fp32 <-> bf16 in kernels as torch converts, interpreted (flydsl._interp_gpu) or compiled.
 
 Triton's interpreter truncated fp32 -> bf16 (a casted or stored bf16 value one
 unit below the GPU's for about half of all inputs) and lost bf16 subnormals on
@@ -15,7 +15,7 @@ import triton
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl import _interp_bf16
+from flydsl import _interp_gpu
 from flydsl.testing import default_device, empty_poisoned
 
 # Halfway cases (both parities), the largest finite bf16 and the fp32 values that round past it, infinities,
@@ -35,19 +35,19 @@ def _inputs(n: int, seed: int) -> torch.Tensor:
 def test_bits_match_torch_rounding():
     x = _inputs(20000, 1)
     want = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(_interp_bf16.fp32_to_bf16_bits(x.numpy()), want)
+    assert np.array_equal(_interp_gpu.fp32_to_bf16_bits(x.numpy()), want)
 
 
 def test_bf16_to_fp32_is_exact():
     b = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # every bf16 bit pattern
     want = b.view(torch.bfloat16).float()
-    got = torch.from_numpy(_interp_bf16.bf16_bits_to_fp32(b.numpy().view(np.uint16)))
+    got = torch.from_numpy(_interp_gpu.bf16_bits_to_fp32(b.numpy().view(np.uint16)))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_nan_stays_nan():
     x = torch.tensor([float("nan"), -float("nan")], dtype=torch.float32)
-    assert torch.isnan(torch.from_numpy(_interp_bf16.fp32_to_bf16_bits(x.numpy()).view(np.int16))
+    assert torch.isnan(torch.from_numpy(_interp_gpu.fp32_to_bf16_bits(x.numpy()).view(np.int16))
                        .view(torch.bfloat16)).all()  # fmt: skip
 
 
@@ -75,7 +75,7 @@ def test_kernel_cast_and_store_round_to_nearest_even():
 def test_patch_is_in_place_and_idempotent():
     from triton.runtime import interpreter
 
-    assert _interp_bf16.apply() is True
+    assert _interp_gpu.apply() is True
     wrapped = interpreter.InterpreterBuilder.cast_impl.__wrapped__
-    assert _interp_bf16.apply() is True
+    assert _interp_gpu.apply() is True
     assert interpreter.InterpreterBuilder.cast_impl.__wrapped__ is wrapped

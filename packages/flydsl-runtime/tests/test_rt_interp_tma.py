@@ -1,4 +1,4 @@
-"""The interpreter's tensor-descriptor check counts strides in bytes, as the GPU (flydsl._interp_tma)."""
+"""The interpreter's tensor-descriptor check counts strides in bytes, as the GPU (flydsl._interp_gpu)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flydsl  # noqa: F401  (before triton: the backend choice)
-from flydsl import _interp_tma
+from flydsl import _interp_gpu
 
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 tl = pytest.importorskip("triton.language")
@@ -24,7 +24,7 @@ def _desc(dtype, row_stride: int, base: int = 4096):
 
 @pytest.mark.skipif(not hasattr(interpreter, "TensorDescHandle"), reason="no descriptors in this interpreter")
 def test_descriptor_strides_are_checked_in_bytes():
-    assert _interp_tma.apply()
+    assert _interp_gpu.apply()
     _desc(tl.float16, 40).validate()  # 80 bytes a row: the GPU takes it (Triton 3.5 refused 40 elements)
     _desc(tl.float8e4nv, 48).validate()
     with pytest.raises(AssertionError, match="16-byte"):

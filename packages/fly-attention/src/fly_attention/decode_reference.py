@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from flydsl.testing import cpu_select
+
 __all__ = ["paged_attention_decode_ref", "gather_kv_ref", "rope_ref", "fused_rope_cache_ref"]
 
 
@@ -30,10 +32,7 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor | None, b: int,
     page = cache.shape[1]
     t = torch.arange(seq_len)
     blocks = block_table[b].cpu().long()[t // page]
-    c = cache.cpu()
-    if c.dtype.itemsize == 1:  # fp8 through its bytes: torch before 2.10 has no CPU indexing of fp8
-        return c.view(torch.uint8)[blocks, t % page].view(c.dtype).float()
-    return c[blocks, t % page].float()
+    return cpu_select(cache, (blocks, t % page)).float()
 
 
 def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale=None, k_scale=None,

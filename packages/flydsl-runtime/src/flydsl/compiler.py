@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _backend, _interp_bf16, _interp_numpy, _interp_tma, cache
+from . import _backend, _interp_gpu, _interp_numpy, cache
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
@@ -96,8 +96,7 @@ def kernel(
             # through flydsl.expr, so make triton.language visible to it.
             f.__globals__.setdefault("__flydsl_triton_language__", tl)
             _interp_numpy.apply()  # the interpreter on numpy >= 2.4 (see the module)
-            _interp_bf16.apply()  # fp32 -> bf16 rounded to nearest even, as on the GPU
-            _interp_tma.apply()  # descriptor strides checked in bytes, as on the GPU
+            _interp_gpu.apply()  # bf16 conversions and descriptor checks as on the GPU (see the module)
             return _interpreter_compatible(triton.jit(f, **opts) if opts else triton.jit(f))
         return triton.jit(f, **opts) if opts else triton.jit(f)
 

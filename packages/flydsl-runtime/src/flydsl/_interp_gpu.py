@@ -1,18 +1,25 @@
-"""Convert between fp32 and bf16 in Triton's CPU interpreter as the GPU does.
+"""Make Triton's CPU interpreter compute and check what the GPU does, where it differs.
 
-Triton's interpreter converts fp32 to bf16 (``x.to(tl.bfloat16)``, and every
-store of fp32 values through a bf16 pointer) by dropping the low 16 bits of the
-fp32 word: truncation toward zero. Compiled kernels round to nearest even
+fp32 <-> bf16. The interpreter converts fp32 to bf16 (``x.to(tl.bfloat16)``, and
+every store of fp32 values through a bf16 pointer) by dropping the low 16 bits
+of the fp32 word: truncation toward zero. Compiled kernels round to nearest even
 (``cvt.rn.bf16.f32`` on NVIDIA), so an interpreted kernel gave a result up to
 one bf16 unit away from the GPU's, and a kernel that rounds on purpose (a norm
 normalizing the bf16 sum it stores as residual_out) computed something else on
 the CPU than on the GPU. Its bf16 -> fp32 conversion turned bf16 subnormals
 into wrong values or zero (the GPU's is exact: the bf16 bits are the fp32
-word's upper half). :func:`apply` makes both conversions the GPU's; every other
-cast is left to the interpreter (fp32 -> fp16 goes through numpy's ``astype``,
-which already rounds to nearest even).
+word's upper half). Both conversions become the GPU's; every other cast is left
+to the interpreter (fp32 -> fp16 goes through numpy's ``astype``, which already
+rounds to nearest even).
 
-Only the interpreter is touched, and only while kernels run interpreted.
+Tensor descriptors. A TMA descriptor needs every stride but the last to be a
+multiple of 16 bytes. Some interpreters (Triton 3.5's) count the stride in
+elements against 16, refusing descriptors the GPU takes (an fp16 matrix of 40
+columns: 80 bytes a row); the check becomes the byte one, the rest of the
+validation unchanged.
+
+:func:`apply` installs both; only the interpreter is touched, and only while
+kernels run interpreted.
 """
 
 from __future__ import annotations
@@ -37,8 +44,21 @@ def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32).reshape(np.shape(bits))
 
 
+def _validate_descriptor(self):
+    """The interpreter's descriptor check, strides in bytes (the module docstring)."""
+    assert self.base.data.item() % 16 == 0, "base must be 16-byte aligned"
+    assert len(self.strides) == self.ndim
+    assert len(self.block_shape) == self.ndim
+    assert self.ndim >= 1, "descriptor cannot be 0 dimensional"
+    itemsize = self.base.dtype.element_ty.primitive_bitwidth // 8
+    for stride in self.strides[:-1]:
+        assert stride.data.item() * itemsize % 16 == 0, "stride must be 16-byte aligned"
+    assert self.strides[-1].data.item() == 1, "last dim must be contiguous"
+
+
 def apply() -> bool:
-    """Patch the interpreter's cast (idempotent); True when the patch is in place."""
+    """Patch the interpreter's cast and descriptor check (idempotent); True when the cast patch is in place
+    (the descriptor check is patched where the interpreter has descriptors)."""
     global _APPLIED
     if _APPLIED:
         return True
@@ -62,5 +82,8 @@ def apply() -> bool:
 
     cast_impl.__wrapped__ = original
     builder.cast_impl = cast_impl
+    descriptor = getattr(interpreter, "TensorDescHandle", None)
+    if descriptor is not None and hasattr(descriptor, "validate"):
+        descriptor.validate = _validate_descriptor
     _APPLIED = True
     return True
