@@ -225,8 +225,7 @@ def _check_grads(leaves, dout, out, ref_fn, q, k, v, terms_fn=None, names=("dq",
         if scale == 0.0:  # no key or no query row: the gradient is exactly 0
             assert not got.any(), f"{name}: expected 0, got max {got.abs().max().item()}"
             continue
-        err = torch.linalg.vector_norm(got - exp).item() / scale
-        assert err <= tol, f"{name}: relative error {err:.3e} (to max(||ref||, terms)) exceeds {tol:.1e}"
+        assert_rel_close(got, exp, tol=tol, name=name, terms=terms.get(name, 0.0))
 
 
 def _dense_terms(case):

@@ -36,6 +36,19 @@ def test_rel_error_and_nan_never_passes():
         testing.rel_error(ref, ref[:2])
 
 
+def test_rel_error_relative_to_the_terms_of_a_cancelling_result():
+    """Given the size of the terms a result sums, the error is relative to the larger of the two: a result
+    that cancelled is held to its terms' size, any other to its own."""
+    ref = torch.tensor([3e-4, -4e-4])  # ||ref|| = 5e-4, from terms of size ~1
+    out = ref + torch.tensor([1e-6, 0.0])
+    assert math.isclose(testing.rel_error(out, ref), 2e-3, rel_tol=1e-5)
+    assert math.isclose(testing.rel_error(out, ref, terms=1.0), 1e-6, rel_tol=1e-5)
+    assert testing.rel_error(out, ref, terms=1e-9) == testing.rel_error(out, ref)  # the larger one counts
+    testing.assert_rel_close(out, ref, tol=1e-5, terms=1.0)
+    with pytest.raises(AssertionError, match=r"to max\(\|\|ref\|\|, terms\)"):
+        testing.assert_rel_close(out, ref, tol=1e-7, terms=1.0)
+
+
 @pytest.mark.gpu
 def test_rel_error_on_the_gpu_matches_the_cpu():
     """rel_error works where out lives (a CPU reference is moved to it), with the CPU's result."""

@@ -110,8 +110,10 @@ def empty_poisoned(*shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     return poison(torch.empty(shape, dtype=dtype, device=device))
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 (absolute error when ref is all zeros); NaN/inf in out gives nan.
+def rel_error(out: torch.Tensor, ref: torch.Tensor, terms: float = 0.0) -> float:
+    """||out - ref|| / max(||ref||, terms) in float64 (absolute error when both are 0); NaN/inf in out gives
+    nan. ``terms``: the size (root-sum-square) of the terms ``ref`` sums, for a result that cancels: its plain
+    relative error cannot keep digits its fp32 terms do not hold, so it is held to the terms' size instead.
 
     Computed on ``out``'s device: a benchmark's 2^27-element check took ~5 s through the host (two fp64
     copies and the norms on the CPU) and is milliseconds on a GPU; fp64 is fp64 on either."""
@@ -124,20 +126,22 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if o.numel() == 0:
         return 0.0
     num = torch.linalg.vector_norm(o - r).item()
-    den = torch.linalg.vector_norm(r).item()
+    den = max(torch.linalg.vector_norm(r).item(), terms)
     return num / den if den > 0 else num
 
 
-def assert_rel_close(out, ref, *, tol: float | None = None, dtype: torch.dtype | None = None, name: str = "output"):
-    """Assert ||out - ref|| / ||ref|| <= tol (default: the tolerance of ``dtype`` or out.dtype); NaN fails."""
+def assert_rel_close(out, ref, *, tol: float | None = None, dtype: torch.dtype | None = None, name: str = "output",
+                     terms: float = 0.0):  # fmt: skip
+    """Assert ||out - ref|| / max(||ref||, terms) <= tol (default: the tolerance of ``dtype`` or out.dtype); NaN
+    fails. ``terms`` as in :func:`rel_error`."""
     if tol is None:
         tol = tolerance(dtype if dtype is not None else out.dtype)
-    err = rel_error(out, ref)
+    err = rel_error(out, ref, terms)
     if not (err <= tol):  # written so NaN fails
         o = out.detach().double().cpu()
         bad = (~torch.isfinite(o)).sum().item()
         raise AssertionError(
-            f"{name}: relative error {err:.3e} exceeds {tol:.1e} "
+            f"{name}: relative error {err:.3e}{' (to max(||ref||, terms))' if terms else ''} exceeds {tol:.1e} "
             f"(shape {tuple(out.shape)}, dtype {out.dtype}, non-finite elements {bad})"
         )
     return err
