@@ -55,7 +55,7 @@ from flydsl.testing import (
     poison,
     tolerance,
 )
-from flydsl.testing.fuzz import banner, fuzz
+from flydsl.testing.fuzz import banner, finding, fuzz
 from flydsl_common.reference import activation_ref
 
 # The interpreter's numpy warns where a draw's large values overflow on purpose: a result past fp16's range cast
@@ -740,6 +740,7 @@ def test_fuzz_modules(data):
 # ---------------------------------------------------------------- failures the fuzzing found, as fixed examples
 
 
+@finding
 @pytest.mark.xfail(not GPU, strict=True, reason="the interpreter's fp8 dot drops NaN (as fly-gemm's fp8)")
 def test_fp8_nan_propagates():
     """A NaN in fp8 x makes every output whose window holds it NaN, as torch's convolution of the dequantized
@@ -753,6 +754,7 @@ def test_fp8_nan_propagates():
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(ref).any()
 
 
+@finding
 def test_gelu_tail_held_to_its_pre_activation_error():
     """test_fuzz_modules' GPU draw (seed 40): FlyConv3d fp32, 27 -> 3 channels, 3x3x3 at stride 2 and dilation
     2 onto one output position, gelu. The pre-activations (0.063, -2.34, -9.73) are sums of 729 terms whose
@@ -774,6 +776,7 @@ def test_gelu_tail_held_to_its_pre_activation_error():
     _check(y, ref, F32, tolerance(F32), terms=terms)
 
 
+@finding
 def test_bias_gradient_of_cancelling_terms():
     """test_fuzz_conv_grad's CPU draw (seed 1, 60 cases): 1D fp32, 5 -> 1 channels, kernel 1, padding 1, 481
     positions, a constant weight, an fp32 bias, gelu. dbias is one number, the sum of 481 terms g = dy * gelu'(z)

@@ -30,7 +30,7 @@ from flydsl.testing import (
     gpu_available,
     tolerance,
 )
-from flydsl.testing.fuzz import banner, fuzz
+from flydsl.testing.fuzz import banner, finding, fuzz
 from flydsl_common.reference import activation_ref, quantize_per_token_ref
 
 GPU = gpu_available()
@@ -314,6 +314,7 @@ def test_fuzz_fly_linear(data):
 # ---------------------------------------------------------------- failures the fuzzing found, as fixed examples
 
 
+@finding
 @pytest.mark.xfail(strict=True, reason="fly_gemm: fp16 x against a quantized PackedWeight returns bf16")
 def test_linear_fp16_quantized_weight_dtype():
     """linear's contract: the result has x's dtype (and gemm's: out_dtype defaults to a's for 16-bit a). With
@@ -326,6 +327,7 @@ def test_linear_fp16_quantized_weight_dtype():
         assert gemm(x, packed).dtype == torch.float16, quant
 
 
+@finding
 def test_linear_nd_with_k_zero():
     """F.linear on x [2, 3, 0] and weight [4, 0] gives zeros [2, 3, 4] (plus the bias); so does linear (its
     rows view once inferred the row count from -1, which N = 0 cannot give)."""
@@ -336,6 +338,7 @@ def test_linear_nd_with_k_zero():
     assert y.shape == (2, 3, 4) and torch.equal(y, bias.expand(2, 3, 4))
 
 
+@finding
 @pytest.mark.xfail(not GPU, strict=True, reason="the interpreter's fp8 dot drops NaN (the bf16 fix's fp8 case)")
 def test_fp8_nan_propagates():
     """A NaN in a row of fp8 A makes that row of C NaN, as in torch (fp16 / bf16 already do): on the
@@ -347,6 +350,7 @@ def test_fp8_nan_propagates():
     assert torch.isnan(c[3]).all() and torch.isfinite(c[torch.arange(17) != 3]).all()
 
 
+@finding
 @pytest.mark.parametrize("packed", [None, torch.float8_e4m3fn])
 def test_relu_keeps_nan(packed):
     """relu(NaN) is NaN in torch. test_fuzz_linear's draw (x [1, 451, 4097] bf16, fp8 PackedWeight, bias,

@@ -49,9 +49,16 @@ from fly_gemm import (
     topk_softmax,
 )
 from fly_gemm._kernels import moe_routing as routing_kernels
-from fly_gemm.moe_reference import grouped_topk_ref, moe_align_capacity, moe_align_ref, topk_softmax_ref
+from fly_gemm.moe_reference import (
+    dequantize_weight_ref,
+    grouped_topk_ref,
+    moe_align_capacity,
+    moe_align_ref,
+    topk_softmax_ref,
+)
 from flydsl.testing import assert_rel_close, default_device, empty_poisoned, gpu_available, tolerance
-from flydsl.testing.fuzz import banner, examples, fuzz
+from flydsl.testing.fuzz import banner, examples, finding, fuzz
+from flydsl_common.reference import torch_activation
 
 GPU = gpu_available()
 DEVICE = default_device()
@@ -270,6 +277,30 @@ def _quantized(w: torch.Tensor, quant: str, block_shape):
     return quantize_weight(w, qdtype, block_shape)
 
 
+def _terms(x, w1, w2, rw, ids, act, on_input, s1=None, s2=None, block_shape=None) -> float:
+    """The size of what fused_moe sums into each token, ``sum_j |w_j| |h_j| . |W2_e|`` (h the intermediate,
+    fp32 from the dequantized weights), as a norm over the tokens. The kernel rounds h (to 16 bits, or to the
+    8-bit codes of the quantized paths) before the down projection, so its error is relative to these terms,
+    which the top-k sum and the down projection's dot may cancel far below the result (H = 1: one output, 20
+    products of both signs): an output is held to its tolerance relative to the larger of the two norms."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w1.shape[1] // 2
+    for e in range(w1.shape[0]):
+        tok, slot = torch.nonzero(ids.long() == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w1e, w2e = w1[e].double(), w2[e].double()
+        if s1 is not None:
+            w1e = dequantize_weight_ref(w1[e : e + 1], s1[e : e + 1], block_shape)[0].double()
+            w2e = dequantize_weight_ref(w2[e : e + 1], s2[e : e + 1], block_shape)[0].double()
+        w = rw[tok, slot].double()[:, None]
+        a = x[tok].double() * (w if on_input else 1.0)
+        g = a @ w1e.t()
+        h = torch_activation(g[:, :inter], act) * g[:, inter:]
+        out.index_add_(0, tok, (h.abs() @ w2e.abs().t()) * (1.0 if on_input else w.abs()))
+    return torch.linalg.vector_norm(torch.nan_to_num(out, nan=0.0, posinf=0.0)).item()
+
+
 @fuzz(cpu_examples=CPU_SLOW_EXAMPLES)
 @given(data=st.data())
 def test_fuzz_fused_moe(data):
@@ -328,7 +359,7 @@ def test_fuzz_fused_moe(data):
     # a token with a NaN: its own row non-finite; a -1 slot's token may end with no expert (row 0)
     cfg = None
     if bm is not None:
-        bk = 32 if block_shape is None else min(32, block_shape[1])
+        bk = 32 if block_shape is None or quant in ("int4", "mxfp4") else min(32, block_shape[1])
         cfg = MoeConfig(bm, 32, bk, group_m=2, num_warps=4, num_stages=1)
 
     xd = _layout(x, lay_x).to(DEVICE)
@@ -351,7 +382,9 @@ def test_fuzz_fused_moe(data):
     bad = ~torch.isfinite(ref).all(-1)
     assert torch.equal(bad, nan_tokens & (ids >= 0).any(-1)), "the reference's non-finite rows"
     assert not torch.isfinite(y[bad]).all(-1).any(), "a token holding NaN came out finite"
-    assert_rel_close(y[~bad], ref[~bad], tol=tolerance(dtype))
+    keep = ~bad
+    terms = _terms(x[keep], w1, w2, rw[keep], ids[keep], act, on_input, s1, s2, block_shape)
+    assert_rel_close(y[keep], ref[keep], tol=tolerance(dtype), terms=terms)
     routed = (ids >= 0).any(-1)
     assert (y[~routed] == 0).all(), "a token with no expert on this rank: zeros"
 
@@ -451,13 +484,37 @@ def test_fuzz_fly_moe(data):
         rw, ids = grouped_topk_ref(logits, k, groups or 1, topk_group or 1, correction_bias=b, scoring=scoring,
                                    renormalize=renorm, routed_scaling_factor=factor)  # fmt: skip
     ref = fused_moe_ref(x2, m.w1.detach().cpu(), m.w2.detach().cpu(), rw, ids, activation=act)
-    assert_rel_close(y.reshape(-1, h), ref, tol=tolerance(dtype))
+    terms = _terms(x2, m.w1.detach().cpu(), m.w2.detach().cpu(), rw, ids, act, False)
+    assert_rel_close(y.reshape(-1, h), ref, tol=tolerance(dtype), terms=terms)
 
 
 
 # ---------------------------------------------------------------- failures the fuzzing found, as fixed examples
 
 
+@finding
+@pytest.mark.parametrize("group,block_k", [(16, None), (16, 32), (16, 64), (32, 64), (64, 32)])
+def test_int4_groups_against_the_k_step(group, block_k):
+    """test_fuzz_fused_moe's GPU draw (seed 20261203): int4 in groups of 16, T 6, H 14, I 28, E 5, top 3.
+    The K step was cut to the group (a step read one scale a column), and 4-bit steps of 16 columns came
+    out 100-400% off on the H200 (any group, any tile; the interpreter right). The step is now at least 32;
+    groups below it read a scale an element."""
+    g = torch.Generator().manual_seed(532)
+    t, h, inter, e, k = 6, 14 if group == 16 else 96, 28 if group == 16 else 80, 5, 3
+    x = _unit_rows(torch.randn(t, h, generator=g)).to(torch.bfloat16)
+    (w1, s1), (w2, s2) = (quantize_weight(torch.randn(e, n, kk, generator=g) / kk**0.5, INT4, [1, group])
+                          for n, kk in ((2 * inter, h), (h, inter)))  # fmt: skip
+    ids = _ids(None, t, k, e, "softmax", 1)
+    rw = torch.softmax(torch.randn(t, k, generator=g), -1)
+    cfg = None if block_k is None else MoeConfig(16, 32, block_k, group_m=1, num_warps=4, num_stages=1)
+    y = fused_moe(x.to(DEVICE), w1.to(DEVICE), w2.to(DEVICE), rw.to(DEVICE), ids.to(DEVICE), w1_scale=s1.to(DEVICE),
+                  w2_scale=s2.to(DEVICE), block_shape=[1, group], config=cfg).cpu()  # fmt: skip
+    ref = fused_moe_ref(x, w1, w2, rw, ids, w1_scale=s1, w2_scale=s2, block_shape=[1, group])
+    assert_rel_close(y, ref, tol=tolerance(torch.bfloat16), terms=_terms(x, w1, w2, rw, ids, "silu", False, s1, s2,
+                                                                        [1, group]))  # fmt: skip
+
+
+@finding
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_topk_softmax_fewer_finite_logits_than_k(renormalize):
     """A row with fewer finite logits than k (masked experts: -inf). test_fuzz_topk_softmax's draw (seed 1:

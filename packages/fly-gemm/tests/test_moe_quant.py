@@ -268,6 +268,7 @@ def test_quant_bad_input_names_the_argument():
             "config: block_k 64 must divide block_shape's block_k 32",
             dict(block, config=MoeConfig(16, 32, 64)),
         ),
+        (ArgumentError, "config: block_k 16 is below 32", dict(int4, config=MoeConfig(16, 32, 16))),
     ]
     for err, match, change in bad:
         args = dict(x=x, w1=q1, w2=q2, w=w, ids=ids, w1_scale=s1, w2_scale=s2)

@@ -148,15 +148,22 @@ def test_every_candidate_is_valid_and_the_space_bounded(arch):
 @pytest.mark.parametrize("arch", sorted(ARCHES))
 @pytest.mark.parametrize("dtype,quant,block_k", SCALED, ids=[q for _, q, _ in SCALED])
 def test_scale_blocks_bound_the_k_step(arch, dtype, quant, block_k):
+    w4 = quant.startswith(("w4g", "mxfp4"))
     for e, k, h, inter, _g in MODELS.values():
         for t in (1, 16, 1024, 16384):
             key = moe_tuning_key(t, e, inter, h, k, dtype, quant)
             cands = moe_candidates(key, arch)
             assert cands
             for cfg in [*cands, MOE_TUNABLE.default(key, arch)]:
-                assert block_k is None or block_k % cfg.block_k == 0, (key, cfg)
-    if block_k is not None:  # a stored config whose K step crosses a scale block is refused
-        key = moe_tuning_key(16, 8, 256, 256, 2, dtype, quant)
+                if w4:  # K steps of 32 and up: a group's columns, or 32 (scales read a column) below that
+                    assert cfg.block_k >= 32 and (block_k % cfg.block_k == 0 or cfg.block_k == 32), (key, cfg)
+                else:
+                    assert block_k is None or block_k % cfg.block_k == 0, (key, cfg)
+    key = moe_tuning_key(16, 8, 256, 256, 2, dtype, quant)
+    if w4:  # a stored 4-bit config with a 16-column K step is refused (wrong on sm_90), 2 groups a step taken
+        assert not MOE_TUNABLE.is_valid(MoeConfig(16, 64, 16, num_stages=1), key, arch)
+        assert MOE_TUNABLE.is_valid(MoeConfig(16, 64, 2 * block_k, num_stages=1), key, arch)
+    elif block_k is not None:  # a stored config whose K step crosses a scale block is refused
         assert not MOE_TUNABLE.is_valid(MoeConfig(16, 64, 2 * block_k, num_stages=1), key, arch)
 
 

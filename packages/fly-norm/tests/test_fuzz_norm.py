@@ -31,7 +31,7 @@ from fly_norm.reference import (
 )
 from flydsl.errors import FlyDSLError
 from flydsl.testing import assert_rel_close, default_device, gpu_available, tolerance
-from flydsl.testing.fuzz import banner, fuzz
+from flydsl.testing.fuzz import banner, finding, fuzz
 from flydsl_common.rows import MAX_SINGLE_PASS
 
 GPU = gpu_available()
@@ -373,6 +373,7 @@ def test_fuzz_modules(data):
 # ---------------------------------------------------------------- failures the fuzzing found, as fixed examples
 
 
+@finding
 def test_norm_bwd_of_a_16_bit_residual_matches_its_forward():
     """layer_norm with a 16-bit residual on rows of one value (one column here). The forward normalized the
     fp32 sum h = x + r while the backward read h back from residual_out (fp16) against the forward's
@@ -391,6 +392,7 @@ def test_norm_bwd_of_a_16_bit_residual_matches_its_forward():
     assert torch.equal(x.grad, dh) and torch.equal(r.grad, dh)
 
 
+@finding
 def test_layer_norm_two_columns_through_a_16_bit_residual():
     """test_fuzz_layer_norm's GPU draw (seed 20261202): rows of two columns, fp16 x, weight, bias and
     residual, offset 1: dx was 1.03e-3 off its fp64 reference (1e-3 allowed), the forward's statistics being
@@ -400,6 +402,7 @@ def test_layer_norm_two_columns_through_a_16_bit_residual():
     _run_norm(case, True, None)
 
 
+@finding
 def test_layer_norm_rows_of_one_value_against_an_exact_reference():
     """test_fuzz_layer_norm's GPU draw (seed 20261202): bf16 rows of one value, 107 columns, no weight or bias,
     offset 1, eps 0.1. The kernel's y is the exact 0; the fp64 reference's CUDA mean (a multiply by a rounded
@@ -413,6 +416,7 @@ def test_layer_norm_rows_of_one_value_against_an_exact_reference():
     assert torch.equal(layer_norm_ref(x, None, None, 0.1), torch.zeros(3, 107, dtype=torch.float64, device=DEVICE))
 
 
+@finding
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_layer_norm_fp32_bias_grad_not_rounded_to_weight_dtype(dtype):
     """x and weight 16-bit, bias fp32 (test_fuzz_layer_norm's draw x [1, 5, 110] fp16, fp32 bias): dbias is the
@@ -435,6 +439,7 @@ def test_layer_norm_fp32_bias_grad_not_rounded_to_weight_dtype(dtype):
 _ONE_VALUE_WIDTHS = [27, 300, 4097, 8192] + ([_split_host.SPLIT_MIN_N, _split_host.FWD_STAGED_MIN_N] if GPU else [])
 
 
+@finding
 @pytest.mark.parametrize("n", _ONE_VALUE_WIDTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_norm_of_rows_of_one_value_is_exactly_zero(n, dtype):

@@ -56,7 +56,7 @@ from ._kernels.moe_gemm import (
     launch_moe_quant,
     launch_moe_sum,
 )
-from .moe_config import MoeConfig, moe_config_for, moe_config_valid
+from .moe_config import W4_MIN_BLOCK_K, MoeConfig, block_k_ok, fit_block_k, moe_config_for, moe_config_valid
 from .moe_reference import fused_moe_ref
 from .moe_routing import align, check_id_values, check_topk_ids
 
@@ -319,15 +319,18 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
 
         config = moe_config_for(t, e, inter, h, k, in_dtype, _quant_mode(quant, scale_block, fp4), x.device,
                                 task=task)  # fmt: skip
-        if quant in (QUANT_BLOCK, QUANT_W4) and config.block_k > scale_block[1]:  # the shipped configs fit it
-            config = dataclasses.replace(config, block_k=scale_block[1])
+        if quant in (QUANT_BLOCK, QUANT_W4):  # the shipped configs fit it
+            config = dataclasses.replace(config, block_k=fit_block_k(config.block_k, scale_block[1], quant == QUANT_W4))
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")
     if not moe_config_valid(config, in_dtype, arch):
         raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(in_dtype)} on {arch.name}")
-    if quant in (QUANT_BLOCK, QUANT_W4) and scale_block[1] % config.block_k:
+    if quant == QUANT_BLOCK and not block_k_ok(config.block_k, scale_block[1], False):
         raise ArgumentError(f"config: block_k {config.block_k} must divide block_shape's block_k "
                             f"{scale_block[1]} (each K step lies in one scale block)")  # fmt: skip
+    if quant == QUANT_W4 and not block_k_ok(config.block_k, scale_block[1], True):
+        raise ArgumentError(f"config: block_k {config.block_k} is below {W4_MIN_BLOCK_K}, the smallest K step for "
+                            f"4-bit weights")  # fmt: skip
     if fp4:  # the kernel reads the e8m0 exponents as bytes
         w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     numel = t * k

@@ -40,6 +40,7 @@ from .autotune import _arch
 __all__ = [
     "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
     "moe_candidates", "moe_config_for", "clear_moe_memo", "MOE_TUNE_MODELS", "MOE_TUNE_TOKENS", "MOE_TUNE_QUANTS",
+    "W4_MIN_BLOCK_K", "fit_block_k", "block_k_ok",
 ]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
@@ -133,6 +134,34 @@ MOE_TUNE_TOKENS = (1, 16, 64, 1024, 4096, 16384)
 MOE_TUNE_QUANTS = ((torch.bfloat16, "none"), (torch.float8_e4m3fn, "block128x128"))
 
 
+# 4-bit weights: the K step is at least 32 columns. A step of 16 (8 packed bytes a weight row) dequantized
+# wrong on sm_90 (Triton 3.6; every case 100-400% off, whatever the group), 32 and up right (measured on
+# the H200 over H, I 16-64, groups 16-64, column tiles 16-64). Groups below the step read a scale a column.
+W4_MIN_BLOCK_K = 32
+
+
+def fit_block_k(block_k: int, group: int | None, w4: bool) -> int:
+    """The K step a config's ``block_k`` becomes for scale blocks of ``group`` columns (None: per channel):
+    block-scaled 8-bit weights cut it to the group (a step lies in one block); 4-bit weights too, but not
+    below :data:`W4_MIN_BLOCK_K`."""
+    if group is None:
+        return block_k
+    return max(W4_MIN_BLOCK_K, min(block_k, group)) if w4 else min(block_k, group)
+
+
+def block_k_ok(block_k: int, group: int | None, w4: bool) -> bool:
+    """Whether the kernel takes K step ``block_k`` for scale blocks of ``group`` columns: block-scaled 8-bit
+    weights need it to divide the group; 4-bit weights need it at least :data:`W4_MIN_BLOCK_K` (a step
+    within one group reads one scale a column, one over several groups a scale an element)."""
+    if group is None:
+        return True
+    return block_k >= W4_MIN_BLOCK_K if w4 else group % block_k == 0
+
+
+def _w4(quant: str) -> bool:
+    return quant.startswith(("w4g", "mxfp4"))
+
+
 def _scale_k(quant: str) -> int | None:
     """The K extent of one scale block of a quant mode (the K step must divide it), None when unbounded."""
     m = _QUANT.fullmatch(quant) if isinstance(quant, str) else None
@@ -164,8 +193,8 @@ def _key_dtype(key) -> torch.dtype:
 
 def _fit_scale(cfg: MoeConfig, key) -> MoeConfig:
     """``cfg`` with its K step cut to the key's scale block where it is longer (as fused_moe cuts its own)."""
-    sk = _scale_k(key["quant"])
-    return cfg if sk is None or cfg.block_k <= sk else dataclasses.replace(cfg, block_k=sk)
+    bk = fit_block_k(cfg.block_k, _scale_k(key["quant"]), _w4(key["quant"]))
+    return cfg if bk == cfg.block_k else dataclasses.replace(cfg, block_k=bk)
 
 
 def _moe_default(key, arch: str) -> MoeConfig:
@@ -175,8 +204,8 @@ def _moe_default(key, arch: str) -> MoeConfig:
 
 
 def _moe_valid(cfg: MoeConfig, key, arch: str) -> bool:
-    sk = _scale_k(key["quant"])
-    return moe_config_valid(cfg, _key_dtype(key), _arch(arch)) and (sk is None or sk % cfg.block_k == 0)
+    ok = block_k_ok(cfg.block_k, _scale_k(key["quant"]), _w4(key["quant"]))
+    return moe_config_valid(cfg, _key_dtype(key), _arch(arch)) and ok
 
 
 _BLOCK_M = (16, 32, 64, 128)
@@ -198,7 +227,7 @@ def moe_candidates(key, arch: str) -> list[MoeConfig]:
     i = _BLOCK_M.index(default.block_m) if default.block_m in _BLOCK_M else 0
     block_ms = _BLOCK_M[max(0, i - 1) : i + 2]
     sk = _scale_k(key["quant"])
-    block_ks = sorted({min(bk, sk or bk) for bk in ((128,) if dtype.itemsize == 1 else (64, 128))})
+    block_ks = sorted({fit_block_k(bk, sk, _w4(key["quant"])) for bk in ((128,) if dtype.itemsize == 1 else (64, 128))})
     out = [default]
     for block_m, block_n, block_k, stages in itertools.product(block_ms, (64, 128, 256), block_ks, (3, 4)):
         tile = block_m * block_n

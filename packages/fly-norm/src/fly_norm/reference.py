@@ -48,9 +48,11 @@ def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None, weight_offset=0.0, 
     """y = (h - mean) / sqrt(var + eps) * (weight + weight_offset) + bias, h as in :func:`rms_norm_ref`;
     returns y or (y, h). The mean is the fp64 sum divided by the width, correctly rounded: torch's CUDA mean
     multiplies by a rounded 1 / n, which leaves rows of one value an ulp from their mean (y ~1e-16 where the
-    kernels give the exact 0)."""
+    kernels give the exact 0), and so does its division by a Python number (a multiply by its reciprocal):
+    the width is divided as a tensor."""
     h = _pre_add(x, residual, h_dtype)
-    mean = h.sum(-1, keepdim=True) / h.shape[-1]
+    total = h.sum(-1, keepdim=True)
+    mean = total / total.new_full((), h.shape[-1])
     var = (h - mean).pow(2).mean(-1, keepdim=True)
     y = (h - mean) * torch.rsqrt(var + eps)
     if weight is not None:

@@ -30,7 +30,7 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .flash_fwd import UNBOUNDED
-from .programs import block_program, head_base, sequence_bounds, softcap_tanh
+from .programs import block_program, head_base, head_block, sequence_bounds, softcap_tanh
 
 __all__ = ["launch_flash_bwd"]
 
@@ -324,7 +324,7 @@ def launch_flash_bwd(dout, q, k, v, out, lse, delta, dq, dk, dv, cu_q, cu_k, max
         slb, slh = 0, lse.stride(0)
     else:
         slb, slh = lse.stride(0), lse.stride(1)
-    bd, bdv = flyc.next_power_of_2(head_dim), flyc.next_power_of_2(head_dim_v)
+    bd, bdv = head_block(head_dim), head_block(head_dim_v)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)  # fmt: skip
 

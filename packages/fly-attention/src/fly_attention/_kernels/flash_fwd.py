@@ -32,7 +32,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .programs import block_program, head_base, online_update, sequence_bounds
+from .programs import block_program, head_base, head_block, online_update, sequence_bounds
 
 __all__ = ["launch_flash_fwd", "forward_arguments", "key_blocks", "UNBOUNDED"]
 
@@ -205,8 +205,8 @@ def forward_arguments(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seql
             softmax_scale * _LOG2E, cap_in, cap_out, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb,
             slh)  # fmt: skip
     meta = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=flyc.next_power_of_2(head_dim),
-        BLOCK_DV=flyc.next_power_of_2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim),
+        BLOCK_DV=head_block(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WINDOWED=win_left >= 0, SOFTCAP=softcap > 0, VARLEN=varlen, STORE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -97,12 +97,28 @@ def _w4_scale(s, FP4: fx.constexpr):
 @flyc.func
 def _dequant_w4(packed, scale, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, FP4: fx.constexpr):
     """[BLOCK_N, BLOCK_K / 2] bytes of 4-bit pairs (element 2j in the low nibble, 2j + 1 in the high) ->
-    [BLOCK_N, BLOCK_K] fp32 values times the column's ``scale`` (from :func:`_w4_scale`)."""
+    [BLOCK_N, BLOCK_K] fp32 values times ``scale`` (from :func:`_w4_scale`): [BLOCK_N, 1], a column's, or
+    [BLOCK_N, BLOCK_K], an element's."""
     v = packed.to(fx.int32) & 255
     lo = _w4_value(v & 15, FP4)
     hi = _w4_value(v >> 4, FP4)
     w = fx.reshape(fx.join(lo, hi), [BLOCK_N, BLOCK_K])
-    return w.to(fx.float32) * scale[:, None]
+    return w.to(fx.float32) * scale
+
+
+@flyc.func
+def _w4_step_scale(row, k0, rk, n_ok, K, stride_bsk, SCALE_BK: fx.constexpr, BLOCK_K: fx.constexpr,
+                   FP4: fx.constexpr):  # fmt: skip
+    """The scales of a 4-bit K step at ``k0`` for the weight rows at ``row`` ([BLOCK_N] pointers): [BLOCK_N, 1]
+    where the step lies in one group (BLOCK_K divides it), else each element's group ([BLOCK_N, BLOCK_K]:
+    groups smaller than a step; 0 past ``K``, where there is no group to read)."""
+    if SCALE_BK % BLOCK_K == 0:
+        s = fx.load(row + row_offset(k0 // SCALE_BK, stride_bsk), mask=n_ok, other=0)
+        return _w4_scale(s, FP4)[:, None]
+    else:
+        kb = row_offset((k0 + rk) // SCALE_BK, stride_bsk)
+        s = fx.load(row[:, None] + kb[None, :], mask=n_ok[:, None] & (rk < K - k0)[None, :], other=0)
+        return _w4_scale(s, FP4)
 
 
 # fmt: off
@@ -160,14 +176,13 @@ def _moe_gemm_kernel(
             b_ok = n_ok[:, None] & k_ok[None, :]
             if QUANT == 3:
                 # weight-only: the tile dequantized to A's dtype (int4 x its group scale, rounded once), then
-                # the 16-bit dot; BLOCK_K divides the group, so one scale a column this step
-                kb = row_offset(k0 // SCALE_BK, stride_bsk)
+                # the 16-bit dot
                 b4_ok = n_ok[:, None] & (rk2 * 2 < K - k0)[None, :]
-                sb = _w4_scale(fx.load(bs_row + kb, mask=n_ok, other=0), FP4)
+                sb = _w4_step_scale(bs_row, k0, rk, n_ok, K, stride_bsk, SCALE_BK, BLOCK_K, FP4)
                 b = _dequant_w4(fx.load(b_ptrs, mask=b4_ok, other=0), sb, BLOCK_N, BLOCK_K, FP4)
                 acc = fx.dot(a, fx.trans(_to_16bit(b, a.dtype)), acc)
                 if GATED:
-                    sb_up = _w4_scale(fx.load(bs_row_up + kb, mask=n_ok, other=0), FP4)
+                    sb_up = _w4_step_scale(bs_row_up, k0, rk, n_ok, K, stride_bsk, SCALE_BK, BLOCK_K, FP4)
                     b_up = _dequant_w4(fx.load(b_ptrs + up_offset, mask=b4_ok, other=0), sb_up, BLOCK_N, BLOCK_K,
                                        FP4)  # fmt: skip
                     acc_up = fx.dot(a, fx.trans(_to_16bit(b_up, a.dtype)), acc_up)

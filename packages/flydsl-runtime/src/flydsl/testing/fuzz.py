@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from .. import env
 from . import gpu_available
 
-__all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "examples", "banner"]
+__all__ = ["SEED", "PROFILE", "MAX_EXAMPLES", "FUZZ", "fuzz", "examples", "banner", "finding"]
 
 SEED = env.get("FLYDSL_FUZZ_SEED")
 PROFILE = "gpu" if gpu_available() else "cpu"
@@ -50,6 +50,12 @@ def fuzz(test=None, *, cpu_examples: int | None = None):
         return lambda t: fuzz(t, cpu_examples=cpu_examples)
     count = examples(cpu_examples)
     test = seed(SEED)((FUZZ if count == MAX_EXAMPLES else settings(FUZZ, max_examples=count))(test))
+    return pytest.mark.gpu(test) if PROFILE == "gpu" else test
+
+
+def finding(test):
+    """A failure the fuzzing found, kept as a fixed example test: run by both profiles' suites, as
+    :func:`fuzz` tests are (gpu-marked on a GPU machine, whose shard selects ``-m gpu``)."""
     return pytest.mark.gpu(test) if PROFILE == "gpu" else test
 
 
