@@ -170,8 +170,8 @@ def test_quant_fp16_gelu_router_weight_on_input(qdtype, block_shape):
 
 @pytest.mark.parametrize(
     "h,inter,block_shape",
-    [(200, 72, [128, 128]), (96, 80, [64, 32]), (72, 40, [48, 16])],
-    ids=["partial-128", "up-rows-straddle-64x32", "bn48-bk16"],
+    [(200, 72, [128, 128]), (96, 80, [64, 32]), (72, 40, [48, 32])],
+    ids=["partial-128", "up-rows-straddle-64x32", "bn48-bk32"],
 )
 @pytest.mark.parametrize("qdtype", [FP8, INT4], ids=["fp8", "int4"])
 def test_block_scaled_shapes_not_multiples_of_the_block(h, inter, block_shape, qdtype):
@@ -218,7 +218,7 @@ def test_quant_scale_layouts_minus_one_slots_and_configs():
     _check(y, x, wf, q, w, ids, None)
     x, wf, q, w, ids = _layer(17, 256, 128, 4, 2, torch.bfloat16, FP8, [128, 128], seed=4)
     q1, q2, s1, s2 = q
-    for cfg in (MoeConfig(16, 16, 16, group_m=1), MoeConfig(32, 64, 64, group_m=2)):
+    for cfg in (MoeConfig(16, 16, 32, group_m=1), MoeConfig(32, 64, 64, group_m=2)):
         y = fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[128, 128], config=cfg)
         _check(y, x, wf, q, w, ids, [128, 128])
 
@@ -269,6 +269,9 @@ def test_quant_bad_input_names_the_argument():
             dict(block, config=MoeConfig(16, 32, 64)),
         ),
         (ArgumentError, "config: block_k 16 is below 32", dict(int4, config=MoeConfig(16, 32, 16))),
+        (UnsupportedError, "block_shape: fp8 block-scaled weights need block_k >= 32",
+         dict(block, w1_scale=sb1.repeat_interleave(2, -1), w2_scale=sb2.repeat_interleave(2, -1),
+              block_shape=[32, 16])),
     ]
     for err, match, change in bad:
         args = dict(x=x, w1=q1, w2=q2, w=w, ids=ids, w1_scale=s1, w2_scale=s2)

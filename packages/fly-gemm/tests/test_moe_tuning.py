@@ -38,7 +38,7 @@ DEV = default_device()
 FP8 = torch.float8_e4m3fn
 ARCHES = {"sm_90": flydsl.arch.SM90, "cpu": flydsl.arch.INTERPRETER}
 # keys off the tuning set whose scale block bounds the K step (and a per-channel one that does not)
-SCALED = [(FP8, "block128x128", 128), (FP8, "block64x64", 64), (FP8, "block1x16", 16), (torch.bfloat16, "w4g32", 32),
+SCALED = [(FP8, "block128x128", 128), (FP8, "block64x64", 64), (FP8, "block1x32", 32), (torch.bfloat16, "w4g32", 32),
           (torch.float16, "w4g128", 128), (torch.bfloat16, "mxfp4", 32), (torch.bfloat16, "mxfp4g16", 16),
           (torch.int8, "channel", None)]  # fmt: skip
 

@@ -56,7 +56,15 @@ from ._kernels.moe_gemm import (
     launch_moe_quant,
     launch_moe_sum,
 )
-from .moe_config import W4_MIN_BLOCK_K, MoeConfig, block_k_ok, fit_block_k, moe_config_for, moe_config_valid
+from .moe_config import (
+    DOT_MIN_K_8BIT,
+    W4_MIN_BLOCK_K,
+    MoeConfig,
+    block_k_ok,
+    fit_block_k,
+    moe_config_for,
+    moe_config_valid,
+)
 from .moe_reference import fused_moe_ref
 from .moe_routing import align, check_id_values, check_topk_ids
 
@@ -118,6 +126,10 @@ def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
     if wdt == torch.int8:
         raise UnsupportedError(f"block_shape: block-scaled weights are fp8 e4m3 or packed int4 (int8 is "
                                f"per-channel), got {describe(w1)}")  # fmt: skip
+    if wdt != torch.uint8 and bk < DOT_MIN_K_8BIT:
+        raise UnsupportedError(f"block_shape: fp8 block-scaled weights need block_k >= {DOT_MIN_K_8BIT} (a K step "
+                               f"lies in one scale block, and an 8-bit tensor-core dot's K is at least "
+                               f"{DOT_MIN_K_8BIT}), got {list(block_shape)}")  # fmt: skip
     for name, s, n, k in (("w1_scale", w1_scale, 2 * inter, h), ("w2_scale", w2_scale, h, inter)):
         want = (e, _cdiv(n, bn), _cdiv(k, bk))
         if tuple(s.shape) != want:

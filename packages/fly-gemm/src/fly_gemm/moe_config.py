@@ -40,10 +40,11 @@ from .autotune import _arch
 __all__ = [
     "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
     "moe_candidates", "moe_config_for", "clear_moe_memo", "MOE_TUNE_MODELS", "MOE_TUNE_TOKENS", "MOE_TUNE_QUANTS",
-    "W4_MIN_BLOCK_K", "fit_block_k", "block_k_ok",
+    "W4_MIN_BLOCK_K", "DOT_MIN_K_8BIT", "fit_block_k", "block_k_ok",
 ]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
+DOT_MIN_K_8BIT = 32  # and K at least 32 with 8-bit operands (fp8 / int8: Triton refuses less on sm_90)
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,12 @@ def moe_smem_bytes(cfg: MoeConfig, in_dtype: torch.dtype) -> int:
 @functools.lru_cache(maxsize=1024)  # pure: the general path of every call asks it
 def moe_config_valid(cfg: MoeConfig, in_dtype: torch.dtype, arch: flydsl.arch.Arch) -> bool:
     """The one validity predicate (default, tests, a future tuner): power-of-two tiles of at least 16 (the
-    dot's minimum), a warp count Triton takes, at least one stage, shared memory within the arch's."""
+    dot's minimum; K at least 32 for 8-bit operands), a warp count Triton takes, at least one stage, shared
+    memory within the arch's."""
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
     if any(t < _DOT_MIN or t & (t - 1) for t in tiles) or cfg.group_m < 1:
+        return False
+    if in_dtype.itemsize == 1 and cfg.block_k < DOT_MIN_K_8BIT:
         return False
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
         return False
