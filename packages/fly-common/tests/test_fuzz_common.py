@@ -85,6 +85,8 @@ def _values(shape, dtype, kind, seed_, draw):
         x = x * {torch.float16: 8e3, torch.bfloat16: 1e36, torch.float32: 1e36}[dtype]
     elif kind == "tiny":  # normal numbers of the input dtype, a scale of ~1e-30 / 1e-6
         x = x * (1e-5 if dtype == torch.float16 else 1e-30)
+    elif kind == "flush":  # fp32 / bf16 rows whose QMAX / amax overflows (amax ~1e-37; subnormals too): codes 0
+        x = x * (1e-5 if dtype == torch.float16 else 2.0**-125)
     x = x.to(dtype)
     rows = x.reshape(-1, shape[-1]) if x.numel() else x.reshape(0, max(shape[-1], 0))
     special = torch.zeros(rows.shape[0], dtype=torch.bool)
@@ -141,7 +143,7 @@ def _check_special_scales(s, sr, special):
 def test_fuzz_quantize_per_token(data):
     lead, n = data.draw(row_shapes())
     dtype, qdtype = data.draw(st.sampled_from(DTYPES)), data.draw(st.sampled_from(QDTYPES))
-    kind = data.draw(st.sampled_from(["normal", "normal", "large", "tiny", "zeros", "equal", "nan", "inf"]))
+    kind = data.draw(st.sampled_from(["normal", "normal", "large", "tiny", "flush", "zeros", "equal", "nan", "inf"]))
     layout = data.draw(st.sampled_from(["contiguous", "sliced", "gapped", "transposed"]))
     cfg = data.draw(row_configs(n))
     s0 = data.draw(st.integers(0, 2**16))
@@ -175,7 +177,7 @@ def test_fuzz_quantize_per_tensor(data):
     lead, n = data.draw(row_shapes())
     dtype, qdtype = data.draw(st.sampled_from(DTYPES)), data.draw(st.sampled_from(QDTYPES))
     static = data.draw(st.sampled_from([None, "0-d", "[1]"]))
-    kinds = ["normal", "normal", "large", "tiny", "zeros", "equal"] + ([] if static else ["nan", "inf"])
+    kinds = ["normal", "normal", "large", "tiny", "flush", "zeros", "equal"] + ([] if static else ["nan", "inf"])
     kind = data.draw(st.sampled_from(kinds))
     layout = data.draw(st.sampled_from(["contiguous", "sliced", "gapped", "transposed"]))
     cfg = data.draw(row_configs(n))
@@ -255,21 +257,27 @@ def test_fuzz_vec_add(data):
 
 
 @finding
-@pytest.mark.xfail(strict=True, reason="flydsl_common quantizers (and their references): QMAX / amax overflows "
-                   "to inf for amax below QMAX / FLT_MAX (~3.7e-37 int8, 1.3e-36 fp8), saturating every code")
 @pytest.mark.parametrize("qdtype", QDTYPES, ids=str)
 @pytest.mark.parametrize("op", ["per_token", "per_tensor"])
-def test_quantize_row_of_tiny_values_keeps_its_codes(op, qdtype):
-    """A row whose amax is tiny (2^-124 ~ 4.7e-38, a normal fp32 and bf16 number; subnormals likewise) has
-    the inverse scale QMAX / amax = 127 * 2^124 past fp32's range: inf. Every nonzero element then saturates
-    to +-QMAX (x = q * scale is off by up to 4x: -2^-126 dequantizes as -2^-124) and, in the references, a
-    zero becomes 0 * inf = NaN (fp8: a NaN code). The codes of any other scale of this row: x / amax * QMAX. The
-    fuzz draws steer clear: its "tiny" rows sit at ~1e-30 (fp32 / bf16), where QMAX / amax is finite."""
+def test_quantize_row_of_tiny_values_flushes_to_zero(op, qdtype):
+    """A row whose amax is tiny (2^-124 ~ 4.7e-38, a normal fp32 and bf16 number) has the inverse scale
+    QMAX / amax = 127 * 2^124 past fp32's range. It was inf: every nonzero element saturated to +-QMAX (x =
+    q * scale off by up to 4x: -2^-126 dequantized as -2^-124) and a zero became 0 * inf = NaN (fp8: a NaN
+    code), kernels and references alike. Now the inverse is 0 there: codes 0, the row dequantizes to 0 (off
+    by less than its values' size; its scale, amax / QMAX, is subnormal). A row at 2^-110, whose inverse is
+    finite, keeps its codes."""
     a = 2.0**-124
-    if qdtype == torch.int8:  # 127 * (1, 3/4, -1/4, 0) = 127, 95.25, -31.75, 0: no rounding tie
-        x, want = [a, 0.75 * a, -0.25 * a, 0.0], [127.0, 95.0, -32.0, 0.0]
-    else:  # 448 * (1, 1/2, -1/4, 0): exact in e4m3
-        x, want = [a, 0.5 * a, -0.25 * a, 0.0], [448.0, 224.0, -112.0, 0.0]
-    x, want = torch.tensor([x], device=DEVICE), torch.tensor([want])
-    q, _ = quantize_per_token(x, qdtype) if op == "per_token" else quantize_per_tensor(x, qdtype)
-    assert torch.equal(q.float().cpu(), want), q.float()
+    x = torch.tensor([[a, 0.75 * a, -0.25 * a, 0.0], [2.0**-110, 0.5 * 2.0**-110, -(2.0**-112), 0.0]])
+    rows = [0, 1] if op == "per_token" else [0]  # per tensor: the tiny row alone (one amax for the tensor)
+    op_fn, ref_fn = {"per_token": (quantize_per_token, quantize_per_token_ref),
+                     "per_tensor": (quantize_per_tensor, quantize_per_tensor_ref)}[op]  # fmt: skip
+    x = x[rows]
+    q, s = op_fn(x.to(DEVICE), qdtype)
+    q = q.float().cpu()
+    ref_q, ref_s = ref_fn(x, qdtype)
+    assert torch.equal(q, ref_q.float()) and torch.equal(s.cpu(), ref_s), (q, ref_q)
+    assert torch.equal(q[0], torch.zeros(4)), "the tiny row: codes 0 (not saturated, no NaN)"
+    if 1 in rows:  # 448 or 127 times (1, 1/2, -1/4, 0), exact
+        qmax = 127.0 if qdtype == torch.int8 else 448.0
+        want = torch.tensor([qmax, qmax / 2, -qmax / 4, 0.0])
+        assert torch.equal(q[1], want.round() if qdtype == torch.int8 else want), q[1]

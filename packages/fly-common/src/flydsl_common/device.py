@@ -121,11 +121,18 @@ def absmax_f32(x, axis: fx.constexpr):
 # rounded, the codes and scales are torch's ``x * (QMAX / amax)`` and ``amax / QMAX`` bit for bit, on
 # every target; a downstream GEMM then matches its reference to the summation order, where a flipped code
 # here moves a whole output row.
+#
+# A row whose amax is so small that QMAX / amax passes fp32's range (amax below QMAX / FLT_MAX: ~3.7e-37
+# for int8, 1.3e-36 for e4m3) gets the inverse 0, so its codes are 0 and it dequantizes to 0, off by less
+# than its own values' size. The infinite inverse would saturate every code and turn a zero into a NaN
+# (0 * inf), and the scale of such a row, amax / QMAX, is subnormal anyway.
 @flyc.func
 def inverse_scale(amax, QMAX: fx.constexpr):
-    """QMAX / amax in fp32, correctly rounded; 0 for amax = 0 (an all-zero row's codes are then 0)."""
+    """QMAX / amax in fp32, correctly rounded; 0 for amax = 0 (an all-zero row's codes are then 0) and where
+    the quotient overflows (rows of values below ~1e-36: codes 0)."""
     safe = fx.where(amax > 0, amax, 1.0)
-    return fx.where(amax > 0, fx.div_rn(fx.zeros_like(safe) + QMAX, safe), 0.0)
+    inv = fx.div_rn(fx.zeros_like(safe) + QMAX, safe)
+    return fx.where((amax > 0) & (inv < float("inf")), inv, 0.0)
 
 
 @flyc.func

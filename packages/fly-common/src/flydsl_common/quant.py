@@ -97,7 +97,9 @@ def _quant_rows_kernel(
     if MODE == 2:
         amax = fx.zeros([BLOCK_M], dtype=fx.float32)  # unused
         scale = fx.load(s_ptr).to(fx.float32)
-        inv = fx.where(scale > 0, 1.0 / scale, 0.0) + fx.zeros([BLOCK_M], dtype=fx.float32)
+        r = 1.0 / fx.where(scale > 0, scale, 1.0)
+        # 0 where 1 / scale overflows (a scale below 2^-128), as device.inverse_scale: codes 0, not saturated
+        inv = fx.where((scale > 0) & (r < float("inf")), r, 0.0) + fx.zeros([BLOCK_M], dtype=fx.float32)
     elif SINGLE_PASS:
         mask = row_ok[:, None] & (cols[None, :] < N)
         x = fx.load(x_rows + cols[None, :], mask=mask, other=0.0).to(fx.float32)

@@ -12,7 +12,7 @@ from .device import FP8_E4M3_MAX, INT8_MAX
 
 __all__ = [
     "vec_add_ref", "torch_activation", "activation_ref", "quantize_per_token_ref", "quantize_per_tensor_ref",
-    "dequantize_ref",
+    "dequantize_ref", "inverse_scale_ref",
 ]  # fmt: skip
 
 
@@ -59,12 +59,21 @@ def _quantize(x32: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's arithmetic in fp32: scale = amax/QMAX, q = sat(round(x * (QMAX/amax)))."""
+    """The kernel's arithmetic in fp32: scale = amax/QMAX, q = sat(round(x * (QMAX/amax))); the inverse is 0
+    for amax = 0 and where it overflows (amax below ~1e-36: codes 0, as flydsl_common.device.inverse_scale)."""
     qmax = _qmax(dtype)
     x32 = x.float()
     amax = x32.abs().amax(dim=-1) if x.shape[-1] else torch.zeros(x.shape[:-1], device=x.device)
-    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
-    return _quantize(x32, inv[..., None], dtype), amax / qmax
+    return _quantize(x32, inverse_scale_ref(amax, qmax)[..., None], dtype), amax / qmax
+
+
+def inverse_scale_ref(d: torch.Tensor, num: float) -> torch.Tensor:
+    """The kernels' inverse scale ``num / d`` in d's dtype, correctly rounded (a tensor divided by a tensor:
+    torch's ``number / tensor`` multiplies by a rounded reciprocal), where d > 0 and the quotient is finite;
+    0 elsewhere (d = 0, NaN, or so small that the quotient overflows: codes 0, as
+    flydsl_common.device.inverse_scale)."""
+    inv = torch.full_like(d, num) / torch.where(d > 0, d, torch.ones_like(d))
+    return torch.where((d > 0) & torch.isfinite(inv), inv, torch.zeros_like(inv))
 
 
 def quantize_per_tensor_ref(x: torch.Tensor, dtype: torch.dtype, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +83,7 @@ def quantize_per_tensor_ref(x: torch.Tensor, dtype: torch.dtype, scale=None) -> 
         amax = x32.abs().amax() if x.numel() else torch.zeros((), device=x.device)
         scale = amax / qmax
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return _quantize(x32, inv, dtype), scale
+    return _quantize(x32, inverse_scale_ref(scale, 1.0), dtype), scale
 
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, per_token: bool) -> torch.Tensor:

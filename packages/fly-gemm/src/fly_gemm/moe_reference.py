@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flydsl_common.reference import torch_activation
+from flydsl_common.reference import inverse_scale_ref, torch_activation
 
 __all__ = [
     "topk_softmax_ref",
@@ -106,7 +106,8 @@ def moe_align_capacity(numel: int, num_experts: int, block_m: int) -> int:
 def quantize_groups_ref(a: torch.Tensor, qdtype: torch.dtype, group: int) -> torch.Tensor:
     """The kernels' dynamic activation quantization, in fp32, returned dequantized: each row's ``group``
     columns (the last group may be partial) get ``scale = amax / QMAX`` (QMAX 448 for fp8 e4m3, 127 for
-    int8) and ``q = saturate(round_half_even(a * (QMAX / amax)))`` (0 for an all-zero group); returns
+    int8) and ``q = saturate(round_half_even(a * (QMAX / amax)))`` (0 for an all-zero group, and for one whose
+    QMAX / amax overflows fp32); returns
     ``q * scale`` [M, K] fp32."""
     a = a.float()
     m, k = a.shape
@@ -116,11 +117,9 @@ def quantize_groups_ref(a: torch.Tensor, qdtype: torch.dtype, group: int) -> tor
     g = padded.view(m, groups, group)
     qmax = 127.0 if qdtype == torch.int8 else 448.0
     amax = g.abs().amax(-1, keepdim=True)
-    # a correctly rounded fp32 division, as the kernel's (torch's ``number / tensor`` multiplies by a rounded
-    # reciprocal instead): bf16 inputs land on fp8 rounding ties often, where one ulp of ``inv`` decides
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / safe, torch.zeros_like(amax))
-    v = (g * inv).clamp(-qmax, qmax)
+    # a correctly rounded fp32 division, as the kernel's: bf16 inputs land on fp8 rounding ties often, where
+    # one ulp of ``inv`` decides
+    v = (g * inverse_scale_ref(amax, qmax)).clamp(-qmax, qmax)
     q = torch.round(v) if qdtype == torch.int8 else v.to(torch.float8_e4m3fn).float()
     return (q * (amax / qmax)).view(m, groups * group)[:, :k]
 
