@@ -235,9 +235,10 @@ def fused_moe(
             symmetric: ``scale = amax / 448`` (fp8) or ``/ 127`` (int8) per token, or per 1 x bk group with
             ``block_shape``. MXFP4: e8m0 scales (an exponent byte 0 reads as 0, not 2**-127).
         block_shape: ``[bn, bk]`` block scales (fp8 e4m3, DeepSeek-V3's ``[128, 128]``; required for 4-bit
-            weights, ``[1, group]``: ``[1, 32]`` for MXFP4): bk a power of two >= 16 (the K step divides
-            it), any bn >= 1; shapes need not be multiples of the blocks. With 4-bit weights the
-            activations are not quantized.
+            weights, ``[1, group]``: ``[1, 32]`` for MXFP4): bk a power of two, >= 32 for fp8 (the K step
+            divides it, and an 8-bit dot's K is at least 32), >= 16 for 4-bit weights (K steps of at least
+            32: a smaller group reads a scale an element), any bn >= 1; shapes need not be multiples of the
+            blocks. With 4-bit weights the activations are not quantized.
         apply_router_weight_on_input: the router weight scales the expert's input instead of its output
             (Llama-4 style): ``W2[e] @ (act(W1g[e] @ (w x)) * (W1u[e] @ (w x)))``.
         out: optional ``[T, H]`` output in x's dtype; may be ``x`` itself (x is read by stage 1 only).
