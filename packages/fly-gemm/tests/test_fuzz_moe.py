@@ -9,13 +9,13 @@
   every row on one expert, -1 slots, block_m of 1 to 128 and the counting kernels' chunk and sub-tile
   thresholds (+-1).
 - ``fused_moe`` against ``fused_moe_ref`` given the same (quantized) weights, at x's dtype's tolerance (as
-  test_moe.py / test_moe_quant.py): bf16 / fp16 weights, fp8 e4m3 and int8 per channel, fp8 block-scaled
-  (blocks that do not divide the shapes), int4 and MXFP4 in groups; token counts 0, 1, odd and an expert's
-  rows at the interpreter's row tile (16) +-1 (on a GPU also the default config's 16 / 32 / 96 rows an
-  expert); experts with no rows, k = 1..4, -1 slots, repeated experts in a token, int32 / int64 ids,
-  16-bit and strided router weights, apply_router_weight_on_input, every activation, strided x and
-  weights, ``out`` (and ``out=x``), explicit configs; rows of zeros, rows of one value, NaN rows (16-bit
-  and 4-bit weights: the interpreter's fp8 / int8 dot drops NaN, see test_fp8_nan_propagates).
+  test_moe.py / test_moe_quant.py): bf16 / fp16 weights, fp8 e4m3 and int8 per channel, fp8 block-scaled (blocks that
+  do not divide the shapes), int4 and MXFP4 in groups, weight-only and with fp8 activations (w4a8); token counts 0,
+  1, odd and an expert's rows at the interpreter's row tile (16) +-1 (on a GPU also the default config's 16 / 32 / 96
+  rows an expert); experts with no rows, k = 1..4, -1 slots, repeated experts in a token, int32 / int64 ids, 16-bit
+  and strided router weights, apply_router_weight_on_input, every activation, strided x and weights, ``out`` (and
+  ``out=x``), explicit configs; rows of zeros, rows of one value, NaN rows (16-bit and 4-bit weights: the
+  interpreter's fp8 / int8 dot drops NaN, see test_fp8_nan_propagates).
 - ``grouped_gemm`` forward and backward against ``grouped_gemm_ref`` (fp32 autograd): empty groups, rows
   past the last offset, K = 0, groups of the row tile +-1, out_dtype, strided operands.
 - ``FlyMoE`` against the reference routing of its own fp32 logits and ``fused_moe_ref``.
@@ -247,9 +247,9 @@ def test_fuzz_moe_align(data):
 
 # (weight dtype, block_shape choices): 16-bit; fp8 / int8 per channel; fp8 block-scaled (bk a power of two
 # >= 32, bn anything, blocks not dividing the shapes); int4 and MXFP4 groups along K
-QUANTS = ["none", "fp8-channel", "int8-channel", "fp8-block", "int4", "mxfp4"]
+QUANTS = ["none", "fp8-channel", "int8-channel", "fp8-block", "int4", "mxfp4", "int4-a8", "mxfp4-a8"]
 if E8M0 is None:  # this torch has no float8_e8m0fnu
-    QUANTS.remove("mxfp4")
+    QUANTS = [q for q in QUANTS if not q.startswith("mxfp4")]
 
 
 @st.composite
@@ -271,9 +271,9 @@ def moe_shapes(draw):
 def _quantized(w: torch.Tensor, quant: str, block_shape):
     """(quantized weight, scale) of fp32 expert weights, as checkpoints ship them (test_moe_quant's
     quantizers); 16-bit weights pass through."""
-    if quant == "mxfp4":
+    if quant.startswith("mxfp4"):
         return quantize_mxfp4(w, block_shape[1])
-    qdtype = {"fp8-channel": FP8, "fp8-block": FP8, "int8-channel": torch.int8, "int4": INT4}[quant]
+    qdtype = {"fp8-channel": FP8, "fp8-block": FP8, "int8-channel": torch.int8, "int4": INT4, "int4-a8": INT4}[quant]
     return quantize_weight(w, qdtype, block_shape)
 
 
@@ -313,6 +313,10 @@ def test_fuzz_fused_moe(data):
     elif quant in ("int4", "mxfp4"):  # packed pairs along K: H and I even
         h, inter = h + h % 2, inter + inter % 2
         block_shape = [1, 32 if quant == "mxfp4" else data.draw(st.sampled_from([16, 32]))]
+    elif quant in ("int4-a8", "mxfp4-a8"):  # fp8 activations: groups of at least 32
+        h, inter = h + h % 2, inter + inter % 2
+        block_shape = [1, 32 if quant == "mxfp4-a8" else data.draw(st.sampled_from([32, 64]))]
+    compute_dtype = FP8 if quant.endswith("-a8") else None
     act = data.draw(st.sampled_from(["silu", "gelu", "gelu_tanh"]))
     on_input = data.draw(st.booleans())
     ids_dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
@@ -359,7 +363,7 @@ def test_fuzz_fused_moe(data):
     # a token with a NaN: its own row non-finite; a -1 slot's token may end with no expert (row 0)
     cfg = None
     if bm is not None:
-        bk = 32 if block_shape is None or quant in ("int4", "mxfp4") else min(32, block_shape[1])
+        bk = 32 if block_shape is None or quant.startswith(("int4", "mxfp4")) else min(32, block_shape[1])
         cfg = MoeConfig(bm, 32, bk, group_m=2, num_warps=4, num_stages=1)
 
     xd = _layout(x, lay_x).to(DEVICE)
@@ -372,12 +376,12 @@ def test_fuzz_fused_moe(data):
         out = xd = x.clone().to(DEVICE)  # out may be x itself (x is read by stage 1 only)
     y = fused_moe(xd, w1d, w2d, _layout(rw, lay_r).to(DEVICE), _layout(ids, lay_r).to(DEVICE), activation=act,
                   w1_scale=s1d, w2_scale=s2d, block_shape=block_shape, apply_router_weight_on_input=on_input,
-                  out=out, config=cfg)  # fmt: skip
+                  out=out, config=cfg, compute_dtype=compute_dtype)  # fmt: skip
     assert y.shape == (t, h) and y.dtype == dtype
     if out is not None:
         assert y.data_ptr() == out.data_ptr()
     ref = fused_moe_ref(x, w1, w2, rw, ids, activation=act, apply_router_weight_on_input=on_input, w1_scale=s1,
-                        w2_scale=s2, block_shape=block_shape)  # fmt: skip
+                        w2_scale=s2, block_shape=block_shape, compute_dtype=compute_dtype)  # fmt: skip
     y = y.cpu()
     bad = ~torch.isfinite(ref).all(-1)
     assert torch.equal(bad, nan_tokens & (ids >= 0).any(-1)), "the reference's non-finite rows"

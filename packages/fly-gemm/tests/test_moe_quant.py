@@ -207,6 +207,23 @@ def test_mxfp4_matches_reference(t, k, h, inter):
                        torch.tensor([[-6.0, -0.5, 0.0, 6.0]]))  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 64), ("mxfp4", 32)])
+def test_w4a8_fp8_activations(fmt, group):
+    """4-bit weights with fp8 activations (``compute_dtype=torch.float8_e4m3fn``): x and the intermediate
+    quantized in 1 x group groups, the 4-bit codes in an fp8 dot, both group scales each K step; I = 96 leaves
+    a partial group of 64. Against the reference's same quantizations and the unquantized layer."""
+    if fmt == "mxfp4" and E8M0 is None:
+        pytest.skip("this torch has no float8_e8m0fnu")
+    x, wf, q, w, ids = _layer(19, 128, 96, 4, 2, torch.bfloat16, INT4 if fmt == "int4" else "mxfp4", [1, group],
+                              seed=group)  # fmt: skip
+    q1, q2, s1, s2 = q
+    y = fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[1, group], compute_dtype=FP8,
+                  out=empty_poisoned(19, 128, dtype=torch.bfloat16, device=DEV))  # fmt: skip
+    _check(y, x, wf, q, w, ids, [1, group], compute_dtype=FP8)
+    weight_only = fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[1, group])
+    assert not torch.equal(y, weight_only)  # the activations were quantized: another (close) result
+
+
 def test_quant_scale_layouts_minus_one_slots_and_configs():
     """Per-channel scales as [E, N, 1] and transposed storage; -1 slots (expert parallelism); explicit tile
     configs, block_k below the scale block."""
@@ -269,6 +286,11 @@ def test_quant_bad_input_names_the_argument():
             dict(block, config=MoeConfig(16, 32, 64)),
         ),
         (ArgumentError, "config: block_k 16 is below 32", dict(int4, config=MoeConfig(16, 32, 16))),
+        (DTypeError, "compute_dtype: expected None or torch.float8_e4m3fn", dict(int4, compute_dtype=torch.float16)),
+        (ArgumentError, "compute_dtype: fp8 activations go with 4-bit", dict(block, compute_dtype=FP8)),
+        (UnsupportedError, "block_shape: 4-bit weights with fp8 activations need groups of at least 32",
+         dict(int4, compute_dtype=FP8, w1_scale=s41.repeat_interleave(2, -1), w2_scale=s42.repeat_interleave(2, -1),
+              block_shape=[1, 16])),
         (UnsupportedError, "block_shape: fp8 block-scaled weights need block_k >= 32",
          dict(block, w1_scale=sb1.repeat_interleave(2, -1), w2_scale=sb2.repeat_interleave(2, -1),
               block_shape=[32, 16])),
@@ -329,6 +351,9 @@ def _gpu_case(t, h, inter, e, k, qdtype, block_shape, seed, grouped=None):
 # (the fp32 copies and the reference of 256 would not fit beside the layer) with block-scaled fp8 at decode,
 # an odd prefill and a large one; Mixtral 8x7B fp8 per channel and int4 (group 128); Qwen3-30B-A3B int8,
 # fp8 block-scaled and int4 (group 32); gpt-oss-120b's MXFP4 (E 128, top 4, H = I = 2880)
+# w4a8 (fp8 activations with 4-bit weights): Qwen3-30B-A3B int4 (group 32) and gpt-oss-120b's MXFP4 prefill
+GPU_W4A8_CASES = [(1000, 2048, 768, 128, 8, INT4, [1, 32], None), (1000, 2880, 2880, 128, 4, "mxfp4", [1, 32], None)]
+
 GPU_CASES = [
     (1, 7168, 2048, 64, 6, FP8, [128, 128], (8, 4)),
     (513, 7168, 2048, 64, 6, FP8, [128, 128], (8, 4)),
@@ -352,6 +377,15 @@ def test_quant_gpu_model_sizes(t, h, inter, e, k, qdtype, block_shape, grouped):
     q1, q2, s1, s2 = q
     y = fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=block_shape)
     _check(y, x, wf, q, w, ids, block_shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,inter,e,k,qdtype,block_shape,grouped", GPU_W4A8_CASES)
+def test_w4a8_gpu_model_sizes(t, h, inter, e, k, qdtype, block_shape, grouped):
+    x, wf, q, w, ids = _gpu_case(t, h, inter, e, k, qdtype, block_shape, seed=t + e + 1, grouped=grouped)
+    q1, q2, s1, s2 = q
+    y = fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=block_shape, compute_dtype=FP8)
+    _check(y, x, wf, q, w, ids, block_shape, compute_dtype=FP8)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ ARCHES = {"sm_90": flydsl.arch.SM90, "cpu": flydsl.arch.INTERPRETER}
 # keys off the tuning set whose scale block bounds the K step (and a per-channel one that does not)
 SCALED = [(FP8, "block128x128", 128), (FP8, "block64x64", 64), (FP8, "block1x32", 32), (torch.bfloat16, "w4g32", 32),
           (torch.float16, "w4g128", 128), (torch.bfloat16, "mxfp4", 32), (torch.bfloat16, "mxfp4g16", 16),
-          (torch.int8, "channel", None)]  # fmt: skip
+          (torch.int8, "channel", None), (FP8, "w4a8g64", 64), (FP8, "mxfp4a8", 32)]  # fmt: skip
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_every_candidate_is_valid_and_the_space_bounded(arch):
 @pytest.mark.parametrize("arch", sorted(ARCHES))
 @pytest.mark.parametrize("dtype,quant,block_k", SCALED, ids=[q for _, q, _ in SCALED])
 def test_scale_blocks_bound_the_k_step(arch, dtype, quant, block_k):
-    w4 = quant.startswith(("w4g", "mxfp4"))
+    w4 = quant.startswith(("w4g", "mxfp4")) and "a8" not in quant  # weight-only 4-bit (w4a8: as block scales)
     for e, k, h, inter, _g in MODELS.values():
         for t in (1, 16, 1024, 16384):
             key = moe_tuning_key(t, e, inter, h, k, dtype, quant)

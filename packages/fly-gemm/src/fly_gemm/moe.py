@@ -24,7 +24,9 @@ at decode both read the same 8-bit weights (the bytes that count), and the activ
 a small extra pass over T rows. The intermediate stays fp32 between the stages when quantized (stage 2
 rounds it once, to 8 bits, instead of to bf16 first). 4-bit weights (uint8, two a byte: int4 with fp32
 scales, or MXFP4's fp4 e2m1 with e8m0 scales) are weight-only: each tile is dequantized in the kernel (the
-value x its group scale, rounded to x's dtype) before a 16-bit dot, so they save bytes (decode), not flops.
+value x its group scale, rounded to x's dtype) before a 16-bit dot, so they save bytes (decode), not flops;
+with ``compute_dtype=torch.float8_e4m3fn`` (w4a8) the activations are quantized as for fp8 block scales and
+the 4-bit codes (exact in e4m3) go into an fp8 dot, for the fp8 rate at prefill.
 
 Layouts are vLLM's, so models port without repacking: ``w1`` [E, 2I, H] with the gate rows first, ``w2``
 [E, H, I]. Nothing synchronizes with the host (buffers are sized for the alignment's worst case), so a
@@ -52,6 +54,7 @@ from ._kernels.moe_gemm import (
     QUANT_CHANNEL,
     QUANT_NONE,
     QUANT_W4,
+    QUANT_W4A8,
     launch_moe_gemm,
     launch_moe_quant,
     launch_moe_sum,
@@ -84,9 +87,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
+def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape, compute_dtype=None):
     """The weights' dtype against x's and the quantization arguments; returns (quant mode, (block n, block k))."""
     wdt = w1.dtype
+    if compute_dtype is not None and compute_dtype != torch.float8_e4m3fn:
+        raise DTypeError(f"compute_dtype: expected None or torch.float8_e4m3fn, got {compute_dtype!r}")
+    if compute_dtype is not None and wdt != torch.uint8:
+        raise ArgumentError(f"compute_dtype: fp8 activations go with 4-bit (uint8) weights; 8-bit weights "
+                            f"quantize the activations to their own dtype, 16-bit ones take x's, got "
+                            f"{describe(w1)}")  # fmt: skip
     if wdt == x.dtype:
         if w2.dtype != wdt:
             raise DTypeError(f"w2: expected dtype {dtype_name(wdt)} (w1's), got {describe(w2)}")
@@ -135,7 +144,15 @@ def _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape):
         if tuple(s.shape) != want:
             raise ShapeError(f"{name}: expected {list(want)} (one scale a {bn} x {bk} block of each expert's "
                              f"[{n}, {k}] weight), got {describe(s)}")  # fmt: skip
-    return (QUANT_W4 if wdt == torch.uint8 else QUANT_BLOCK), (bn, bk)
+    if wdt != torch.uint8:
+        return QUANT_BLOCK, (bn, bk)
+    if compute_dtype is None:
+        return QUANT_W4, (bn, bk)
+    if bk < DOT_MIN_K_8BIT:
+        raise UnsupportedError(f"block_shape: 4-bit weights with fp8 activations need groups of at least "
+                               f"{DOT_MIN_K_8BIT} columns (a K step lies in one group, and an 8-bit dot's K is at "
+                               f"least {DOT_MIN_K_8BIT}), got {list(block_shape)}")  # fmt: skip
+    return QUANT_W4A8, (bn, bk)
 
 
 def _block_pair(block_shape) -> tuple[int, int]:
@@ -147,7 +164,8 @@ def _block_pair(block_shape) -> tuple[int, int]:
     return block_shape[0], block_shape[1]
 
 
-def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out, id_values=True):
+def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, out, id_values=True,
+           compute_dtype=None):  # fmt: skip
     """Every argument checked, naming it; returns (E, I, H, T, k, quant mode, scale block). Shapes, dtypes
     and devices only, except topk_ids' values on the CPU (``id_values=False``: not them either, for the op's
     fake implementation, whose tensors have no values to read)."""
@@ -176,7 +194,7 @@ def _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, bl
         inter = two_i // 2
         if tuple(w2.shape) != (e, h, inter):
             raise ShapeError(f"w2: expected [{e}, {h}, {inter}] ([E, H, I] with w1's E and I), got {describe(w2)}")
-    quant, scale_block = _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape)
+    quant, scale_block = _check_quant(w1, w2, x, e, inter, h, w1_scale, w2_scale, block_shape, compute_dtype)
     check_topk_ids(topk_ids)
     if topk_ids.shape[0] != t or topk_ids.shape[1] == 0:
         raise ShapeError(f"topk_ids: expected [{t}, k] (one row a token of x, k >= 1), got {describe(topk_ids)}")
@@ -211,6 +229,7 @@ def fused_moe(
     apply_router_weight_on_input: bool = False,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts layer: ``out[t] = sum_j w[t, j] * W2[e] @ (act(W1g[e] @ x[t]) * (W1u[e] @ x[t]))``
     with ``e = topk_ids[t, j]``, accumulated in fp32.
@@ -243,6 +262,10 @@ def fused_moe(
             (Llama-4 style): ``W2[e] @ (act(W1g[e] @ (w x)) * (W1u[e] @ (w x)))``.
         out: optional ``[T, H]`` output in x's dtype; may be ``x`` itself (x is read by stage 1 only).
         config: a :class:`~fly_gemm.moe_config.MoeConfig` for both grouped GEMMs (default: chosen for the shape).
+        compute_dtype: the dot's operands with 4-bit weights: None (x's dtype: the weights dequantized,
+            weight-only) or ``torch.float8_e4m3fn`` (w4a8: the activations quantized on the fly in 1 x group
+            groups, as for fp8 block scales; the 4-bit codes, exact in e4m3, go into an fp8 dot, both group
+            scales applied each K step; groups of at least 32). Other weights take None.
 
     Returns:
         ``[T, H]`` in x's dtype (``out`` when given). T = 0 gives an empty result.
@@ -266,7 +289,8 @@ def fused_moe(
     takes the tuned config). No gradient: as in eager calls, the result does not require grad.
     """
     if (type(apply_router_weight_on_input) is bool and type(activation) is str and w1_scale is None
-            and w2_scale is None and block_shape is None and (config is None or type(config) is MoeConfig)
+            and w2_scale is None and block_shape is None and compute_dtype is None
+            and (config is None or type(config) is MoeConfig)
             and all(type(a) in _PLAIN for a in (x, w1, w2, topk_weights, topk_ids))
             and (out is None or type(out) in _PLAIN)):  # fmt: skip
         # every argument hashable and of a type the key tells apart (a bool, not an int equal to it)
@@ -275,7 +299,7 @@ def fused_moe(
         return _REPLAYS.eager(_general, x, w1, w2, topk_weights, topk_ids, activation,
                               apply_router_weight_on_input, out, config)  # fmt: skip
     return _general(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-                    w1_scale, w2_scale, block_shape)  # fmt: skip
+                    w1_scale, w2_scale, block_shape, compute_dtype)  # fmt: skip
 
 
 # Plain eager calls of a kind seen before (every operand's layout, the options, the stream) replay the first
@@ -287,23 +311,23 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _general(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-             w1_scale=None, w2_scale=None, block_shape=None):  # fmt: skip
+             w1_scale=None, w2_scale=None, block_shape=None, compute_dtype=None):  # fmt: skip
     """Every call that is not replayed: traced ones through the custom op, eager ones the general path."""
     if _compiling():
         return _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-                       w1_scale, w2_scale, block_shape)  # fmt: skip
+                       w1_scale, w2_scale, block_shape, compute_dtype)  # fmt: skip
     return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-                      w1_scale, w2_scale, block_shape)  # fmt: skip
+                      w1_scale, w2_scale, block_shape, compute_dtype)  # fmt: skip
 
 
 _compiling = torch.compiler.is_compiling
 
 
 def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config,
-               w1_scale=None, w2_scale=None, block_shape=None):  # fmt: skip
+               w1_scale=None, w2_scale=None, block_shape=None, compute_dtype=None):  # fmt: skip
     """The general path: checks, config, alignment and the launches (allocations and flyc launches only)."""
     e, inter, h, t, k, quant, scale_block = _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale,
-                                                   w2_scale, block_shape, out)  # fmt: skip
+                                                   w2_scale, block_shape, out, compute_dtype=compute_dtype)  # fmt: skip
     if not isinstance(apply_router_weight_on_input, bool):
         raise ArgumentError(f"apply_router_weight_on_input: expected a bool, got {apply_router_weight_on_input!r}")
     if out is None:
@@ -312,33 +336,34 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
         return out
     arch = flydsl.arch.current(x.device)
     fp4 = w1_scale is not None and w1_scale.dtype == _E8M0
-    # the dot's operands: x's dtype, or the 8-bit weights' (the activations quantized to it); int4 weights
-    # are dequantized to x's dtype
-    in_dtype = x.dtype if quant == QUANT_W4 else w1.dtype
+    # the dot's operands: x's dtype, or the 8-bit weights' (the activations quantized to it); 4-bit weights
+    # are dequantized to x's dtype, or (w4a8) their codes taken as fp8
+    in_dtype = x.dtype if quant == QUANT_W4 else torch.float8_e4m3fn if quant == QUANT_W4A8 else w1.dtype
     if config is None:
         s1_in, s2_in = w1_scale, w2_scale
 
         def task():  # the search task of this call (FLYDSL_AUTOTUNE=1): its own operands, the fp32 reference
             def run(cfg):  # a fresh output: ``out`` may be x itself
                 return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
-                                  None, cfg, s1_in, s2_in, block_shape)  # fmt: skip
+                                  None, cfg, s1_in, s2_in, block_shape, compute_dtype)  # fmt: skip
 
             def reference():
                 return fused_moe_ref(x, w1, w2, topk_weights, topk_ids, activation=activation,
                                      apply_router_weight_on_input=apply_router_weight_on_input, w1_scale=s1_in,
-                                     w2_scale=s2_in, block_shape=block_shape)  # fmt: skip
+                                     w2_scale=s2_in, block_shape=block_shape, compute_dtype=compute_dtype)  # fmt: skip
 
             return SearchTask(run=run, reference=reference, rtol=tolerance(x.dtype))
 
         config = moe_config_for(t, e, inter, h, k, in_dtype, _quant_mode(quant, scale_block, fp4), x.device,
                                 task=task)  # fmt: skip
-        if quant in (QUANT_BLOCK, QUANT_W4):  # the shipped configs fit it
-            config = dataclasses.replace(config, block_k=fit_block_k(config.block_k, scale_block[1], quant == QUANT_W4))
+        if quant in (QUANT_BLOCK, QUANT_W4, QUANT_W4A8):  # the shipped configs fit it
+            bk = fit_block_k(config.block_k, scale_block[1], quant == QUANT_W4)
+            config = dataclasses.replace(config, block_k=bk)
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")
     if not moe_config_valid(config, in_dtype, arch):
         raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(in_dtype)} on {arch.name}")
-    if quant == QUANT_BLOCK and not block_k_ok(config.block_k, scale_block[1], False):
+    if quant in (QUANT_BLOCK, QUANT_W4A8) and not block_k_ok(config.block_k, scale_block[1], False):
         raise ArgumentError(f"config: block_k {config.block_k} must divide block_shape's block_k "
                             f"{scale_block[1]} (each K step lies in one scale block)")  # fmt: skip
     if quant == QUANT_W4 and not block_k_ok(config.block_k, scale_block[1], True):
@@ -353,7 +378,7 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
     inter_rows = torch.empty(numel, inter, dtype=x.dtype if quant in (QUANT_NONE, QUANT_W4) else torch.float32,
                              device=x.device)  # fmt: skip
     a1, s1 = x, None
-    if quant in (QUANT_CHANNEL, QUANT_BLOCK):
+    if quant in (QUANT_CHANNEL, QUANT_BLOCK, QUANT_W4A8):
         a1, s1 = _quantize(x, in_dtype, h if quant == QUANT_CHANNEL else scale_block[1])
     launch_moe_gemm(a1, w1, inter_rows, sorted_ids, expert_ids, num_padded, topk_weights, k, numel, gather_a=True,
                     gated=True, act=act, mul_weight=apply_router_weight_on_input, cfg=config, a_scale=s1,
@@ -362,7 +387,7 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
     # (2 * I flops an element written: 1536 for Qwen3-30B's I = 768)
     down = torch.empty(numel, h, dtype=torch.float32, device=x.device)
     a2, s2 = inter_rows, None
-    if quant in (QUANT_CHANNEL, QUANT_BLOCK):
+    if quant in (QUANT_CHANNEL, QUANT_BLOCK, QUANT_W4A8):
         # rows of slots outside [0, E) are never written nor read by stage 2: their quantization is unused
         a2, s2 = _quantize(inter_rows, in_dtype, inter if quant == QUANT_CHANNEL else scale_block[1])
     launch_moe_gemm(a2, w2, down, sorted_ids, expert_ids, num_padded, topk_weights, k, numel,
@@ -382,9 +407,10 @@ def _quant_mode(quant: int, scale_block: tuple[int, int], fp4: bool) -> str:
     bn, bk = scale_block
     if quant == QUANT_BLOCK:
         return f"block{bn}x{bk}"
+    a8 = "a8" if quant == QUANT_W4A8 else ""
     if fp4:
-        return "mxfp4" if bk == 32 else f"mxfp4g{bk}"  # the MX format's block of 32 goes unnamed
-    return f"w4g{bk}"
+        return f"mxfp4{a8}" if bk == 32 else f"mxfp4{a8}g{bk}"  # the MX format's block of 32 goes unnamed
+    return f"w4{a8}g{bk}"
 
 
 def _quantize(a, qdtype, group):
@@ -401,7 +427,7 @@ def _quantize(a, qdtype, group):
 
 
 def _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, out, config, w1_scale,
-            w2_scale, block_shape):  # fmt: skip
+            w2_scale, block_shape, compute_dtype=None):  # fmt: skip
     """A call under torch.compile: the op on the arguments its schema takes (checked here first where the
     schema would refuse them without naming the argument), ``out`` filled by a copy of its result."""
     if config is not None:
@@ -418,11 +444,13 @@ def _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_o
         raise ArgumentError(f"apply_router_weight_on_input: expected a bool, got {apply_router_weight_on_input!r}")
     if block_shape is not None:
         block_shape = list(_block_pair(block_shape))
+    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
+        raise DTypeError(f"compute_dtype: expected None or torch.float8_e4m3fn, got {compute_dtype!r}")
     # No gradient, as an eager call's result (written by the kernels) has none: the op has no backward, and
     # without this a traced call on inputs that require grad would return a result that claims one.
     with torch.no_grad():
         y = torch.ops.fly_gemm.fused_moe(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation,
-                                         apply_router_weight_on_input, block_shape)  # fmt: skip
+                                         apply_router_weight_on_input, block_shape, compute_dtype)  # fmt: skip
     if out is None:
         return y
     check_tensor("out", out, dtypes=(x.dtype,), ndim=2)
@@ -437,15 +465,16 @@ def _traced(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_o
 _LIB = torch.library.Library("fly_gemm", "FRAGMENT")
 _LIB.define(
     "fused_moe(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? w1_scale, "
-    "Tensor? w2_scale, str activation, bool apply_router_weight_on_input, int[]? block_shape) -> Tensor",
+    "Tensor? w2_scale, str activation, bool apply_router_weight_on_input, int[]? block_shape, "
+    "ScalarType? compute_dtype=None) -> Tensor",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
 
 
 def _fused_moe_op(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation, apply_router_weight_on_input,
-                  block_shape):  # fmt: skip
+                  block_shape, compute_dtype=None):  # fmt: skip
     return _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, None, None,
-                      w1_scale, w2_scale, block_shape)  # fmt: skip
+                      w1_scale, w2_scale, block_shape, compute_dtype)  # fmt: skip
 
 
 _LIB.impl("fused_moe", _fused_moe_op, "CompositeExplicitAutograd")
@@ -453,7 +482,8 @@ _LIB.impl("fused_moe", _fused_moe_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("fly_gemm::fused_moe", lib=_LIB)
 def _(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, activation, apply_router_weight_on_input,
-      block_shape):  # fmt: skip
+      block_shape, compute_dtype=None):  # fmt: skip
     # shapes, dtypes and devices as the real call checks them; topk_ids' values are not there to read
-    _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, None, id_values=False)
+    _check(x, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape, None, id_values=False,
+           compute_dtype=compute_dtype)  # fmt: skip
     return x.new_empty(x.shape)

@@ -124,7 +124,8 @@ def default_moe_config(
 # The largest bucket: 16384 tokens route 16384 k rows, past which every expert's row tiles are full at any
 # row tile of the space (Mixtral: 4096 rows an expert), so more tokens only add waves.
 _TOKENS_CAP = 16384
-_QUANT = re.compile(r"(none|channel)|block([1-9][0-9]*)x([1-9][0-9]*)|w4g([1-9][0-9]*)|mxfp4(?:g([1-9][0-9]*))?")
+_QUANT = re.compile(r"(none|channel)|block([1-9][0-9]*)x([1-9][0-9]*)|w4g([1-9][0-9]*)|mxfp4(?:g([1-9][0-9]*))?"
+                    r"|w4a8g([1-9][0-9]*)|mxfp4a8(?:g([1-9][0-9]*))?")
 _MXFP4_GROUP = 32  # the OCP MX format's block: "mxfp4" names it, other groups are "mxfp4g<group>"
 
 # The offline tuning set (`flydsl tune gemm --only moe`): the models of moe_bench.MODELS, (E, k, H, I), at
@@ -163,18 +164,20 @@ def block_k_ok(block_k: int, group: int | None, w4: bool) -> bool:
 
 
 def _w4(quant: str) -> bool:
-    return quant.startswith(("w4g", "mxfp4"))
+    """Weight-only 4-bit modes (w4a8 ones, with fp8 activations, bound the K step as block scales do)."""
+    return quant.startswith(("w4g", "mxfp4")) and "a8" not in quant
 
 
 def _scale_k(quant: str) -> int | None:
     """The K extent of one scale block of a quant mode (the K step must divide it), None when unbounded."""
     m = _QUANT.fullmatch(quant) if isinstance(quant, str) else None
     if m is None:
-        raise ArgumentError(f"quant: expected 'none', 'channel', 'block<bn>x<bk>', 'w4g<group>', 'mxfp4' or "
-                            f"'mxfp4g<group>', got {quant!r}")  # fmt: skip
+        raise ArgumentError(f"quant: expected 'none', 'channel', 'block<bn>x<bk>', 'w4g<group>', 'mxfp4', "
+                            f"'mxfp4g<group>', 'w4a8g<group>', 'mxfp4a8' or 'mxfp4a8g<group>', got "
+                            f"{quant!r}")  # fmt: skip
     if m.group(1):
         return None
-    bk = m.group(3) or m.group(4) or m.group(5)
+    bk = m.group(3) or m.group(4) or m.group(5) or m.group(6) or m.group(7)
     return int(bk) if bk else _MXFP4_GROUP
 
 
@@ -184,7 +187,8 @@ def moe_tuning_key(tokens: int, num_experts: int, inter: int, hidden: int, topk:
     ``num_experts``, ``inter`` (I), ``hidden`` (H) and ``topk`` exact, ``in_dtype`` the dot's operands (x's
     dtype; the 8-bit weights' for w8a8), ``quant`` one of "none", "channel" (fp8 / int8 per channel),
     "block<bn>x<bk>" (block-scaled), "w4g<group>" (int4), "mxfp4" (fp4 e2m1, groups of 32; "mxfp4g<group>"
-    for other groups)."""
+    for other groups), and "w4a8g<group>", "mxfp4a8[g<group>]" for 4-bit weights with fp8 activations
+    (``in_dtype`` fp8 e4m3)."""
     _scale_k(quant)  # names a bad mode
     bucket = min(flyc.next_power_of_2(max(tokens, 1)), _TOKENS_CAP)
     return {"tokens_bucket": bucket, "experts": num_experts, "inter": inter, "hidden": hidden, "topk": topk,

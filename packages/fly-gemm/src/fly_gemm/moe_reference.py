@@ -173,6 +173,7 @@ def fused_moe_ref(
     w2_scale: torch.Tensor | None = None,
     block_shape=None,
     dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The MoE layer in ``dtype`` (fp32 by default), a loop over experts::
 
@@ -187,16 +188,17 @@ def fused_moe_ref(
     token (or in 1 x block_k groups) before the router weight, the intermediate (kept in fp32) quantized
     likewise, so the result is the kernel's up to summation order. uint8 weights (packed int4, weight-only):
     dequantized and rounded to x's dtype as the kernel does; x and the intermediate (in x's dtype) as they
-    are."""
+    are. With ``compute_dtype`` fp8 e4m3 (w4a8) the 4-bit weights are dequantized in fp32 and the activations
+    quantized to fp8 in 1 x group groups, as for fp8 block scales."""
     t, h = x.shape
     e_count, two_i, _ = w1.shape
     inter = two_i // 2
     quant = w1_scale is not None
     out = torch.zeros(t, h, dtype=dtype, device=x.device)
     ids = topk_ids.long()
-    w4 = quant and w1.dtype == torch.uint8
+    w4 = quant and w1.dtype == torch.uint8 and compute_dtype is None  # weight-only
     if quant and not w4:
-        qdtype = w1.dtype
+        qdtype = compute_dtype if w1.dtype == torch.uint8 else w1.dtype
         xs = quantize_groups_ref(x, qdtype, h if block_shape is None else block_shape[1]).to(dtype)
     else:
         xs = x.to(dtype)

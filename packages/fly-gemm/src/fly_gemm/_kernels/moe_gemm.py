@@ -48,12 +48,14 @@ __all__ = [
     "QUANT_CHANNEL",
     "QUANT_BLOCK",
     "QUANT_W4",
+    "QUANT_W4A8",
 ]
 
 QUANT_NONE = 0  # 16-bit weights and activations
 QUANT_CHANNEL = 1  # a scale per weight row (output channel) and per activation row, applied after the K loop
 QUANT_BLOCK = 2  # a scale per weight block and per activation row group, applied to each K step's product
 QUANT_W4 = 3  # packed int4 / fp4 weights with block (group) scales, dequantized to A's dtype before the dot
+QUANT_W4A8 = 4  # packed int4 / fp4 weights, fp8 activations: the 4-bit codes (exact in e4m3) in an fp8 dot
 
 
 # the interpreter converts fp32 to bf16 by truncation; the hardware rounds to nearest even
@@ -148,7 +150,7 @@ def _moe_gemm_kernel(
         n_ok = rn < N
         a_ptrs = a_ptr + row_offset(a_rows, stride_am)[:, None] + row_offset(rk, stride_ak)[None, :]
         a_step = row_offset(BLOCK_K, stride_ak)
-        if QUANT == 3:
+        if QUANT >= 3:
             # two int4 a byte along K (low nibble first): a step reads BLOCK_K / 2 bytes of each weight row
             rk2 = fx.arange(0, BLOCK_K // 2)
             b_ptrs = (b_ptr + row_offset(expert, stride_be) + row_offset(rn, stride_bn)[:, None]
@@ -186,6 +188,21 @@ def _moe_gemm_kernel(
                     b_up = _dequant_w4(fx.load(b_ptrs + up_offset, mask=b4_ok, other=0), sb_up, BLOCK_N, BLOCK_K,
                                        FP4)  # fmt: skip
                     acc_up = fx.dot(a, fx.trans(_to_16bit(b_up, a.dtype)), acc_up)
+            elif QUANT == 4:
+                # w4a8: the 4-bit codes are exact in e4m3 (int4 -8..7; fp4 e2m1 doubled, 0..12), so the fp8 dot
+                # takes them as they are; BLOCK_K divides the group, so this step's partial product is scaled
+                # by (the row's group scale) x (the column's group scale), as for block scales
+                b4_ok = n_ok[:, None] & (rk2 * 2 < K - k0)[None, :]
+                sa = fx.load(as_row + row_offset(k0 // SCALE_BK, stride_ask), mask=m_ok, other=0.0)
+                kb = row_offset(k0 // SCALE_BK, stride_bsk)
+                sb = _w4_scale(fx.load(bs_row + kb, mask=n_ok, other=0), FP4)
+                codes = _dequant_w4(fx.load(b_ptrs, mask=b4_ok, other=0), 1.0, BLOCK_N, BLOCK_K, FP4).to(a.dtype)
+                acc += fx.dot(a, fx.trans(codes)) * sa[:, None] * sb[None, :]
+                if GATED:
+                    sb_up = _w4_scale(fx.load(bs_row_up + kb, mask=n_ok, other=0), FP4)
+                    codes_up = _dequant_w4(fx.load(b_ptrs + up_offset, mask=b4_ok, other=0), 1.0, BLOCK_N, BLOCK_K,
+                                           FP4).to(a.dtype)  # fmt: skip
+                    acc_up += fx.dot(a, fx.trans(codes_up)) * sa[:, None] * sb_up[None, :]
             elif QUANT == 2:
                 # BLOCK_K divides the scale block, so this step lies in one K block: its partial product
                 # is dequantized by (row group scale) x (weight block scale) before it is added
@@ -314,7 +331,8 @@ def launch_moe_gemm(
     QUANT_CHANNEL, one a ``scale_block[1]`` columns for QUANT_BLOCK); ``w_scale`` fp32 [E, N'] (channel) or
     [E, cdiv(N', scale_block[0]), cdiv(K, scale_block[1])] (block), any strides. QUANT_W4: ``a`` 16-bit,
     ``w`` uint8 [E, N', K / 2] (int4 pairs; ``fp4``: fp4 e2m1 pairs with e8m0 scales read as uint8),
-    ``w_scale`` as for block scales, no ``a_scale``."""
+    ``w_scale`` as for block scales, no ``a_scale``. QUANT_W4A8: ``w`` and ``w_scale`` as QUANT_W4, ``a`` fp8
+    e4m3 with ``a_scale`` as QUANT_BLOCK's (groups of ``scale_block[1]`` columns)."""
     n = c.shape[1]
     k = a.shape[1]
     blocks = expert_ids.shape[0]
