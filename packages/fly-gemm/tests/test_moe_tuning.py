@@ -15,6 +15,7 @@ from test_moe_quant import E8M0, INT4, quantize_mxfp4, quantize_weight
 
 import flydsl.arch
 from fly_gemm import moe as moe_mod
+from fly_gemm import moe_config as moe_config_mod
 from fly_gemm.moe import fused_moe
 from fly_gemm.moe_bench import MODELS
 from fly_gemm.moe_config import (
@@ -266,3 +267,17 @@ def test_the_family_registers_the_moe_tunable():
     assert [t.name for t in FAMILY.tunables()] == ["gemm", "moe"]
     assert "moe" in [t.name for t in discover()["gemm"].tunables()]
     assert MOE_TUNABLE.make_task is not None and MOE_TUNABLE.config_type is MoeConfig
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, "none"), (FP8, "block32x32"), (torch.bfloat16, "w4g32"),
+                                         (FP8, "w4a8g32"), (torch.bfloat16, "mxfp4"), (FP8, "mxfp4a8")])  # fmt: skip
+def test_search_task_layer_runs_every_mode(dtype, quant):
+    """The offline search's random layer of a key (its weights, scales, block shape and, for w4a8 keys, the
+    fp8 compute dtype) is a call fused_moe takes, against the reference given the same arguments."""
+    if quant.startswith("mxfp4") and E8M0 is None:
+        pytest.skip("this torch has no float8_e8m0fnu")
+    key = moe_tuning_key(5, 3, 32, 64, 2, dtype, quant)
+    args, kw = moe_config_mod._random_layer(key, DEV)
+    y = fused_moe(*args, **kw)
+    ref = fused_moe_ref(*args, **kw)
+    assert_rel_close(y, ref, tol=tolerance(torch.bfloat16))

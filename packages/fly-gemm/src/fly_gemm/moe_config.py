@@ -141,7 +141,8 @@ MOE_TUNE_QUANTS = ((torch.bfloat16, "none"), (torch.float8_e4m3fn, "block128x128
 
 # 4-bit weights: the K step is at least 32 columns. A step of 16 (8 packed bytes a weight row) dequantized
 # wrong on sm_90 (Triton 3.6; every case 100-400% off, whatever the group), 32 and up right (measured on
-# the H200 over H, I 16-64, groups 16-64, column tiles 16-64). Groups below the step read a scale a column.
+# the H200 over H, I 16-64, groups 16-64, column tiles 16-64). Groups smaller than the step read a scale an
+# element.
 W4_MIN_BLOCK_K = 32
 
 
@@ -265,7 +266,7 @@ def _random_layer(key, device, seed: int = 0):
         raise ArgumentError(f"quant: not a quant mode: {quant!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     gc = torch.Generator().manual_seed(seed)
-    w4 = bool(m.group(4) or quant.startswith("mxfp4"))
+    w4 = bool(m.group(4) or m.group(6) or quant.startswith("mxfp4"))  # (w4a8 modes too: fp8 in_dtype)
     x_dtype = dtype if dtype.itemsize == 2 else torch.bfloat16  # 8-bit operands: bf16 x quantized on the fly
     x = torch.randn(t, h, device=device, generator=g).to(x_dtype)
     if w4:  # two 4-bit codes a byte along K
@@ -305,6 +306,8 @@ def _random_layer(key, device, seed: int = 0):
         kw = {"w1_scale": scales[0], "w2_scale": scales[1]}
         if sk is not None:
             kw["block_shape"] = [bn, sk]
+        if w4 and dtype.itemsize == 1:
+            kw["compute_dtype"] = torch.float8_e4m3fn
     w, ids = topk_softmax_ref(torch.randn(t, e, generator=gc), k)
     return (x, w1, w2, w.to(device), ids.to(device)), kw
 
