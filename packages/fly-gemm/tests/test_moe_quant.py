@@ -9,6 +9,8 @@ views and flyc launches only. GPU cases at the models' sizes carry the ``gpu`` m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from fly_gemm.moe_reference import (
 from fly_gemm.moe_routing import grouped_topk, topk_softmax
 from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedError
 from flydsl.testing import assert_rel_close, default_device, empty_poisoned, host_work, rel_error, tolerance
+from flydsl.testing.sm90 import run_compile_script
 
 DEV = default_device()
 FP8 = torch.float8_e4m3fn
@@ -410,3 +413,17 @@ def test_quant_gpu_block_scaled_odd_shapes_and_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, x, wf, q, w, ids, [128, 128])
+
+
+# ------------------------------------------------------------------ the kernel compiles for the H200
+
+
+def test_kernel_compiles_for_sm90_without_spills():
+    """Triton's compiler (not the interpreter) takes the gated stage of every weight format at its default
+    prefill tiles for sm_90, in a process of its own (moe_compile_sm90.py): tensor-core dots (wgmma), and no
+    spill, the 4-bit paths included (a scale an element for groups below the K step; w4a8's fp8 dot)."""
+    lines = run_compile_script(Path(__file__).with_name("moe_compile_sm90.py"))
+    assert len(lines) == 9 and all(line.startswith("ok") for line in lines), "\n".join(lines)
+    for line in lines:
+        mma, usage = line.split()[2], " ".join(line.split()[4:])
+        assert mma == "wgmma" and usage.endswith("STACK:0"), line

@@ -156,10 +156,12 @@ def test_scale_blocks_bound_the_k_step(arch, dtype, quant, block_k):
             cands = moe_candidates(key, arch)
             assert cands
             for cfg in [*cands, MOE_TUNABLE.default(key, arch)]:
-                if w4:  # K steps of 32 and up: a group's columns, or 32 (scales read a column) below that
+                if w4:  # K steps of 32 and up: a group's columns, or 32 (scales read an element) below that
                     assert cfg.block_k >= 32 and (block_k % cfg.block_k == 0 or cfg.block_k == 32), (key, cfg)
                 else:
                     assert block_k is None or block_k % cfg.block_k == 0, (key, cfg)
+                if "a8" in quant:  # w4a8: K steps of 32 (64 and up spill on sm_90)
+                    assert cfg.block_k == 32, (key, cfg)
     key = moe_tuning_key(16, 8, 256, 256, 2, dtype, quant)
     if w4:  # a stored 4-bit config with a 16-column K step is refused (wrong on sm_90), 2 groups a step taken
         assert not MOE_TUNABLE.is_valid(MoeConfig(16, 64, 16, num_stages=1), key, arch)

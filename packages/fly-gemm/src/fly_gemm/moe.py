@@ -357,7 +357,8 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
         config = moe_config_for(t, e, inter, h, k, in_dtype, _quant_mode(quant, scale_block, fp4), x.device,
                                 task=task)  # fmt: skip
         if quant in (QUANT_BLOCK, QUANT_W4, QUANT_W4A8):  # the shipped configs fit it
-            bk = fit_block_k(config.block_k, scale_block[1], quant == QUANT_W4)
+            kind = {QUANT_W4: "w4", QUANT_W4A8: "w4a8"}.get(quant, "block")
+            bk = fit_block_k(config.block_k, scale_block[1], kind)
             config = dataclasses.replace(config, block_k=bk)
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")

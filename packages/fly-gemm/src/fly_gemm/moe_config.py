@@ -40,7 +40,7 @@ from .autotune import _arch
 __all__ = [
     "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
     "moe_candidates", "moe_config_for", "clear_moe_memo", "MOE_TUNE_MODELS", "MOE_TUNE_TOKENS", "MOE_TUNE_QUANTS",
-    "W4_MIN_BLOCK_K", "DOT_MIN_K_8BIT", "fit_block_k", "block_k_ok",
+    "W4_MIN_BLOCK_K", "W4A8_MAX_BLOCK_K", "DOT_MIN_K_8BIT", "fit_block_k", "block_k_ok",
 ]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
@@ -144,15 +144,22 @@ MOE_TUNE_QUANTS = ((torch.bfloat16, "none"), (torch.float8_e4m3fn, "block128x128
 # the H200 over H, I 16-64, groups 16-64, column tiles 16-64). Groups smaller than the step read a scale an
 # element.
 W4_MIN_BLOCK_K = 32
+# 4-bit weights with fp8 activations (w4a8): a K step of at most 32. At 64 and 128 the unpacked codes of the
+# gate and up tiles, beside their two fp32 accumulators, spill on sm_90 (compiled offline at the 8-bit default
+# 128 x 64 tiles, 8 warps: int4 16-128 bytes a thread); at 32 nothing spills (250 registers).
+W4A8_MAX_BLOCK_K = 32
 
 
-def fit_block_k(block_k: int, group: int | None, w4: bool) -> int:
-    """The K step a config's ``block_k`` becomes for scale blocks of ``group`` columns (None: per channel):
-    block-scaled 8-bit weights cut it to the group (a step lies in one block); 4-bit weights too, but not
-    below :data:`W4_MIN_BLOCK_K`."""
+def fit_block_k(block_k: int, group: int | None, kind: str = "block") -> int:
+    """The K step a config's ``block_k`` becomes for scale blocks of ``group`` columns (None: per channel).
+    ``kind``: "block" (8-bit block scales: cut to the group, a step lies in one block), "w4" (4-bit
+    weight-only: cut to the group, but not below :data:`W4_MIN_BLOCK_K`) or "w4a8" (cut to the group and to
+    :data:`W4A8_MAX_BLOCK_K`)."""
     if group is None:
         return block_k
-    return max(W4_MIN_BLOCK_K, min(block_k, group)) if w4 else min(block_k, group)
+    if kind == "w4":
+        return max(W4_MIN_BLOCK_K, min(block_k, group))
+    return min(block_k, group, W4A8_MAX_BLOCK_K) if kind == "w4a8" else min(block_k, group)
 
 
 def block_k_ok(block_k: int, group: int | None, w4: bool) -> bool:
@@ -167,6 +174,11 @@ def block_k_ok(block_k: int, group: int | None, w4: bool) -> bool:
 def _w4(quant: str) -> bool:
     """Weight-only 4-bit modes (w4a8 ones, with fp8 activations, bound the K step as block scales do)."""
     return quant.startswith(("w4g", "mxfp4")) and "a8" not in quant
+
+
+def _k_kind(quant: str) -> str:
+    """:func:`fit_block_k`'s kind of a quant mode."""
+    return "w4" if _w4(quant) else "w4a8" if "a8" in quant else "block"
 
 
 def _scale_k(quant: str) -> int | None:
@@ -202,7 +214,7 @@ def _key_dtype(key) -> torch.dtype:
 
 def _fit_scale(cfg: MoeConfig, key) -> MoeConfig:
     """``cfg`` with its K step cut to the key's scale block where it is longer (as fused_moe cuts its own)."""
-    bk = fit_block_k(cfg.block_k, _scale_k(key["quant"]), _w4(key["quant"]))
+    bk = fit_block_k(cfg.block_k, _scale_k(key["quant"]), _k_kind(key["quant"]))
     return cfg if bk == cfg.block_k else dataclasses.replace(cfg, block_k=bk)
 
 
@@ -236,7 +248,8 @@ def moe_candidates(key, arch: str) -> list[MoeConfig]:
     i = _BLOCK_M.index(default.block_m) if default.block_m in _BLOCK_M else 0
     block_ms = _BLOCK_M[max(0, i - 1) : i + 2]
     sk = _scale_k(key["quant"])
-    block_ks = sorted({fit_block_k(bk, sk, _w4(key["quant"])) for bk in ((128,) if dtype.itemsize == 1 else (64, 128))})
+    kind = _k_kind(key["quant"])
+    block_ks = sorted({fit_block_k(bk, sk, kind) for bk in ((128,) if dtype.itemsize == 1 else (64, 128))})
     out = [default]
     for block_m, block_n, block_k, stages in itertools.product(block_ms, (64, 128, 256), block_ks, (3, 4)):
         tile = block_m * block_n
