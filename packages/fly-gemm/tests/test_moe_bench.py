@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
+from test_moe_quant import E8M0, quantize_mxfp4
 
 from fly_gemm import moe_bench as mb
 from fly_gemm.moe_reference import fused_moe_ref
@@ -21,7 +23,7 @@ def _by_name():
 
 def test_benches_build_with_models_and_peers():
     specs = _by_name()
-    assert set(specs) == {"moe_bf16", "moe_bf16_decode", "moe_fp8"}
+    assert set(specs) == {"moe_bf16", "moe_bf16_decode", "moe_fp8", "moe_mxfp4_decode", "moe_w4a8"}
     for b in (specs["moe_bf16"], specs["moe_bf16_decode"]):
         assert [p.name for p in b.providers] == ["flydsl", "torch", "torch._grouped_mm", "dense"]
         assert [p.is_ours for p in b.providers] == [True, False, False, False]
@@ -76,7 +78,7 @@ def test_fp8_bench_checks_and_times_the_tiny_case():
     """moe_fp8: block-scaled fp8 against our bf16 layer, both checked against the
     unquantized fp32 layer within the fp8 bound, on the interpreter's tiny case (blocks off the 128 grid)."""
     spec = mb.fp8_bench()
-    assert [b.name for b in mb.benches()][-1] == "moe_fp8" and "moe_fp8" in _by_name()
+    assert "moe_fp8" in _by_name()
     assert [p.name for p in spec.providers] == ["flydsl", "flydsl.bf16"]
     assert min(c.params["tokens"] for c in spec.cases) >= 1024
     rows = run([spec], quick=True, ceilings={}).rows()
@@ -85,3 +87,34 @@ def test_fp8_bench_checks_and_times_the_tiny_case():
         assert by[name].status == "ok", by[name]
         assert by[name].gpu_us > 0
     assert by["flydsl"].rel_error < 0.15 and by["flydsl.bf16"].rel_error < 1e-2
+
+
+@pytest.mark.skipif(E8M0 is None, reason="this torch has no float8_e8m0fnu")
+def test_mxfp4_quantizer_matches_the_tests_one():
+    """The bench's MXFP4 quantizer (an expert at a time, codes by midpoints) gives the codes and scales of
+    test_moe_quant's (codes by the nearest grid value, ties to the lower magnitude)."""
+    w = torch.randn(3, 40, 96, generator=torch.Generator().manual_seed(0)) * 0.1
+    w[0, 0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # ties and the top code
+    q, s = mb._quantize_mxfp4(w)
+    q_ref, s_ref = quantize_mxfp4(w, 32)
+    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@pytest.mark.skipif(E8M0 is None, reason="this torch has no float8_e8m0fnu")
+@pytest.mark.parametrize("name,peers", [("moe_mxfp4_decode", ["flydsl.bf16"]),
+                                        ("moe_w4a8", ["flydsl.mxfp4", "flydsl.bf16"])])  # fmt: skip
+def test_mxfp4_benches_check_and_time_the_tiny_case(name, peers):
+    """moe_mxfp4_decode (weight-only, decode tokens, the MXFP4 bytes) and moe_w4a8 (fp8 activations, prefill
+    tokens): our MXFP4 layer and its peers, checked against the unquantized fp32 layer within the MXFP4
+    bound, on the interpreter's tiny case."""
+    spec = _by_name()[name]
+    assert [p.name for p in spec.providers] == ["flydsl", *peers]
+    decode = name.endswith("decode")
+    assert (max if decode else min)(c.params["tokens"] for c in spec.cases) == (64 if decode else 1024)
+    assert (spec.bytes is not None) == decode
+    rows = run([spec], quick=True, ceilings={}).rows()
+    by = {r.provider: r for r in rows}
+    for p in ("flydsl", *peers):
+        assert by[p].status == "ok", by[p]
+        assert by[p].gpu_us > 0
+    assert by["flydsl"].rel_error < 0.45 and by["flydsl.bf16"].rel_error < 1e-2

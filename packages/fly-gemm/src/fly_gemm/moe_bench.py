@@ -9,6 +9,10 @@ see the same ids).
 - ``moe_bf16_decode``: tokens 1-64; the bytes of the routed experts' weights (each read once) plus the
   activations, against the copy bandwidth;
 - ``moe_fp8`` (:func:`fp8_bench`): block-scaled fp8 experts against our bf16 layer, tokens 1024-16384.
+- ``moe_mxfp4_decode`` (:func:`mxfp4_decode_bench`): MXFP4 experts (fp4 e2m1, e8m0 scales a 32-group,
+  weight-only) against our bf16 layer at decode, tokens 1-64 (the bar: 3x, a quarter of the bytes).
+- ``moe_w4a8`` (:func:`w4a8_bench`): MXFP4 experts with fp8 activations against the weight-only MXFP4 layer
+  and our bf16 one, tokens 1024-16384.
 
 Providers: ``flydsl`` (:func:`fused_moe`); ``torch`` (what a plain implementation does: sort the routed
 rows by expert, one GEMM pair per expert, weight and add back); ``torch._grouped_mm`` (the same pipeline
@@ -30,7 +34,8 @@ from flydsl_common.bench import Bench, Case, Provider, Skip, log_uniform
 from .moe import fused_moe
 from .moe_reference import fused_moe_ref, grouped_topk_ref, topk_softmax_ref
 
-__all__ = ["benches", "fp8_bench", "MODELS", "routing", "QUICK_MODEL", "FP8_BLOCK"]
+__all__ = ["benches", "fp8_bench", "mxfp4_decode_bench", "w4a8_bench", "MODELS", "routing", "QUICK_MODEL",
+           "FP8_BLOCK", "MXFP4_GROUP"]
 
 # name -> (E, k, H, I, grouped top-k (groups, kept) or None)
 MODELS = {
@@ -277,11 +282,120 @@ def fp8_bench(models: dict | None = None) -> Bench:
     )
 
 
+# ------------------------------------------------------------------ MXFP4 (weight-only at decode; w4a8)
+
+MXFP4_GROUP = 32  # the MX format's block: an e8m0 scale a 32 values along K
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the midpoints between neighbours (a tie goes to the lower code)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# the bound of the MXFP4 layer against the unquantized one (tests/test_moe_quant.py's argument: ~13% rms a
+# factor for the three noisy ones, ~23% together, twice that)
+_MXFP4_TOLERANCE = 0.45
+
+
+def _quantize_mxfp4(w: torch.Tensor):
+    """(uint8 fp4 e2m1 pairs [E, N, K / 2], e8m0 scales [E, N, K / 32]) of weights [E, N, K] (K a multiple of
+    32), an expert at a time: a power-of-two scale a group, the smallest with 6 x scale >= the group's amax,
+    each value rounded to the nearest e2m1 code."""
+    e, n, k = w.shape
+    q = torch.empty(e, n, k // 2, device=w.device, dtype=torch.uint8)
+    scale = torch.empty(e, n, k // MXFP4_GROUP, device=w.device, dtype=_E8M0)
+    mids = torch.tensor(_FP4_MIDPOINTS, device=w.device)
+    for i in range(e):
+        g = w[i].float().view(n, k // MXFP4_GROUP, MXFP4_GROUP)
+        exp = torch.ceil(torch.log2(torch.clamp(g.abs().amax(-1), min=2.0**-100) / 6.0)).clamp(-126, 127)
+        v = g / torch.exp2(exp)[..., None]
+        code = (torch.bucketize(v.abs(), mids) | ((v < 0).long() << 3)).view(n, k)
+        q[i] = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+        scale[i] = torch.exp2(exp).to(_E8M0)
+    return q, scale
+
+
+def _setup_mxfp4(case: Case, device):
+    """The bf16 layer of :func:`_setup` and its MXFP4 copy: (bf16 inputs, MXFP4 inputs)."""
+    if _E8M0 is None:
+        raise Skip("this torch has no float8_e8m0fnu (MXFP4's scales)")
+    x, w1, w2, w, ids = _setup(case, device)
+    q1, s1 = _quantize_mxfp4(w1)
+    q2, s2 = _quantize_mxfp4(w2)
+    return (x, w1, w2, w, ids), (x, q1, q2, w, ids, s1, s2)
+
+
+def _fused_mxfp4(compute_dtype=None):
+    def make(t):
+        x, q1, q2, w, ids, s1, s2 = t[1]
+        return lambda: fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=[1, MXFP4_GROUP],
+                                 compute_dtype=compute_dtype)  # fmt: skip
+
+    return make
+
+
+def _bytes_mxfp4(case: Case) -> int:
+    """Each routed expert's MXFP4 weights (half a byte a value, a scale byte a 32) read once, x read and the
+    output written once (bf16)."""
+    _, _, h, inter, t = _shape(case)
+    touched = int(torch.unique(routing(case)[1]).numel())
+    return touched * 3 * h * inter * (MXFP4_GROUP // 2 + 1) // MXFP4_GROUP + 2 * 2 * t * h
+
+
+def mxfp4_decode_bench(models: dict | None = None) -> Bench:
+    """``moe_mxfp4_decode``: MXFP4 experts (weight-only: each tile dequantized to bf16 in the kernel) against
+    our bf16 layer of the same weights at decode, tokens 1-64 (the issue's bar: >= 3x, a quarter of the
+    bytes); bytes of the MXFP4 weights read; checked against the unquantized fp32 layer within the MXFP4
+    bound."""
+    models = MODELS if models is None else models
+    return Bench(
+        name="moe_mxfp4_decode",
+        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_DECODE],
+        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 8)],
+        setup=_setup_mxfp4,
+        providers=[
+            Provider("flydsl", _fused_mxfp4(), is_ours=True),
+            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
+        ],
+        bytes=_bytes_mxfp4,
+        flops=_flops,
+        reference=lambda t: fused_moe_ref(*t[0]),
+        tolerance=_MXFP4_TOLERANCE,
+        x_param="tokens",
+        group_by=("model",),
+        description="fused MoE at decode, MXFP4 weights (weight-only) vs our bf16, SiLU: bytes of the routed "
+        "experts' MXFP4 weights + x + out",
+        timings=("gpu", "call"),
+    )
+
+
+def w4a8_bench(models: dict | None = None) -> Bench:
+    """``moe_w4a8``: MXFP4 experts with fp8 activations (``compute_dtype=torch.float8_e4m3fn``: the codes in
+    an fp8 dot) against the weight-only MXFP4 layer and our bf16 layer of the same weights, tokens
+    1024-16384, ``6 T k H I`` flops; checked against the unquantized fp32 layer within the MXFP4 bound."""
+    models = MODELS if models is None else models
+    return Bench(
+        name="moe_w4a8",
+        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_LARGE],
+        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 24)],
+        setup=_setup_mxfp4,
+        providers=[
+            Provider("flydsl", _fused_mxfp4(torch.float8_e4m3fn), is_ours=True),
+            Provider("flydsl.mxfp4", _fused_mxfp4()),
+            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
+        ],
+        flops=_flops,
+        reference=lambda t: fused_moe_ref(*t[0]),
+        tolerance=_MXFP4_TOLERANCE,
+        x_param="tokens",
+        group_by=("model",),
+        description="fused MoE, MXFP4 weights with fp8 activations vs weight-only MXFP4 and our bf16, SiLU: "
+        "6 T k H I flops",
+        timings=("gpu", "call"),
+    )
+
+
 def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Bench]:
     """The MoE benches: ``moe_bf16`` (tokens 1024-16384) and ``moe_bf16_decode`` (tokens 1-64) over
     ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time).
     ``interpreter``: the sweeps draw the quick model at up to 24 tokens (sizes the CPU runs in seconds).
-    Then ``moe_fp8`` (:func:`fp8_bench`, no sweep)."""
+    Then ``moe_fp8``, ``moe_mxfp4_decode`` and ``moe_w4a8`` (no sweeps)."""
     models = MODELS if models is None else models
     if interpreter:
         large, decode, drawn = (17, 24), (1, 16), dict([QUICK_MODEL])
@@ -291,4 +405,6 @@ def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Be
         _bench("moe_bf16", _TOKENS_LARGE, False, models, large, drawn),
         _bench("moe_bf16_decode", _TOKENS_DECODE, True, models, decode, drawn),
         fp8_bench(models),
+        mxfp4_decode_bench(models),
+        w4a8_bench(models),
     ]
