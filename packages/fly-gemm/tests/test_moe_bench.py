@@ -23,7 +23,7 @@ def _by_name():
 
 def test_benches_build_with_models_and_peers():
     specs = _by_name()
-    assert set(specs) == {"moe_bf16", "moe_bf16_decode", "moe_fp8", "moe_mxfp4_decode", "moe_w4a8"}
+    assert set(specs) == {"moe_bf16", "moe_bf16_decode", "moe_fp8", "moe_mxfp4_decode", "moe_w4a8", "grouped_gemm"}
     for b in (specs["moe_bf16"], specs["moe_bf16_decode"]):
         assert [p.name for p in b.providers] == ["flydsl", "torch", "torch._grouped_mm", "dense"]
         assert [p.is_ours for p in b.providers] == [True, False, False, False]
@@ -118,3 +118,26 @@ def test_mxfp4_benches_check_and_time_the_tiny_case(name, peers):
         assert by[p].status == "ok", by[p]
         assert by[p].gpu_us > 0
     assert by["flydsl"].rel_error < 0.45 and by["flydsl.bf16"].rel_error < 1e-2
+
+
+def test_grouped_gemm_bench_times_forward_and_step():
+    """grouped_gemm: the models' routed rows grouped by expert (both projections, training token counts),
+    forward and forward + backward against torch._grouped_mm (skipped off CUDA with its reason); the groups
+    are the routing's per-expert counts; the quick case checks and times ours, its step included."""
+    spec = _by_name()["grouped_gemm"]
+    assert [p.name for p in spec.providers] == ["flydsl", "torch._grouped_mm"]
+    assert all(p.step is not None for p in spec.providers) and "step" in spec.timings
+    assert {(c.params["model"], c.params["proj"]) for c in spec.cases} == {(m, p) for m in mb.MODELS
+                                                                          for p in ("w1", "w2")}  # fmt: skip
+    case = spec.quick_cases[0]
+    a, b, offsets, dy = spec.setup(case, torch.device("cpu"))
+    e, k, h, inter = mb.QUICK_MODEL[1][:4]
+    assert a.shape == (case.params["tokens"] * k, h) and b.shape == (e, 2 * inter, h) and dy.shape == (a.shape[0],
+                                                                                                     2 * inter)
+    counts = torch.bincount(mb.routing(case)[1].reshape(-1).long(), minlength=e)
+    assert torch.equal(offsets.long(), counts.cumsum(0)) and int(offsets[-1]) == a.shape[0]
+    rows = run([spec], quick=True, ceilings={}).rows()
+    by = {r.provider: r for r in rows}
+    assert by["flydsl"].status == "ok" and by["flydsl"].gpu_us > 0 and by["flydsl"].rel_error < 1e-2
+    assert by["flydsl"].step_us is not None and by["flydsl"].step_us > 0
+    assert by["torch._grouped_mm"].status != "ok" and "CUDA" in by["torch._grouped_mm"].reason

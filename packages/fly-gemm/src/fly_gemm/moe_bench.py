@@ -13,6 +13,8 @@ see the same ids).
   weight-only) against our bf16 layer at decode, tokens 1-64 (the bar: 3x, a quarter of the bytes).
 - ``moe_w4a8`` (:func:`w4a8_bench`): MXFP4 experts with fp8 activations against the weight-only MXFP4 layer
   and our bf16 one, tokens 1024-16384.
+- ``grouped_gemm`` (:func:`grouped_gemm_bench`): the training grouped GEMM (rows grouped by expert, the
+  models' gate/up and down projections), forward and forward + backward against ``torch._grouped_mm``.
 
 Providers: ``flydsl`` (:func:`fused_moe`); ``torch`` (what a plain implementation does: sort the routed
 rows by expert, one GEMM pair per expert, weight and add back); ``torch._grouped_mm`` (the same pipeline
@@ -31,11 +33,15 @@ import torch.nn.functional as F
 
 from flydsl_common.bench import Bench, Case, Provider, Skip, log_uniform
 
+from .grouped_gemm import grouped_gemm
 from .moe import fused_moe
 from .moe_reference import fused_moe_ref, grouped_topk_ref, topk_softmax_ref
+from .reference import grouped_gemm_ref
 
-__all__ = ["benches", "fp8_bench", "mxfp4_decode_bench", "w4a8_bench", "MODELS", "routing", "QUICK_MODEL",
-           "FP8_BLOCK", "MXFP4_GROUP"]
+__all__ = [
+    "benches", "fp8_bench", "mxfp4_decode_bench", "w4a8_bench", "grouped_gemm_bench", "MODELS", "routing",
+    "QUICK_MODEL", "FP8_BLOCK", "MXFP4_GROUP",
+]  # fmt: skip
 
 # name -> (E, k, H, I, grouped top-k (groups, kept) or None)
 MODELS = {
@@ -391,11 +397,118 @@ def w4a8_bench(models: dict | None = None) -> Bench:
     )
 
 
+# ------------------------------------------------------------------ grouped_gemm (training)
+
+_TOKENS_TRAIN = (4096, 16384)
+
+
+def _grouped_case(model: str, spec, tokens: int, proj: str) -> Case:
+    case = _case(model, spec, tokens)
+    return Case(f"{model}/{proj}/T{tokens}", {**case.params, "proj": proj})
+
+
+def _grouped_shape(case: Case):
+    """(rows M, N, K, groups) of a case: the routed rows, and the gate/up projection ([E, 2I, H]) or the
+    down one ([E, H, I])."""
+    e, k, h, inter, t = _shape(case)
+    n, kk = (2 * inter, h) if case.params["proj"] == "w1" else (h, inter)
+    return t * k, n, kk, e
+
+
+def _setup_grouped(case: Case, device):
+    """(a [M, K], b [E, N, K], offsets int32 [E], dy [M, N]) in bf16: the case's routed rows grouped by expert
+    (the routing's per-expert counts), unit-scale values."""
+    m, n, kk, e = _grouped_shape(case)
+    counts = torch.bincount(routing(case)[1].reshape(-1).long(), minlength=e)
+    offsets = counts.cumsum(0).to(torch.int32).to(device)
+    g = torch.Generator(device=device).manual_seed(case.params.get("seed", 0) + 2)
+    a = torch.randn(m, kk, device=device, generator=g, dtype=_BF16)
+    b = torch.empty(e, n, kk, device=device, dtype=_BF16)
+    for i in range(e):
+        b[i].normal_(0.0, kk**-0.5, generator=g)
+    dy = torch.randn(m, n, device=device, generator=g, dtype=_BF16)
+    return a, b, offsets, dy
+
+
+def _grouped_ours(t):
+    a, b, offsets, _ = t
+    return lambda: grouped_gemm(a, b, offsets)
+
+
+def _need_grouped_mm(a) -> None:
+    if a.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        raise Skip("torch._grouped_mm needs CUDA (sm_90+) and a torch that has it")
+
+
+def _torch_grouped_forward(a, b, offsets):
+    """``torch._grouped_mm`` on our operands (its B is [G, K, N]: b's transposed view, no copy)."""
+    _need_grouped_mm(a)
+    return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+
+
+def _grouped_torch(t):
+    a, b, offsets, _ = t
+    _need_grouped_mm(a)
+    return lambda: _torch_grouped_forward(a, b, offsets)
+
+
+def _grouped_step(forward):
+    """A training step: fresh leaves of a and b (gradients cleared), the forward, backward with the case's
+    upstream gradient (dA and dB filled). Run once here, so a lazy compile stays out of the timing."""
+
+    def make(t):
+        a, b, offsets, dy = t
+        al, bl = a.detach().requires_grad_(), b.detach().requires_grad_()
+
+        def step() -> None:
+            al.grad = bl.grad = None
+            forward(al, bl, offsets).backward(dy)
+
+        try:
+            step()
+        except (RuntimeError, NotImplementedError) as e:  # a peer without a backward
+            raise Skip(f"no backward: {str(e).strip().splitlines()[0][:120]}") from e
+        return step
+
+    return make
+
+
+def _grouped_flops(case: Case) -> int:
+    m, n, kk, _ = _grouped_shape(case)
+    return 2 * m * n * kk
+
+
+def grouped_gemm_bench(models: dict | None = None) -> Bench:
+    """``grouped_gemm``: :func:`fly_gemm.grouped_gemm` on the models' routed rows (tokens 4096 and 16384 x
+    top-k, grouped by expert as their routing falls), the gate/up projection (N = 2I, K = H) and the down one
+    (N = H, K = I), forward (``gpu`` / ``call``) and forward + backward (``step``: dA and dB) against
+    ``torch._grouped_mm`` (the issue's bar: >= 1.1x on the same groups); ``2 M N K`` flops (the forward's)."""
+    models = MODELS if models is None else models
+    return Bench(
+        name="grouped_gemm",
+        cases=[_grouped_case(m, spec, t, proj) for m, spec in models.items() for t in _TOKENS_TRAIN
+               for proj in ("w1", "w2")],  # fmt: skip
+        quick_cases=[_grouped_case(QUICK_MODEL[0], QUICK_MODEL[1], 24, "w1")],
+        setup=_setup_grouped,
+        providers=[
+            Provider("flydsl", _grouped_ours, is_ours=True, step=_grouped_step(grouped_gemm)),
+            Provider("torch._grouped_mm", _grouped_torch, step=_grouped_step(_torch_grouped_forward)),
+        ],
+        flops=_grouped_flops,
+        reference=lambda t: grouped_gemm_ref(t[0], t[1], t[2]),
+        tolerance=1e-2,
+        x_param="tokens",
+        group_by=("model", "proj"),
+        description="grouped GEMM of routed rows, bf16: 2 M N K flops (forward); step = forward + dA + dB",
+        timings=("gpu", "call", "step"),
+    )
+
+
 def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Bench]:
     """The MoE benches: ``moe_bf16`` (tokens 1024-16384) and ``moe_bf16_decode`` (tokens 1-64) over
     ``models`` (default :data:`MODELS`); their sweeps draw a model and a token count (odd half the time).
     ``interpreter``: the sweeps draw the quick model at up to 24 tokens (sizes the CPU runs in seconds).
-    Then ``moe_fp8``, ``moe_mxfp4_decode`` and ``moe_w4a8`` (no sweeps)."""
+    Then ``moe_fp8``, ``moe_mxfp4_decode``, ``moe_w4a8`` and ``grouped_gemm`` (no sweeps)."""
     models = MODELS if models is None else models
     if interpreter:
         large, decode, drawn = (17, 24), (1, 16), dict([QUICK_MODEL])
@@ -407,4 +520,5 @@ def benches(models: dict | None = None, *, interpreter: bool = False) -> list[Be
         fp8_bench(models),
         mxfp4_decode_bench(models),
         w4a8_bench(models),
+        grouped_gemm_bench(models),
     ]
