@@ -29,7 +29,8 @@ def _family_sweep(seed: int, count: int = 60, sweep_range: SweepRange = GPU_SWEE
 def test_benches_build_with_their_timings_and_providers():
     specs = _by_name(benches())
     assert set(specs) == {"gemm_bf16", "gemm_bf16_decode", "gemm_fp8", "gemm_int8", "linear", "moe_bf16",
-                          "moe_bf16_decode", "moe_fp8", "moe_mxfp4_decode", "moe_w4a8", "grouped_gemm", "host"}  # fmt: skip
+                          "moe_bf16_decode", "moe_fp8", "moe_mxfp4_decode", "moe_w4a8", "grouped_gemm",
+                          "host"}  # fmt: skip
     for name in ("gemm_bf16", "gemm_bf16_decode", "gemm_fp8", "gemm_int8"):
         assert specs[name].timings == ("gpu", "call")
         assert specs[name].sweep is not None

@@ -264,28 +264,36 @@ def _fused_fp8(t):
     return lambda: fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2, block_shape=FP8_BLOCK)
 
 
+def _quantized_bench(name, tokens, quick_tokens, setup, providers, tolerance, description, models, bytes_=None):
+    """A quantized layer's bench: the models at ``tokens``, inputs ``(bf16 layer, quantized layer)`` from
+    ``setup``, ``providers`` (ours first, then our bf16 layer and the like), ``6 T k H I`` flops (and
+    ``bytes_``), checked against the unquantized fp32 layer within ``tolerance``."""
+    models = MODELS if models is None else models
+    return Bench(
+        name=name,
+        cases=[_case(m, spec, t) for m, spec in models.items() for t in tokens],
+        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], quick_tokens)],
+        setup=setup,
+        providers=[*providers, Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0]))],
+        bytes=bytes_,
+        flops=_flops,
+        reference=lambda t: fused_moe_ref(*t[0]),
+        tolerance=tolerance,
+        x_param="tokens",
+        group_by=("model",),
+        description=description,
+        timings=("gpu", "call"),
+    )
+
+
 def fp8_bench(models: dict | None = None) -> Bench:
     """``moe_fp8``: DeepSeek-V3's block-scaled fp8 experts (``fused_moe`` with ``block_shape=[128, 128]``)
     against our bf16 layer of the same weights (the issue's bar: >= 1.6x at >= 4096 tokens), tokens
     1024-16384, ``6 T k H I`` flops; checked against the unquantized fp32 layer within the fp8 bound."""
-    models = MODELS if models is None else models
-    return Bench(
-        name="moe_fp8",
-        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_LARGE],
-        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 24)],
-        setup=_setup_fp8,
-        providers=[
-            Provider("flydsl", _fused_fp8, is_ours=True),
-            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
-        ],
-        flops=_flops,
-        reference=lambda t: fused_moe_ref(*t[0]),
-        tolerance=_FP8_TOLERANCE,
-        x_param="tokens",
-        group_by=("model",),
-        description="fused MoE, fp8 e4m3 128 x 128 block-scaled weights vs our bf16, SiLU: 6 T k H I flops",
-        timings=("gpu", "call"),
-    )
+    ours = Provider("flydsl", _fused_fp8, is_ours=True)
+    return _quantized_bench("moe_fp8", _TOKENS_LARGE, 24, _setup_fp8, [ours], _FP8_TOLERANCE,
+                            "fused MoE, fp8 e4m3 128 x 128 block-scaled weights vs our bf16, SiLU: 6 T k H I flops",
+                            models)  # fmt: skip
 
 
 # ------------------------------------------------------------------ MXFP4 (weight-only at decode; w4a8)
@@ -349,52 +357,21 @@ def mxfp4_decode_bench(models: dict | None = None) -> Bench:
     our bf16 layer of the same weights at decode, tokens 1-64 (the issue's bar: >= 3x, a quarter of the
     bytes); bytes of the MXFP4 weights read; checked against the unquantized fp32 layer within the MXFP4
     bound."""
-    models = MODELS if models is None else models
-    return Bench(
-        name="moe_mxfp4_decode",
-        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_DECODE],
-        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 8)],
-        setup=_setup_mxfp4,
-        providers=[
-            Provider("flydsl", _fused_mxfp4(), is_ours=True),
-            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
-        ],
-        bytes=_bytes_mxfp4,
-        flops=_flops,
-        reference=lambda t: fused_moe_ref(*t[0]),
-        tolerance=_MXFP4_TOLERANCE,
-        x_param="tokens",
-        group_by=("model",),
-        description="fused MoE at decode, MXFP4 weights (weight-only) vs our bf16, SiLU: bytes of the routed "
-        "experts' MXFP4 weights + x + out",
-        timings=("gpu", "call"),
-    )
+    return _quantized_bench("moe_mxfp4_decode", _TOKENS_DECODE, 8, _setup_mxfp4,
+                            [Provider("flydsl", _fused_mxfp4(), is_ours=True)], _MXFP4_TOLERANCE,
+                            "fused MoE at decode, MXFP4 weights (weight-only) vs our bf16, SiLU: bytes of the routed "
+                            "experts' MXFP4 weights + x + out", models, bytes_=_bytes_mxfp4)  # fmt: skip
 
 
 def w4a8_bench(models: dict | None = None) -> Bench:
     """``moe_w4a8``: MXFP4 experts with fp8 activations (``compute_dtype=torch.float8_e4m3fn``: the codes in
     an fp8 dot) against the weight-only MXFP4 layer and our bf16 layer of the same weights, tokens
     1024-16384, ``6 T k H I`` flops; checked against the unquantized fp32 layer within the MXFP4 bound."""
-    models = MODELS if models is None else models
-    return Bench(
-        name="moe_w4a8",
-        cases=[_case(m, spec, t) for m, spec in models.items() for t in _TOKENS_LARGE],
-        quick_cases=[_case(QUICK_MODEL[0], QUICK_MODEL[1], 24)],
-        setup=_setup_mxfp4,
-        providers=[
-            Provider("flydsl", _fused_mxfp4(torch.float8_e4m3fn), is_ours=True),
-            Provider("flydsl.mxfp4", _fused_mxfp4()),
-            Provider("flydsl.bf16", lambda t: lambda: fused_moe(*t[0])),
-        ],
-        flops=_flops,
-        reference=lambda t: fused_moe_ref(*t[0]),
-        tolerance=_MXFP4_TOLERANCE,
-        x_param="tokens",
-        group_by=("model",),
-        description="fused MoE, MXFP4 weights with fp8 activations vs weight-only MXFP4 and our bf16, SiLU: "
-        "6 T k H I flops",
-        timings=("gpu", "call"),
-    )
+    providers = [Provider("flydsl", _fused_mxfp4(torch.float8_e4m3fn), is_ours=True),
+                 Provider("flydsl.mxfp4", _fused_mxfp4())]  # fmt: skip
+    return _quantized_bench("moe_w4a8", _TOKENS_LARGE, 24, _setup_mxfp4, providers, _MXFP4_TOLERANCE,
+                            "fused MoE, MXFP4 weights with fp8 activations vs weight-only MXFP4 and our bf16, SiLU: "
+                            "6 T k H I flops", models)  # fmt: skip
 
 
 # ------------------------------------------------------------------ grouped_gemm (training)
