@@ -24,6 +24,7 @@ from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
 
 from ._kernels.decode import launch_decode
+from ._kernels.programs import head_block
 from .decode_config import (
     MAX_SPLITS,
     DecodeConfig,
@@ -202,7 +203,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, num_spli
         return out
     partial = partial_lse = None
     if num_splits > 1:  # sized from shapes only (CUDA graph capture replays it with any lengths)
-        block_d = max(16, 1 << (d - 1).bit_length())
+        block_d = head_block(d)  # the decode kernel's tile (its partials' row width)
         partial = _empty(batch, q_len, heads_q, num_splits, block_d, dtype=torch.float32, device=q.device)
         partial_lse = _empty(batch, q_len, heads_q, num_splits, dtype=torch.float32, device=q.device)
     ks, k_mul = _scale_args(k_scale)

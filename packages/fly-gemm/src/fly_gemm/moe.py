@@ -339,6 +339,7 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
     # the dot's operands: x's dtype, or the 8-bit weights' (the activations quantized to it); 4-bit weights
     # are dequantized to x's dtype, or (w4a8) their codes taken as fp8
     in_dtype = x.dtype if quant == QUANT_W4 else torch.float8_e4m3fn if quant == QUANT_W4A8 else w1.dtype
+    kind = _K_KIND.get(quant, "block")  # moe_config.fit_block_k's name of the mode
     if config is None:
         s1_in, s2_in = w1_scale, w2_scale
 
@@ -356,20 +357,18 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
 
         config = moe_config_for(t, e, inter, h, k, in_dtype, _quant_mode(quant, scale_block, fp4), x.device,
                                 task=task)  # fmt: skip
-        if quant in (QUANT_BLOCK, QUANT_W4, QUANT_W4A8):  # the shipped configs fit it
-            kind = {QUANT_W4: "w4", QUANT_W4A8: "w4a8"}.get(quant, "block")
-            bk = fit_block_k(config.block_k, scale_block[1], kind)
-            config = dataclasses.replace(config, block_k=bk)
+        if quant in _SCALE_BLOCKED:  # the shipped configs fit it
+            config = dataclasses.replace(config, block_k=fit_block_k(config.block_k, scale_block[1], kind))
     elif not isinstance(config, MoeConfig):
         raise ArgumentError(f"config: expected None or a fly_gemm.moe_config.MoeConfig, got {type(config).__name__}")
     if not moe_config_valid(config, in_dtype, arch):
         raise ArgumentError(f"config: {config} is not a valid launch config for {dtype_name(in_dtype)} on {arch.name}")
-    if quant in (QUANT_BLOCK, QUANT_W4A8) and not block_k_ok(config.block_k, scale_block[1], False):
+    if quant in _SCALE_BLOCKED and not block_k_ok(config.block_k, scale_block[1], kind):
+        if kind == "w4":
+            raise ArgumentError(f"config: block_k {config.block_k} is below {W4_MIN_BLOCK_K}, the smallest K step "
+                                f"for 4-bit weights")  # fmt: skip
         raise ArgumentError(f"config: block_k {config.block_k} must divide block_shape's block_k "
                             f"{scale_block[1]} (each K step lies in one scale block)")  # fmt: skip
-    if quant == QUANT_W4 and not block_k_ok(config.block_k, scale_block[1], True):
-        raise ArgumentError(f"config: block_k {config.block_k} is below {W4_MIN_BLOCK_K}, the smallest K step for "
-                            f"4-bit weights")  # fmt: skip
     if fp4:  # the kernel reads the e8m0 exponents as bytes
         w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     numel = t * k
@@ -397,6 +396,11 @@ def _fused_moe(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weigh
                     fp4=fp4)  # fmt: skip
     launch_moe_sum(down, topk_ids, out, e)
     return out
+
+
+# the quant modes whose K step a scale group bounds, and their moe_config.fit_block_k kind
+_SCALE_BLOCKED = (QUANT_BLOCK, QUANT_W4, QUANT_W4A8)
+_K_KIND = {QUANT_W4: "w4", QUANT_W4A8: "w4a8"}
 
 
 def _quant_mode(quant: int, scale_block: tuple[int, int], fp4: bool) -> str:

@@ -162,13 +162,14 @@ def fit_block_k(block_k: int, group: int | None, kind: str = "block") -> int:
     return min(block_k, group, W4A8_MAX_BLOCK_K) if kind == "w4a8" else min(block_k, group)
 
 
-def block_k_ok(block_k: int, group: int | None, w4: bool) -> bool:
-    """Whether the kernel takes K step ``block_k`` for scale blocks of ``group`` columns: block-scaled 8-bit
-    weights need it to divide the group; 4-bit weights need it at least :data:`W4_MIN_BLOCK_K` (a step
-    within one group reads one scale a column, one over several groups a scale an element)."""
+def block_k_ok(block_k: int, group: int | None, kind: str = "block") -> bool:
+    """Whether the kernel takes K step ``block_k`` for scale blocks of ``group`` columns (``kind`` as
+    :func:`fit_block_k`'s): block scales, 8-bit or w4a8, need it to divide the group; 4-bit weight-only
+    needs it at least :data:`W4_MIN_BLOCK_K` (a step within one group reads one scale a column, one over
+    several groups a scale an element)."""
     if group is None:
         return True
-    return block_k >= W4_MIN_BLOCK_K if w4 else group % block_k == 0
+    return block_k >= W4_MIN_BLOCK_K if kind == "w4" else group % block_k == 0
 
 
 def _w4(quant: str) -> bool:
@@ -225,7 +226,7 @@ def _moe_default(key, arch: str) -> MoeConfig:
 
 
 def _moe_valid(cfg: MoeConfig, key, arch: str) -> bool:
-    ok = block_k_ok(cfg.block_k, _scale_k(key["quant"]), _w4(key["quant"]))
+    ok = block_k_ok(cfg.block_k, _scale_k(key["quant"]), _k_kind(key["quant"]))
     return moe_config_valid(cfg, _key_dtype(key), _arch(arch)) and ok
 
 

@@ -30,7 +30,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .programs import softcap_tanh
+from .programs import head_block, softcap_tanh
 
 __all__ = ["launch_decode", "UNBOUNDED"]
 
@@ -201,7 +201,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, out, partial, par
         page, max_keys, num_blocks, stride_bt = 0, k_cache.shape[1], 1, 0
     rows = group * q_len
     row_blocks = flyc.cdiv(rows, block_m)
-    block_d = max(16, flyc.next_power_of_2(head_dim))  # the dot's minimum
+    block_d = head_block(head_dim)
     split = num_splits > 1
     if softcap > 0:
         cap_in, cap_out = softmax_scale / softcap, softcap * _LOG2E

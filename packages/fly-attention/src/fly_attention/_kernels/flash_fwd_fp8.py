@@ -33,7 +33,7 @@ import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
 from .flash_fwd import _LN2, _LOG2E, UNBOUNDED, key_blocks
-from .programs import block_program, head_base, softcap_tanh
+from .programs import block_program, head_base, head_block, softcap_tanh
 
 __all__ = ["launch_flash_fwd_fp8"]
 
@@ -206,8 +206,8 @@ def launch_flash_fwd_fp8(q, k, vt, out, lse, q_descale, k_descale, v_descale, se
         seqlen_q, seqlen_k, heads, group, num_m, left, right, softmax_scale * qk_factor * _LOG2E, cap_in, cap_out,
         v_factor,
         sqb, sqs, sqh, skb, sks, skh, svb, svh, svd, sob, sos, soh, slb, slh,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=max(MIN_BLOCK_D, flyc.next_power_of_2(head_dim)),
-        BLOCK_DV=max(MIN_BLOCK_D, flyc.next_power_of_2(head_dim_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim, MIN_BLOCK_D),
+        BLOCK_DV=head_block(head_dim_v, MIN_BLOCK_D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WINDOWED=windowed, SOFTCAP=softcap > 0, STORE_LSE=lse is not None, Q_DS=q_descale is not None,
         K_DS=k_descale is not None, V_DS=v_descale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -12,10 +12,11 @@ from flydsl_common.device import row_offset
 __all__ = ["block_program", "sequence_bounds", "head_base", "softcap_tanh", "online_update", "head_block"]
 
 
-def head_block(head_dim: int) -> int:
-    """The tile width of a head dimension: its next power of two, at least 16 (a tensor-core dot's smallest
-    K; a head dim below it, down to 1, is padded and masked like 80 or 192)."""
-    return max(16, flyc.next_power_of_2(head_dim))
+def head_block(head_dim: int, least: int = 16) -> int:
+    """The tile width of a head dimension: its next power of two, at least ``least`` (a tensor-core dot's
+    smallest K: 16, 32 for fp8; a head dim below it, down to 1, is padded and masked like 80 or 192). The one
+    rule for every kernel and for the host buffers sized to a kernel's tile."""
+    return max(least, flyc.next_power_of_2(head_dim))
 
 
 @flyc.func

@@ -49,13 +49,13 @@ def fuzz(test=None, *, cpu_examples: int | None = None):
     if test is None:
         return lambda t: fuzz(t, cpu_examples=cpu_examples)
     count = examples(cpu_examples)
-    test = seed(SEED)((FUZZ if count == MAX_EXAMPLES else settings(FUZZ, max_examples=count))(test))
-    return pytest.mark.gpu(test) if PROFILE == "gpu" else test
+    return finding(seed(SEED)((FUZZ if count == MAX_EXAMPLES else settings(FUZZ, max_examples=count))(test)))
 
 
 def finding(test):
     """A failure the fuzzing found, kept as a fixed example test: run by both profiles' suites, as
-    :func:`fuzz` tests are (gpu-marked on a GPU machine, whose shard selects ``-m gpu``)."""
+    :func:`fuzz` tests are (gpu-marked on a GPU machine, whose shard selects ``-m gpu``; the CPU suite runs
+    what is unmarked)."""
     return pytest.mark.gpu(test) if PROFILE == "gpu" else test
 
 
