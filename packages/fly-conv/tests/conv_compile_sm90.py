@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import flydsl.compiler as flyc
-from fly_conv._kernels.depthwise import launch_depthwise
+from fly_conv._kernels.direct import launch_direct
 from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
 from fly_conv._kernels.wgrad import launch_wgrad
 from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
@@ -141,13 +141,13 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
     return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg, *scales), cfg, problem
 
 
-def _depthwise(dtype, n, c, size, k):
+def _direct(dtype, n, c, size, k, cg=1):
     x5, y5 = _cl(n, c, (size, size), dtype), _cl(n, c, (size, size), dtype)
-    w2 = torch.empty((c, k * k), dtype=dtype, device="meta")
-    problem = ConvProblem("depthwise", n * size * size, c, 1, k * k, c, dtype)
+    w2 = torch.empty((c, cg * k * k), dtype=dtype, device="meta")
+    problem = ConvProblem("direct", n * size * size, c, cg, k * k, c // cg, dtype)
     cfg = default_config(problem, SM90)
     b = torch.empty((c,), dtype=dtype, device="meta")
-    return _record(launch_depthwise, x5, w2, y5, b, _geom(k, 1, k // 2), 2, cfg), cfg, problem
+    return _record(launch_direct, x5, w2, y5, b, _geom(k, 1, k // 2), c // cg, 2, cfg), cfg, problem
 
 
 def _wgrad(dtype, n, c_in, k_out, size, k):
@@ -164,22 +164,25 @@ def _wgrad(dtype, n, c_in, k_out, size, k):
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 # (name, launch): the forward at the ResNet 3x3 default (128 x 128 x 64), a strided 3x3 (int32 addressing
-# through a stride), a grouped layer's narrow tiles (8 channels a group: Triton marks no alignment, the
-# kernel's C_VEC does), the pointwise GEMM, the input gradient (stride 1: the taps reversed; stride 2: the
-# division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores, checked for spills only), the
-# depthwise kernel and the weight gradient; the fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight
-# scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
+# through a stride), a grouped layer's narrow tiles (16 channels a group, the narrowest a 16-bit layer runs
+# there: narrower groups run the direct kernel), the pointwise GEMM, the input gradient (stride 1: the taps
+# reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
+# checked for spills only), the direct kernel (depthwise, and 4 and 8 channels a group) and the weight gradient; the
+# fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight scales, a strided 3x3 with a per-tensor
+# one, a grouped layer and the pointwise GEMM
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
-    ("implicit_grouped", lambda: _implicit(BF16, 32, 256, 256, 28, 3, pad=1, groups=32)),
+    ("implicit_grouped", lambda: _implicit(BF16, 32, 256, 256, 28, 3, pad=1, groups=16)),
     ("pointwise", lambda: _implicit(BF16, 32, 64, 256, 56, 1, bias=False, act=0)),
     ("dgrad", lambda: _implicit(BF16, 32, 64, 64, 56, 3, pad=1, bias=False, act=0, transposed=True)),
     ("dgrad_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
     ("implicit_fp16_gelu", lambda: _implicit(torch.float16, 8, 128, 128, 64, 3, pad=1, act=4)),
     ("implicit_fp32", lambda: _implicit(torch.float32, 32, 128, 128, 56, 3, pad=1)),
     ("dgrad_s2_fp32", lambda: _implicit(torch.float32, 32, 128, 128, 56, 3, 2, 1, bias=False, act=0, transposed=True)),
-    ("depthwise", lambda: _depthwise(BF16, 32, 384, 28, 3)),
+    ("depthwise", lambda: _direct(BF16, 32, 384, 28, 3)),
+    ("direct_cg4", lambda: _direct(BF16, 32, 128, 56, 3, cg=4)),
+    ("direct_cg8", lambda: _direct(BF16, 32, 256, 28, 3, cg=8)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),

@@ -8,7 +8,16 @@ import itertools
 import pytest
 import torch
 
-from fly_conv.autotune import KINDS, ConvConfig, ConvProblem, config_valid, default_config, smem_bytes
+from fly_conv.autotune import (
+    DIRECT_MAX_CG,
+    KINDS,
+    ConvConfig,
+    ConvProblem,
+    config_valid,
+    default_config,
+    direct_kernel,
+    smem_bytes,
+)
 from flydsl.arch import INTERPRETER, SM90
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,7 +65,21 @@ def test_fp8_tiles_and_validity():
     assert not config_valid(ConvConfig(64, 64, 16), big, SM90)  # under the 8-bit dot's K of 32
     assert config_valid(ConvConfig(64, 64, 32), big, SM90)
     assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("wgrad", 1024, 64, 64, 9, 1, f8), SM90)
-    assert not config_valid(ConvConfig(64, 8, 1), ConvProblem("depthwise", 1024, 64, 1, 9, 64, f8), SM90)
+    assert not config_valid(ConvConfig(64, 8, 1), ConvProblem("direct", 1024, 64, 1, 9, 64, f8), SM90)
+
+
+def test_direct_kernel_takes_depthwise_and_narrow_groups():
+    bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
+    assert direct_kernel(96, 96, 96, bf16) and direct_kernel(96, 192, 96, torch.float32)  # depthwise, multiplier 2
+    assert direct_kernel(128, 128, 32, bf16) and direct_kernel(64, 64, 32, torch.float16)  # 4 and 2 a group
+    assert direct_kernel(32 * DIRECT_MAX_CG, 96, 32, bf16)  # the widest group it takes, 3 outputs a group
+    assert not direct_kernel(32 * (DIRECT_MAX_CG + 1), 64, 32, bf16)  # one channel wider: the implicit GEMM
+    assert not direct_kernel(64, 64, 1, bf16) and not direct_kernel(1, 8, 1, bf16)  # dense, even of one channel
+    assert not direct_kernel(128, 128, 32, f8) and not direct_kernel(64, 64, 64, f8)  # fp8: the scaled GEMM only
+    dw = default_config(ConvProblem("direct", 1 << 20, 384, 1, 9, 384, bf16), SM90)
+    narrow = default_config(ConvProblem("direct", 1 << 20, 128, 4, 9, 32, bf16), SM90)
+    # a group's channels are loaded together: fewer outputs a program, as registers allow
+    assert narrow.block_m * narrow.block_n * 4 == dw.block_m * dw.block_n
 
 
 def test_validity_predicate_refuses():
@@ -70,7 +93,7 @@ def test_validity_predicate_refuses():
     assert not config_valid(ConvConfig(64, 64, 32, split_k=2), dgrad, SM90)  # not the input gradient
     assert not config_valid(ConvConfig(256, 256, 256, num_stages=4), p, SM90)  # shared memory
     assert smem_bytes(ConvConfig(128, 128, 64, num_stages=4), p) == 4 * 256 * 64 * 2
-    dw = ConvProblem("depthwise", 1024, 64, 1, 9, 64, torch.bfloat16)
+    dw = ConvProblem("direct", 1024, 64, 1, 9, 64, torch.bfloat16)
     assert config_valid(ConvConfig(64, 8, 1), dw, SM90)  # no dot: no minimum
     assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
     with pytest.raises(ValueError, match="kind"):
@@ -95,9 +118,9 @@ def sm90_lines():
 
 
 def _tensor_core(lines: list[str]) -> list[str]:
-    """The tensor-core dot kernels' lines, 16-bit and fp8 (not the depthwise kernel, not fp32's full-precision
+    """The tensor-core dot kernels' lines, 16-bit and fp8 (not the direct kernel's, not fp32's full-precision
     dot)."""
-    return [line for line in lines if " depthwise " not in line and "_fp32 " not in line]
+    return [line for line in lines if " depthwise " not in line and " direct_" not in line and "_fp32 " not in line]
 
 
 def _fields(line: str) -> dict:
@@ -107,7 +130,7 @@ def _fields(line: str) -> dict:
 
 def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
     """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
-    assert len(sm90_lines) == 15 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert len(sm90_lines) == 17 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
     assert all(_fields(line)["WGMMA"] == "1" for line in _tensor_core(sm90_lines)), "\n".join(sm90_lines)
 
 

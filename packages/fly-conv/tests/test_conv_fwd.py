@@ -26,7 +26,7 @@ CASES = [
     (2, 2, 6, 8, (7, 5), 1, 2, 0, 1, 1),  # 1x1 with stride: the general path
     (2, 1, 5, 7, (11, 10), 5, 3, 2, 1, 1),  # kernel 5, stride 3
     (2, 1, 4, 6, (15, 13), 7, 1, 3, 3, 1),  # kernel 7, dilation 3
-    (2, 2, 8, 12, (7, 7), 3, 1, 1, 1, 2),  # groups 2
+    (2, 2, 8, 12, (7, 7), 3, 1, 1, 1, 2),  # groups 2 (4 channels a group: the direct kernel)
     (2, 1, 64, 64, (5, 4), 3, 1, 1, 1, 32),  # groups 32 (ResNeXt-style: 2 channels a group)
     (2, 2, 8, 8, (9, 9), 3, 1, 1, 1, 8),  # depthwise 3x3
     (2, 1, 6, 12, (10, 9), 7, 2, 3, 1, 6),  # depthwise 7x7, multiplier 2, stride 2
@@ -35,6 +35,9 @@ CASES = [
     (1, 2, 6, 6, (15,), 3, 1, 1, 1, 6),  # 1D depthwise
     (3, 1, 4, 6, (3, 5, 4), 3, 1, 1, 1, 2),  # 3D 3x3x3, grouped, odd sizes
     (3, 2, 5, 3, (4, 3, 5), 1, 1, 0, 1, 1),  # 3D pointwise
+    (2, 2, 16, 24, (9, 8), 3, 2, 1, 2, 2),  # 8 channels a group (the direct kernel's widest), 12 out, strided
+    (2, 1, 18, 8, (7, 6), 3, 1, 1, 1, 2),  # 9 channels a group: the implicit GEMM again
+    (1, 2, 12, 6, (17,), 5, 2, 2, 1, 3),  # 1D, 4 channels a group into 2 each, stride 2
     (3, 1, 3, 4, (5, 6, 5), 3, 2, 1, (1, 2, 1), 1),  # 3D strided, per-dim dilation
 ]
 
@@ -55,7 +58,8 @@ def test_forward_cases(case, device, poisoned):
     assert_rel_close(y, ref, tol=tolerance(F16))
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[9], CASES[11]], ids=["implicit", "depthwise", "1d"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[9], CASES[11], CASES[17]], ids=["implicit", "depthwise", "1d",
+                                                                               "narrow-groups"])
 def test_forward_fp32(case, device, poisoned):
     y, ref = _run(case, F32, device)
     assert_rel_close(y, ref, tol=1e-5)
@@ -68,7 +72,7 @@ def test_forward_bf16(case, device, poisoned):
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[9]], ids=["implicit", "depthwise"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[9], CASES[19]], ids=["implicit", "depthwise", "narrow-groups"])
 def test_bias_activation(case, activation, device, poisoned):
     y, ref = _run(case, F16, device, activation=activation)
     assert_rel_close(y, ref, tol=tolerance(F16))
@@ -206,7 +210,9 @@ GPU_CASES = [
     (2, 8, 256, 64, (56, 56), 1, 1, 0, 1, 1),  # ResNet-50 1x1 reduce
     (2, 4, 128, 128, (57, 55), 3, 2, 1, 1, 1),  # odd sizes, stride 2
     (2, 4, 1000, 24, (9, 9), 3, 1, 1, 1, 1),  # 1000 channels
-    (2, 8, 256, 256, (28, 28), 3, 1, 1, 1, 32),  # ResNeXt grouped 3x3
+    (2, 8, 256, 256, (28, 28), 3, 1, 1, 1, 32),  # ResNeXt grouped 3x3 (8 channels a group: direct)
+    (2, 4, 128, 128, (56, 55), 3, 1, 1, 1, 32),  # 4 channels a group (direct), odd width
+    (2, 4, 512, 512, (14, 14), 3, 2, 1, 1, 32),  # 16 channels a group (implicit GEMM), stride 2
     (2, 8, 256, 256, (28, 28), 7, 1, 3, 1, 256),  # depthwise 7x7
     (3, 2, 64, 64, (8, 28, 28), 3, 1, 1, 1, 1),  # video 3x3x3
     (1, 8, 256, 256, (1000,), 7, 1, 3, 1, 1),  # audio k = 7

@@ -45,7 +45,7 @@ CASES = [
     (2, 1, 16, 12, (6, 7), (5, 2), 1, 0, 1, 1, "gelu", 10),  # 10 taps: 10 steps, split 3 -> 4 + 4 + 2
     (2, 2, 64, 40, (5, 4), 1, 1, 0, 1, 1, "gelu_tanh", 4),  # 1x1 pointwise: the GEMM path's channel loop
     (1, 2, 16, 24, (21,), 5, 2, 2, 1, 1, None, 5),  # 1D strided, no activation
-    (3, 1, 8, 12, (4, 5, 3), 3, 1, 1, 1, 2, "relu", 27),  # 3D 3x3x3, groups 2
+    (3, 1, 24, 12, (4, 5, 3), 3, 1, 1, 1, 2, "relu", 27),  # 3D 3x3x3, groups 2 (12 channels a group)
 ]
 _BLOCK_K = 16
 
@@ -169,7 +169,7 @@ def test_split_validity():
     assert config_valid(_cfg(3), fwd, INTERPRETER)
     dgrad = dataclasses.replace(fwd, transposed=True)  # the input gradient stays unsplit
     assert not config_valid(ConvConfig(128, 128, 64, split_k=2), dgrad, SM90)
-    dw = ConvProblem("depthwise", 1024, 64, 1, 9, 64, BF16)
+    dw = ConvProblem("direct", 1024, 64, 1, 9, 64, BF16)
     assert not config_valid(ConvConfig(64, 8, 1, split_k=2), dw, SM90)
     assert not config_valid(ConvConfig(128, 128, 64, split_k=0), fwd, SM90)
 

@@ -69,8 +69,8 @@ def test_key_buckets_channels_positions_and_groups():
     assert (key["cin"], key["cout"], key["groups"], key["m_bucket"]) == (128, 512, "cg32", 512)
     big = tuning_key(_layer("implicit", 10**8, 5000, 5000, 9, 1))
     assert (big["cin"], big["cout"], big["m_bucket"]) == (2048, 2048, 1 << 20)  # capped
-    dw = tuning_key(_layer("depthwise", 1000, 192, 1, 9, 96))  # 96 channels, 2 outputs each
-    assert (dw["groups"], dw["cin"], dw["cout"], dw["kind"]) == ("depthwise", 128, 256, "depthwise")
+    dw = tuning_key(_layer("direct", 1000, 192, 1, 9, 96))  # 96 channels, 2 outputs each
+    assert (dw["groups"], dw["cin"], dw["cout"], dw["kind"]) == ("depthwise", 128, 256, "direct")
     # the input gradient names the layer's channels as the forward does, its kind "dgrad"
     dgrad = tuning_key(_layer("implicit", 5000, 32, 256, 9, 1, transposed=True))
     assert (dgrad["kind"], dgrad["cin"], dgrad["cout"]) == ("dgrad", 32, 256)
@@ -98,7 +98,7 @@ def _tune_keys():
 def test_tuning_set_is_the_benchs_layers():
     keys = _tune_keys()
     assert len(keys) == len({json.dumps(k, sort_keys=True) for k in keys}) == 43
-    assert {k["kind"] for k in keys} == {"implicit", "dgrad", "depthwise", "wgrad"}
+    assert {k["kind"] for k in keys} == {"implicit", "dgrad", "direct", "wgrad"}
     assert {k["rank"] for k in keys} == {1, 2, 3}
     assert {k["dtype"] for k in keys} == {"bf16", "fp8_e4m3"}
     assert {k["groups"] for k in keys} >= {"dense", "depthwise", "cg4", "cg64"}
@@ -135,7 +135,7 @@ def test_candidates_follow_the_layer():
     assert {c.block_k for c in fp8} == {64, 128}
     fp32 = space(_layer("implicit", 1 << 17, 256, 256, 9, 1, F32))
     assert max(c.block_m * c.block_n for c in fp32) <= 128 * 64  # registers: small tiles only
-    dw = space(_layer("depthwise", 1 << 17, 384, 1, 9, 384))
+    dw = space(_layer("direct", 1 << 17, 384, 1, 9, 384))
     assert {c.block_n for c in dw} == {8, 16, 32, 64, 128} and len({c.block_m for c in dw}) > 2
     # the weight gradient's few tiles: the positions split to fill the SMs, and none, half and twice that
     wg = space(_layer("wgrad", 8 * 56 * 56, 64, 64, 9, 1))
@@ -150,7 +150,7 @@ def test_default_when_nothing_is_searched_or_shipped(fresh):
     problems = [
         _layer("implicit", 8 * 56 * 56, 96, 24, 9, 1),
         _layer("wgrad", 8 * 28 * 28, 64, 64, 9, 1),
-        _layer("depthwise", 5000, 96, 1, 9, 96),
+        _layer("direct", 5000, 96, 1, 9, 96),
         _layer("implicit", 999, 64, 48, 9, 1, transposed=True),
     ]
     for problem in problems:
@@ -256,7 +256,7 @@ def test_flydsl_tune_conv_writes_an_artifact_that_is_then_served(fresh, device):
     """`flydsl tune conv --key ...` on a tiny depthwise key -> artifact JSON -> served by the next lookup."""
     from flydsl import cli
 
-    key = tuning_key(_layer("depthwise", 40, 8, 1, 9, 8))
+    key = tuning_key(_layer("direct", 40, 8, 1, 9, 8))
     out = fresh / "artifacts"
     argv = ["tune", "conv", "--only", "conv", "--key", json.dumps(key), "--out", str(out), "--allow-interpreter"]
     assert cli.main(argv) == 0

@@ -45,7 +45,7 @@ from torch import nn
 
 import flydsl.arch
 from fly_conv import ConvConfig, FlyConv1d, FlyConv2d, FlyConv3d, conv, conv1d, conv2d, conv3d, conv_ref
-from fly_conv.autotune import ConvProblem, config_valid, default_config
+from fly_conv.autotune import DIRECT_MAX_CG, ConvProblem, config_valid, default_config, direct_kernel
 from flydsl.errors import ArgumentError, FlyDSLError, ShapeError, UnsupportedError
 from flydsl.testing import (
     assert_rel_close,
@@ -116,7 +116,7 @@ _C_MAX = 300 if GPU else 40  # channel edges looked for up to here (the interpre
 CG_EDGES = _edges(lambda c: ConvProblem("implicit", 64, 16, c, 9, 1, F16), "block_k", _C_MAX)
 CG_EDGES_FP8 = _edges(lambda c: ConvProblem("implicit", 64, 16, c, 9, 1, F8), "block_k", _C_MAX)
 N_EDGES = _edges(lambda n: ConvProblem("implicit", 64, n, 16, 9, 1, F16), "block_n", _C_MAX)  # output channels
-DW_EDGES = _edges(lambda n: ConvProblem("depthwise", 64, n, 1, 9, n, F16), "block_n", _C_MAX)  # depthwise tile
+DW_EDGES = _edges(lambda n: ConvProblem("direct", 64, n, 1, 9, n, F16), "block_n", _C_MAX)  # depthwise tile
 # the weight gradient's split of the positions (1x1: few tiles, so the positions alone decide it)
 _P_MAX = 2100 if GPU else 1100
 WGRAD_P_EDGES = [p for p in _changes(lambda p: ConvProblem("wgrad", p, 8, 8, 1, 1, F16), _P_MAX, 400)]
@@ -181,8 +181,9 @@ def conv_cases(draw, *, fp8=False, grad=False):
         c_in = draw(st.one_of(st.integers(2, C_SMALL), st.sampled_from([e for e in DW_EDGES if e >= 2])))
         groups, k_out = c_in, c_in * draw(st.sampled_from([1, 1, 2, 3]))
     elif structure == "grouped":
-        groups = draw(st.integers(2, 4))  # 2+ channels a group: one a group is depthwise (the direct kernel)
-        cg = draw(st.one_of(st.integers(2, C_SMALL), st.sampled_from(cg_edges)))
+        groups = draw(st.integers(2, 4))  # 2+ channels a group: one a group is depthwise
+        # narrow groups run the direct kernel, wider ones the implicit GEMM: both sides of the switch drawn
+        cg = draw(st.one_of(st.integers(2, C_SMALL), st.sampled_from(cg_edges + [DIRECT_MAX_CG, DIRECT_MAX_CG + 1])))
         c_in, k_out = groups * cg, groups * draw(_channels(N_EDGES))
     else:
         groups, c_in, k_out = 1, draw(_channels(cg_edges)), draw(_channels(N_EDGES))
@@ -268,9 +269,9 @@ def _problem(case, dtype, transposed=False):
     taps = math.prod(case["kernel"])
     m = case["n"] * math.prod(case["out"])
     g = case["groups"]
-    if _is_depthwise(case):
-        return ConvProblem("depthwise", m, case["k_out"], 1, taps, g, dtype)
     cg, kg = case["c_in"] // g, case["k_out"] // g
+    if not transposed and direct_kernel(case["c_in"], case["k_out"], g, dtype):
+        return ConvProblem("direct", m, case["k_out"], cg, taps, g, dtype)
     if transposed:
         return ConvProblem("implicit", case["n"] * math.prod(case["size"]), cg, kg, taps, g, dtype, transposed=True)
     return ConvProblem("implicit", m, kg, cg, taps, g, dtype)
@@ -282,8 +283,8 @@ def _cost(case, dtype, grad=False) -> int:
         return 0
 
     def steps(p, cfg):
-        if p.kind == "depthwise":
-            return math.ceil(p.m / cfg.block_m) * math.ceil(p.n / cfg.block_n) * p.taps // 2  # no dot: cheaper
+        if p.kind == "direct":  # no dot: cheaper a step
+            return math.ceil(p.m / cfg.block_m) * math.ceil(p.n / cfg.block_n) * p.taps * p.cg // 2
         k = math.ceil(p.cg / cfg.block_k) * (1 if p.taps == 1 and not p.transposed else p.taps)
         return math.ceil(p.m / cfg.block_m) * math.ceil(p.n / cfg.block_n) * p.groups * k
 
@@ -300,12 +301,12 @@ def _cost(case, dtype, grad=False) -> int:
     return total
 
 
-def _route(case) -> str:
+def _route(case, dtype) -> str:
     """The forward's path (an event: ``--hypothesis-show-statistics`` shows how often each is drawn)."""
     if case["error"] is not None:
         return f"refused: {case['error'].__name__}"
-    if _is_depthwise(case):
-        return "depthwise"
+    if direct_kernel(case["c_in"], case["k_out"], case["groups"], dtype):
+        return "direct (depthwise)" if _is_depthwise(case) else "direct (narrow groups)"
     pointwise = case["kernel"] == (1,) * case["rank"] and _per_dim(case["stride"], case["rank"]) == (1,) * case[
         "rank"] and not any(case["lo"] + case["hi"])  # fmt: skip
     return "pointwise GEMM" if pointwise else "grouped implicit" if case["groups"] > 1 else "implicit"
@@ -314,7 +315,7 @@ def _route(case) -> str:
 def _affordable(case, dtype, grad=False, cap=CPU_COST):
     cost = _cost(case, dtype, grad)
     note(f"interpreter cost ~{cost} program steps")
-    event(_route(case))
+    event(_route(case, dtype))
     if not GPU:
         assume(cost <= cap)
     else:  # the fp64 reference runs on the CPU: a few hundred million multiply-adds at most

@@ -8,8 +8,8 @@ Three kernel kinds share the config type:
   ``block_m`` output positions x ``block_n`` output channels of a group, ``block_k`` input channels a step;
   the forward's K steps (taps x channel blocks) split ``split_k`` ways where its grid is short of the SMs
   (fp32 partial sums, added in a fixed order by a second pass that runs the epilogue);
-- ``"depthwise"``: the direct depthwise kernel: ``block_m`` positions x ``block_n`` channels (no dot, so no
-  tensor-core minimum; ``block_k`` unused);
+- ``"direct"``: the direct kernel of depthwise layers and narrow groups (:func:`direct_kernel` routes):
+  ``block_m`` positions x ``block_n`` output channels (no dot, so no tensor-core minimum; ``block_k`` unused);
 - ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of one tap,
   ``block_k`` positions a step, the positions split ``split_k`` ways (partial sums added in a fixed order).
 
@@ -43,12 +43,13 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.testing import tolerance
 
 __all__ = [
-    "ConvProblem", "ConvConfig", "KINDS", "default_config", "config_valid", "smem_bytes", "wgrad_splits",
+    "ConvProblem", "ConvConfig", "KINDS", "DIRECT_MAX_CG", "direct_kernel", "default_config", "config_valid",
+    "smem_bytes", "wgrad_splits",
     "implicit_splits",
     "TUNABLE", "tuning_key", "candidates", "config_for", "key_problem", "clear_memo",
 ]  # fmt: skip
 
-KINDS = ("implicit", "depthwise", "wgrad")
+KINDS = ("implicit", "direct", "wgrad")
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
 _DOT_MIN_K_8BIT = 32  # an 8-bit (fp8) dot's K is at least 32 (Hopper's fp8 wgmma: K = 32 an instruction)
 _MAX_TILE = 256
@@ -59,7 +60,7 @@ class ConvProblem:
     """What the config choice sees of one launch.
 
     ``m``: GEMM rows (positions: N * OD * OH * OW; for ``"wgrad"`` the positions reduced over), ``n``: output
-    channels a group (``"depthwise"``: all output channels), ``cg``: channels a group of the gathered operand,
+    channels a group (``"direct"``: all output channels), ``cg``: channels a group of the gathered operand,
     ``taps``: KD * KH * KW, ``groups``, ``dtype``: the inputs' dtype.
 
     The layer's geometry, which the tuning key needs (the default does not): ``kernel``, ``stride`` and
@@ -95,8 +96,8 @@ class ConvConfig:
 
 
 def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
-    """Shared memory of a dot kernel's pipeline: an A and a B tile a stage (0 for the depthwise kernel)."""
-    if problem.kind == "depthwise":
+    """Shared memory of a dot kernel's pipeline: an A and a B tile a stage (0 for the direct kernel)."""
+    if problem.kind == "direct":
         return 0
     return (cfg.block_m + cfg.block_n) * cfg.block_k * problem.dtype.itemsize * cfg.num_stages
 
@@ -110,7 +111,7 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
     if any(t < 1 or t & (t - 1) or t > _MAX_TILE for t in tiles) or cfg.group_m < 1:
         return False
-    if problem.kind != "depthwise" and min(tiles) < _DOT_MIN:
+    if problem.kind != "direct" and min(tiles) < _DOT_MIN:
         return False
     if problem.dtype.itemsize == 1 and (problem.kind != "implicit" or cfg.block_k < _DOT_MIN_K_8BIT):
         return False  # fp8: the forward implicit GEMM only
@@ -119,6 +120,22 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     if cfg.split_k > 1 and not (problem.kind == "wgrad" or (problem.kind == "implicit" and not problem.transposed)):
         return False
     return smem_bytes(cfg, problem) <= arch.smem_per_block
+
+
+# The direct kernel serves grouped layers of at most this many input channels a group: there an implicit
+# GEMM's K (channels a group x taps, one channel block a tap) fills a fraction of a 16-deep tensor-core step
+# and of its N tile, while the direct kernel's fp32 multiply-adds (CG a tap and output) stay near the bytes'
+# time. From 16 channels a group the implicit GEMM is level with cuDNN (PERF.md).
+DIRECT_MAX_CG = 8
+
+
+def direct_kernel(c_in: int, k_out: int, groups: int, dtype: torch.dtype) -> bool:
+    """Whether a forward runs the direct kernel (pure): depthwise layers (``groups == c_in``, ``k_out`` a
+    multiple) and grouped ones of at most :data:`DIRECT_MAX_CG` input channels a group, in 16- and 32-bit
+    floats (fp8 layers run the implicit GEMM, whose epilogue applies the scales)."""
+    if groups < 2 or dtype.itemsize == 1 or c_in % groups or k_out % groups:
+        return False
+    return c_in // groups <= DIRECT_MAX_CG
 
 
 def _pow2_in(v: int, lo: int, hi: int) -> int:
@@ -172,18 +189,20 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
     wide = problem.dtype.itemsize <= 2
     fp8 = problem.dtype.itemsize == 1
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
-        if problem.kind == "depthwise":
+        if problem.kind == "direct":
             cfg = ConvConfig(32, _pow2_in(problem.n, 1, 32), 1, num_stages=1)
         elif problem.kind == "wgrad":
             cfg = ConvConfig(_pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, 16, 32), 32, num_stages=1)
         else:
             k_lo = _DOT_MIN_K_8BIT if fp8 else 16
             cfg = ConvConfig(32, _pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, k_lo, 32), group_m=4, num_stages=1)
-    elif problem.kind == "depthwise":
-        # memory bound: 4096 outputs a program (32 a thread at 4 warps), channels across the lanes so that
-        # each tap's load of a position is contiguous
+    elif problem.kind == "direct":
+        # memory bound: 4096 outputs a program (32 a thread at 4 warps) in depthwise layers, channels across
+        # the lanes so that each tap's load of a position is contiguous; a group's CG unrolled loads a tap are
+        # live together, so the outputs shrink with CG (at 4096, CG = 4 spills on sm_90)
         block_n = _pow2_in(problem.n, 1, 64)
-        cfg = ConvConfig(min(_MAX_TILE, 4096 // block_n), block_n, 1, num_warps=4, num_stages=1)
+        outputs = 4096 // _pow2_in(problem.cg, 1, 8)
+        cfg = ConvConfig(max(1, min(_MAX_TILE, outputs // block_n)), block_n, 1, num_warps=4, num_stages=1)
     elif problem.kind == "wgrad":
         cfg = ConvConfig(_pow2_in(problem.n, 16, 128), _pow2_in(problem.cg, 16, 128), 64 if wide else 32,
                          num_warps=8 if problem.n >= 128 and problem.cg >= 128 else 4, num_stages=3)  # fmt: skip
@@ -221,7 +240,7 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
 #
 # Key: {"kind", "rank", "kernel", "stride", "dilation", "groups", "cin", "cout", "m_bucket", "dtype"} and the
 # arch. "kind" is the launch's kernel: "implicit" (forward), "dgrad" (the implicit GEMM transposed: the input
-# gradient), "depthwise" or "wgrad". "kernel" / "stride" / "dilation" are "3x3"-style text (keys hold JSON
+# gradient), "direct" or "wgrad". "kernel" / "stride" / "dilation" are "3x3"-style text (keys hold JSON
 # scalars only). "groups" is "dense", "depthwise" or "cg<bucket>" (the layer's input channels a group). "cin"
 # and "cout" are the layer's input and output channels, "m_bucket" the launch's rows (N x output positions;
 # the input gradient: N x input positions, the rows it writes), each the next power of two, capped: the tiles
@@ -230,7 +249,7 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
 
 _C_CAP = 2048  # channels: past this, every candidate's tile is far narrower than the layer
 _M_CAP = 1 << 20  # rows: past ~8 waves of 128-row tiles on 132 SMs the tail wave no longer decides the tile
-_KEY_KINDS = ("implicit", "dgrad", "depthwise", "wgrad")
+_KEY_KINDS = ("implicit", "dgrad", "direct", "wgrad")
 
 
 def _bucket(v: int, cap: int) -> int:
@@ -253,8 +272,8 @@ def _parse_dims(key, field: str) -> tuple[int, ...]:
 
 def _layer_channels(problem: ConvProblem) -> tuple[int, int, int]:
     """(input channels, output channels, input channels a group) of the layer a launch belongs to."""
-    if problem.kind == "depthwise":
-        return problem.groups, problem.n, 1
+    if problem.kind == "direct":
+        return problem.cg * problem.groups, problem.n, problem.cg
     if problem.kind == "implicit" and problem.transposed:  # n: the layer's input channels a group
         return problem.n * problem.groups, problem.cg * problem.groups, problem.n
     return problem.cg * problem.groups, problem.n * problem.groups, problem.cg
@@ -275,7 +294,7 @@ def tuning_key(problem: ConvProblem, kind: str | None = None, dtype: torch.dtype
         raise ValueError(f"problem: the tuning key needs the layer's kernel, stride and dilation (1-3 ints each, "
                          f"one a spatial dim), got {problem!r}")  # fmt: skip
     cin, cout, cg = _layer_channels(problem)
-    if problem.kind == "depthwise":
+    if problem.kind == "direct" and problem.cg == 1:
         groups = "depthwise"
     elif problem.groups == 1:
         groups = "dense"
@@ -313,8 +332,8 @@ def key_problem(key) -> ConvProblem:
     groups = _key_groups(key)
     geo = {"kernel": kernel, "stride": stride, "dilation": dilation}
     taps = math.prod(kernel)
-    if kind == "depthwise":
-        return ConvProblem("depthwise", m, cout, 1, taps, groups, dtype, **geo)
+    if kind == "direct":
+        return ConvProblem("direct", m, cout, cin // groups, taps, groups, dtype, **geo)
     if kind == "dgrad":
         return ConvProblem("implicit", m, cin // groups, cout // groups, taps, groups, dtype, **geo, transposed=True)
     return ConvProblem(kind, m, cout // groups, cin // groups, taps, groups, dtype, **geo)
@@ -384,7 +403,7 @@ def _implicit_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig
     return out
 
 
-def _depthwise_candidates(p: ConvProblem) -> list[ConvConfig]:
+def _direct_candidates(p: ConvProblem) -> list[ConvConfig]:
     """Channel tiles of 8-128 (up to the output channels) against 2048-8192 outputs a program, 4 or 8 warps."""
     n_cap = _pow2_in(p.n, 1, 128)
     out = []
@@ -415,13 +434,13 @@ def candidates(key, arch: str) -> list[ConvConfig]:
     """A bounded space per key (at most 30 configs, each valid for the key's problem on ``arch``)."""
     p, a = key_problem(key), _arch(arch)
     if a.is_interpreter:  # the interpreter executes every element of a tile: the default and one other
-        if p.kind == "depthwise":
+        if p.kind == "direct":
             other = ConvConfig(16, 16, 1, num_stages=1)
         else:
             other = ConvConfig(16, 16, _DOT_MIN_K_8BIT if p.dtype.itemsize == 1 else 16, group_m=1, num_stages=1)
         out = [default_config(p, a), other]
-    elif p.kind == "depthwise":
-        out = _depthwise_candidates(p)
+    elif p.kind == "direct":
+        out = _direct_candidates(p)
     elif p.kind == "wgrad":
         out = _wgrad_candidates(p, a)
     else:
@@ -473,7 +492,7 @@ def _make_task(key, device):
         return out[idx] if out.shape[0] == batch else out
 
     xs = ws = out_dtype = None
-    if kind in ("implicit", "depthwise"):
+    if kind in ("implicit", "direct"):
         x = channels_last(cin, in_size)
         if p.dtype.itemsize == 1:  # fp8: raw e4m3 values, the scales carry the magnitudes
             xs = torch.full((1,), 0.5, device=device)
@@ -519,7 +538,7 @@ def _make_task(key, device):
     else:
         rtol = tolerance(out) * (2 if kind in ("dgrad", "wgrad") else 1)  # as the gradient tests budget
     return SearchTask(run=lambda cfg: call(cfg, *sets[next(turn) % len(sets)]), reference=reference, rtol=rtol,
-                      view=view if kind in ("implicit", "depthwise", "dgrad") else None)  # fmt: skip
+                      view=view if kind in ("implicit", "direct", "dgrad") else None)  # fmt: skip
 
 
 def _bench_problems(case, dtype: torch.dtype, train: bool) -> list[ConvProblem]:
@@ -531,10 +550,11 @@ def _bench_problems(case, dtype: torch.dtype, train: bool) -> list[ConvProblem]:
     out = tuple((i + 2 * (ks // 2) - ks) // s + 1 for i in spatial)
     geo = {"kernel": (ks,) * rank, "stride": (s,) * rank, "dilation": (1,) * rank}
     taps, rows = ks**rank, n * math.prod(out)
-    if groups > 1 and groups == c and k % c == 0:
-        return [ConvProblem("depthwise", rows, k, 1, taps, groups, dtype, **geo)]
     cg, kg = c // groups, k // groups
-    problems = [ConvProblem("implicit", rows, kg, cg, taps, groups, dtype, **geo)]
+    if direct_kernel(c, k, groups, dtype):
+        problems = [ConvProblem("direct", rows, k, cg, taps, groups, dtype, **geo)]
+    else:
+        problems = [ConvProblem("implicit", rows, kg, cg, taps, groups, dtype, **geo)]
     if train:
         problems += [ConvProblem("implicit", n * math.prod(spatial), cg, kg, taps, groups, dtype, **geo,
                                  transposed=True),

@@ -1,7 +1,7 @@
 """``conv``: convolution 1D / 2D / 3D as an implicit GEMM, with bias and activation fused; its backward.
 
 In the order of the family's files: the kernels live in :mod:`._kernels` (``implicit_gemm``: the forward
-and the input gradient, every group count; ``depthwise``: the direct kernel of depthwise layers;
+and the input gradient, every group count; ``direct``: the forward of depthwise layers and narrow groups;
 ``wgrad``: the weight gradient), the config choice in :mod:`.autotune`, then the host code below: argument
 checks (every bad input is named before anything launches), layouts, output allocation and dispatch, the
 custom ops with their fake implementations and autograd, and the public functions.
@@ -27,11 +27,11 @@ from flydsl.errors import ArgumentError, DTypeError, ShapeError, UnsupportedErro
 from flydsl_common.device import activation_code
 from flydsl_common.reference import torch_activation
 
-from ._kernels.depthwise import launch_depthwise
+from ._kernels.direct import launch_direct
 from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
 from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_wgrad
-from .autotune import ConvConfig, ConvProblem, config_for, config_valid, default_config
+from .autotune import ConvConfig, ConvProblem, config_for, config_valid, default_config, direct_kernel
 
 __all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "PADDING_MODES"]
 
@@ -277,13 +277,14 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
     taps = geom[0][0] * geom[0][1] * geom[0][2]
     y5 = _ndhwc(y, rank)
     arch = flydsl.arch.current(x.device)
-    if _is_depthwise(c_in, k_out, groups):
-        problem = ConvProblem("depthwise", y5.numel() // k_out, k_out, 1, taps, groups, x.dtype, kernel, stride,
+    cg = c_in // groups
+    if direct_kernel(c_in, k_out, groups, x.dtype):
+        problem = ConvProblem("direct", y5.numel() // k_out, k_out, cg, taps, groups, x.dtype, kernel, stride,
                               dilation)  # fmt: skip
         cfg = _config(problem, arch, config)
-        launch_depthwise(_channels_last(x, rank), weight.reshape(k_out, taps).contiguous(), y5, bias, geom, act, cfg)
+        w2 = weight.reshape(k_out, cg * taps).contiguous()
+        launch_direct(_channels_last(x, rank), w2, y5, bias, geom, groups, act, cfg)
         return y
-    cg = c_in // groups
     # 1x1 stride-1 layers read an NC* x in place (rows contiguous along the positions)
     x5 = _ndhwc(x, rank) if geom_pointwise(geom) else _channels_last(x, rank)
     w2 = _forward_weight(weight, rank, taps)
@@ -570,8 +571,9 @@ def conv(
         bias: optional ``[K_out]``, any float dtype, added in fp32.
         stride, dilation: an int or one a spatial dim, >= 1. padding: an int or one a dim (>= 0), ``"valid"``
             or ``"same"`` (stride 1; an odd total pads the extra element after, as torch).
-        groups: divides C_in and K_out. ``groups == C_in`` (depthwise, K_out a multiple of C_in) runs a
-            direct kernel; other counts run the implicit GEMM with the group as a grid axis.
+        groups: divides C_in and K_out. Depthwise layers (``groups == C_in``) and groups of at most 8 input
+            channels (:data:`~fly_conv.autotune.DIRECT_MAX_CG`) run a direct kernel's forward; other counts
+            (and fp8) run the implicit GEMM with the group as a grid axis.
         padding_mode: ``"zeros"`` (in the kernel's masks), ``"reflect"``, ``"replicate"`` or ``"circular"``
             (padded on the host with ``torch.nn.functional.pad`` first, then convolved without padding).
         activation: None, ``"relu"``, ``"silu"``, ``"gelu"`` (erf form) or ``"gelu_tanh"``, in fp32 after the
