@@ -143,7 +143,7 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
 
 def _direct(dtype, n, c, size, k, cg=1):
     x5, y5 = _cl(n, c, (size, size), dtype), _cl(n, c, (size, size), dtype)
-    w2 = torch.empty((c, cg * k * k), dtype=dtype, device="meta")
+    w2 = torch.empty((cg * k * k, c), dtype=dtype, device="meta")
     problem = ConvProblem("direct", n * size * size, c, cg, k * k, c // cg, dtype)
     cfg = default_config(problem, SM90)
     b = torch.empty((c,), dtype=dtype, device="meta")

@@ -77,9 +77,10 @@ def test_direct_kernel_takes_depthwise_and_narrow_groups():
     assert not direct_kernel(64, 64, 1, bf16) and not direct_kernel(1, 8, 1, bf16)  # dense, even of one channel
     assert not direct_kernel(128, 128, 32, f8) and not direct_kernel(64, 64, 64, f8)  # fp8: the scaled GEMM only
     dw = default_config(ConvProblem("direct", 1 << 20, 384, 1, 9, 384, bf16), SM90)
-    narrow = default_config(ConvProblem("direct", 1 << 20, 128, 4, 9, 32, bf16), SM90)
-    # a group's channels are loaded together: fewer outputs a program, as registers allow
-    assert narrow.block_m * narrow.block_n * 4 == dw.block_m * dw.block_n
+    cg4 = default_config(ConvProblem("direct", 1 << 20, 128, 4, 9, 32, bf16), SM90)
+    cg8 = default_config(ConvProblem("direct", 1 << 20, 256, 8, 9, 32, bf16), SM90)
+    # the input tile grows with the group: 8 channels a group take a quarter of the outputs a program (registers)
+    assert cg4.block_m * cg4.block_n == dw.block_m * dw.block_n == 4 * cg8.block_m * cg8.block_n
 
 
 def test_validity_predicate_refuses():

@@ -38,6 +38,7 @@ CASES = [
     (2, 2, 16, 24, (9, 8), 3, 2, 1, 2, 2),  # 8 channels a group (the direct kernel's widest), 12 out, strided
     (2, 1, 18, 8, (7, 6), 3, 1, 1, 1, 2),  # 9 channels a group: the implicit GEMM again
     (1, 2, 12, 6, (17,), 5, 2, 2, 1, 3),  # 1D, 4 channels a group into 2 each, stride 2
+    (2, 2, 9, 15, (6, 7), 3, 1, 1, 1, 3),  # 3 channels a group into 5: both padded to powers of two
     (3, 1, 3, 4, (5, 6, 5), 3, 2, 1, (1, 2, 1), 1),  # 3D strided, per-dim dilation
 ]
 

@@ -197,12 +197,12 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
             k_lo = _DOT_MIN_K_8BIT if fp8 else 16
             cfg = ConvConfig(32, _pow2_in(problem.n, 16, 32), _pow2_in(problem.cg, k_lo, 32), group_m=4, num_stages=1)
     elif problem.kind == "direct":
-        # memory bound: 4096 outputs a program (32 a thread at 4 warps) in depthwise layers, channels across
-        # the lanes so that each tap's load of a position is contiguous; a group's CG unrolled loads a tap are
-        # live together, so the outputs shrink with CG (at 4096, CG = 4 spills on sm_90)
+        # memory bound: 4096 outputs a program (32 a thread at 4 warps), channels across the lanes so that
+        # each tap's load of a position is contiguous; groups of 5-8 channels hold an input tile twice the
+        # outputs' beside them: 1024 (on sm_90 2048 spill 24 bytes with a bias, 4096 16 without)
         block_n = _pow2_in(problem.n, 1, 64)
-        outputs = 4096 // _pow2_in(problem.cg, 1, 8)
-        cfg = ConvConfig(max(1, min(_MAX_TILE, outputs // block_n)), block_n, 1, num_warps=4, num_stages=1)
+        outputs = 4096 if problem.cg <= 4 else 1024
+        cfg = ConvConfig(min(_MAX_TILE, outputs // block_n), block_n, 1, num_warps=4, num_stages=1)
     elif problem.kind == "wgrad":
         cfg = ConvConfig(_pow2_in(problem.n, 16, 128), _pow2_in(problem.cg, 16, 128), 64 if wide else 32,
                          num_warps=8 if problem.n >= 128 and problem.cg >= 128 else 4, num_stages=3)  # fmt: skip

@@ -222,6 +222,15 @@ def _forward_weight(weight: torch.Tensor, rank: int, taps: int) -> torch.Tensor:
     return w2 if w2.stride(-1) == 1 else w2.contiguous()
 
 
+def _direct_weight(weight: torch.Tensor, taps: int) -> torch.Tensor:
+    """The weight as the direct kernel reads it, ``[CG * taps, K_out]`` contiguous (a tap's weights of every
+    output channel one vector): the transpose kernel for a contiguous weight, torch's copy for another."""
+    k_out, cg = weight.shape[:2]
+    if weight.is_contiguous():
+        return _transposed(weight.view(1, k_out, cg * taps)).view(cg * taps, k_out)
+    return weight.reshape(k_out, cg * taps).t().contiguous()
+
+
 def _alloc(n: int, c: int, spatial, dtype, device, channels_last: bool) -> torch.Tensor:
     """An NC* tensor ``[n, c, *spatial]``; channels-last memory when asked."""
     if channels_last:
@@ -282,8 +291,7 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
         problem = ConvProblem("direct", y5.numel() // k_out, k_out, cg, taps, groups, x.dtype, kernel, stride,
                               dilation)  # fmt: skip
         cfg = _config(problem, arch, config)
-        w2 = weight.reshape(k_out, cg * taps).contiguous()
-        launch_direct(_channels_last(x, rank), w2, y5, bias, geom, groups, act, cfg)
+        launch_direct(_channels_last(x, rank), _direct_weight(weight, taps), y5, bias, geom, groups, act, cfg)
         return y
     # 1x1 stride-1 layers read an NC* x in place (rows contiguous along the positions)
     x5 = _ndhwc(x, rank) if geom_pointwise(geom) else _channels_last(x, rank)

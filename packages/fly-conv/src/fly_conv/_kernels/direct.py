@@ -1,14 +1,18 @@
-"""The direct convolution kernel of depthwise layers (groups == C_in, each input channel feeding ``KG``
-output channels) and of narrow groups (``CG`` input channels a group, a few: ``autotune.DIRECT_MAX_CG``).
+"""The direct convolution kernel of depthwise layers (groups == C_in) and of narrow groups (``CG`` input channels
+a group, a few: ``autotune.DIRECT_MAX_CG``), each group feeding ``KG`` output channels.
 
-Memory bound or close (a few flops a byte), where an implicit GEMM would waste most of a tensor-core tile on
-a K of ``CG * taps``: a program computes a tile of ``BLOCK_M`` output positions x ``BLOCK_N`` output channels
-and walks the filter window tap by tap; at each tap, each of the group's ``CG`` input channels is one masked
-load of the input tile (channels contiguous in channels-last tensors: depthwise loads are whole vectors, and a
-group's channels share their sectors, so the ``CG`` loads of a tap hit L1 after the first) and one weight
-vector, multiplied and added in fp32. ``CG`` is a constexpr (the channel loop unrolled; one compile a width).
+Memory bound or close (a few flops a byte), where an implicit GEMM would waste most of a tensor-core step on a
+K of ``CG * taps``: a program computes ``BLOCK_M`` output positions x the outputs of ``BLOCK_G`` whole groups
+and walks the filter window tap by tap. At each tap it loads the groups' input channels once, a
+``[BLOCK_M, BLOCK_G * CG]`` tile (channels contiguous in channels-last tensors: whole-vector loads), then for
+each of the ``CG`` channels picks that channel of every group out of the registers (a select-sum over the
+in-thread channel axis, which folds to moves) and broadcasts it over the group's ``KG`` outputs, multiplied
+by the tap's weight vector and added in fp32. No shuffles, no shared memory: the tile stays in the threads
+that loaded it. ``CG`` / ``KG`` that are not powers of two are padded (``CG_P`` / ``KG_P``) and masked, their
+gathers no longer whole vectors.
+
 Sizes, strides, padding and dilation are runtime values (one compiled kernel serves every resolution and
-window); bias and activation run in fp32 before the one downcast.
+window); ``CG`` and ``KG`` are constexprs. Bias and activation run in fp32 before the one downcast.
 """
 
 from __future__ import annotations
@@ -23,19 +27,36 @@ _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
                   "dd", "dh", "dw"]  # fmt: skip
 
 
+@flyc.func
+def _group_columns(g0, G, WIDTH: fx.constexpr, WIDTH_P: fx.constexpr, BLOCK_G: fx.constexpr):
+    """(channel index, in-bounds mask) of ``BLOCK_G`` groups of ``WIDTH`` channels from group ``g0``, laid out
+    ``WIDTH_P`` a group: contiguous (provably, so loads vectorize) when ``WIDTH`` is a power of two."""
+    i = fx.arange(0, BLOCK_G * WIDTH_P)
+    if WIDTH == WIDTH_P:
+        ch = g0 * WIDTH + i
+        return ch, ch < G * WIDTH
+    g = g0 + i // WIDTH_P
+    j = i % WIDTH_P
+    return g * WIDTH + j, (g < G) & (j < WIDTH)
+
+
 # fmt: off
 @flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
 def _conv_direct_kernel(
     x_ptr, w_ptr, y_ptr, bias_ptr,
-    M, K_OUT, KG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-    sx_n, sx_d, sx_h, sx_w, sx_c, s_wk, sy_n, sy_d, sy_h, sy_w, sy_c,
-    CG: fx.constexpr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
+    M, G, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+    sx_n, sx_d, sx_h, sx_w, sx_c, s_wr, sy_n, sy_d, sy_h, sy_w, sy_c,
+    CG: fx.constexpr, KG: fx.constexpr, CG_P: fx.constexpr, KG_P: fx.constexpr, HAS_BIAS: fx.constexpr,
+    ACT: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_G: fx.constexpr,
 ):
     # fmt: on
+    BLOCK_N: fx.constexpr = BLOCK_G * KG_P
     rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
-    rn = fx.program_id(1) * BLOCK_N + fx.arange(0, BLOCK_N)
+    g0 = fx.program_id(1) * BLOCK_G
+    cx, cx_ok = _group_columns(g0, G, CG, CG_P, BLOCK_G)  # the groups' input channels
+    rn, n_ok = _group_columns(g0, G, KG, KG_P, BLOCK_G)  # their output channels
+    rc = fx.arange(0, CG_P)
     m_ok = rm < M
-    n_ok = rn < K_OUT
     mm = fx.where(m_ok, rm, 0)
     ow = mm % OW
     t = mm // OW
@@ -44,8 +65,7 @@ def _conv_direct_kernel(
     od = t % OD
     nb = t // OD
     x_row = row_offset(nb, sx_n)
-    c0 = (rn // KG) * CG  # output channel n reads its group's input channels c0 .. c0 + CG - 1
-    w_rows = w_ptr + row_offset(rn, s_wk)
+    x_cols = row_offset(cx, sx_c)
     taps = KD * KH * KW
     bd = od * sd - pd
     bh = oh * sh - ph
@@ -61,13 +81,17 @@ def _conv_direct_kernel(
             for kw in range(0, KW):
                 iw = bw + kw * dw
                 ok = h_ok & (iw >= 0) & (iw < W)
-                x_pos = x_ptr + (row_dh + row_offset(iw, sx_w))[:, None]
-                tap = (kd * KH + kh) * KW + kw
+                xt = fx.load(x_ptr + (row_dh + row_offset(iw, sx_w))[:, None] + x_cols[None, :],
+                             mask=ok[:, None] & cx_ok[None, :], other=0.0)  # fmt: skip
+                x3 = fx.reshape(xt.to(fx.float32), [BLOCK_M, BLOCK_G, CG_P])
+                w_tap = w_ptr + row_offset((kd * KH + kh) * KW + kw, s_wr) + rn
                 for ci in fx.static_range(CG):
-                    a = fx.load(x_pos + row_offset(c0 + ci, sx_c)[None, :], mask=ok[:, None] & n_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    wv = fx.load(w_rows + ci * taps + tap, mask=n_ok, other=0.0)
-                    acc += a.to(fx.float32) * wv.to(fx.float32)[None, :]
+                    # channel ci of each group (-0.0 is the sum's identity: the select-sum folds to a move),
+                    # repeated over the group's outputs
+                    xc = fx.sum(fx.where((rc == ci)[None, None, :], x3, -0.0), axis=2)
+                    xb = fx.reshape(fx.broadcast_to(xc[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
+                    wv = fx.load(w_tap + row_offset(ci * taps, s_wr), mask=n_ok, other=0.0)
+                    acc += xb * wv.to(fx.float32)[None, :]
     out = acc
     if HAS_BIAS:
         out += fx.load(bias_ptr + rn, mask=n_ok, other=0.0).to(fx.float32)[None, :]
@@ -78,27 +102,32 @@ def _conv_direct_kernel(
 
 
 @flyc.jit
-def launch_direct(x5, w2, y5, bias, geom, groups: int, act: int, cfg, stream=None):
+def launch_direct(x5, wt, y5, bias, geom, groups: int, act: int, cfg, stream=None):
     """Launch the direct kernel.
 
-    ``x5``: ``[N, D, H, W, C_in]``; ``w2``: the weight as ``[K_out, CG * taps]`` (rows contiguous, each the
-    group's channels in turn, their taps in (kd, kh, kw) order); ``y5``: ``[N, OD, OH, OW, K_out]`` (any
-    strides), ``groups`` dividing ``C_in`` and ``K_out``; ``bias``: ``[K_out]`` or None. ``geom``: (kernel,
-    stride, padding, dilation), three values each. ``cfg``: a :class:`fly_conv.autotune.ConvConfig` (block_m
-    positions x block_n output channels).
+    ``x5``: ``[N, D, H, W, C_in]``; ``wt``: the weight as ``[CG * taps, K_out]`` (row ``ci * taps + tap``, the
+    output channels contiguous: the weight transposed); ``y5``: ``[N, OD, OH, OW, K_out]`` (any strides),
+    ``groups`` dividing ``C_in`` and ``K_out``; ``bias``: ``[K_out]`` or None. ``geom``: (kernel, stride,
+    padding, dilation), three values each. ``cfg``: a :class:`fly_conv.autotune.ConvConfig`: ``block_m``
+    positions x ``block_n`` output channels, rounded to whole groups (at least one, its outputs padded to a
+    power of two, the positions cut to keep the tile's size).
     """
     nb, d, h, w, c = x5.shape
     _, od, oh, ow, k_out = y5.shape
     (kd, kh, kw), (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = geom
     m = nb * od * oh * ow
-    grid = (flyc.cdiv(m, cfg.block_m), flyc.cdiv(k_out, cfg.block_n))
+    cg, kg = c // groups, k_out // groups
+    kg_p = flyc.next_power_of_2(kg)
+    block_g = max(1, cfg.block_n // kg_p)
+    block_m = max(1, cfg.block_m * cfg.block_n // (block_g * kg_p))
+    grid = (flyc.cdiv(m, block_m), flyc.cdiv(groups, block_g))
     # fmt: off
     flyc.launch(
         _conv_direct_kernel, grid,
-        x5, w2, y5, bias,
-        m, k_out, k_out // groups, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-        *x5.stride(), w2.stride(0), *y5.stride(),
-        CG=c // groups, HAS_BIAS=bias is not None, ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x5, wt, y5, bias,
+        m, groups, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+        *x5.stride(), wt.stride(0), *y5.stride(),
+        CG=cg, KG=kg, CG_P=flyc.next_power_of_2(cg), KG_P=kg_p, HAS_BIAS=bias is not None, ACT=act,
+        BLOCK_M=block_m, BLOCK_G=block_g, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # fmt: on
