@@ -21,6 +21,8 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import activation, row_offset
 
+from .implicit_gemm import output_coords
+
 __all__ = ["launch_direct"]
 
 _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
@@ -57,13 +59,7 @@ def _conv_direct_kernel(
     rn, n_ok = _group_columns(g0, G, KG, KG_P, BLOCK_G)  # their output channels
     rc = fx.arange(0, CG_P)
     m_ok = rm < M
-    mm = fx.where(m_ok, rm, 0)
-    ow = mm % OW
-    t = mm // OW
-    oh = t % OH
-    t = t // OH
-    od = t % OD
-    nb = t // OD
+    nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
     x_row = row_offset(nb, sx_n)
     x_cols = row_offset(cx, sx_c)
     taps = KD * KH * KW

@@ -58,8 +58,9 @@ _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
 
 
 @flyc.func
-def _rows(rm, OD, OH, OW):
-    """A row's (batch, od, oh, ow) (int32; rows past M are masked by the caller)."""
+def output_coords(rm, OD, OH, OW):
+    """A flat output position's (batch, od, oh, ow), int32 (the direct and weight-gradient kernels' decode
+    too; positions past the end are masked by the caller)."""
     ow = rm % OW
     t = rm // OW
     oh = t % OH
@@ -106,7 +107,7 @@ def _conv_implicit_kernel(
     sxh = _hint(sx_h, C_VEC, idx)
     sxw = _hint(sx_w, C_VEC, idx)
     swn = _hint(s_wn, C_VEC, idx)
-    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)  # rows past M read position 0, masked
+    nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)  # rows past M read position 0, masked
     c_ptrs = x_ptr + fx.cast(g * cg + rk, idx) * sx_c  # this group's first BLOCK_K channels of x
     w_ptrs = w_ptr + (fx.cast(g * N_OUT + rn, idx) * swn)[:, None] + rk[None, :]  # [BLOCK_N, BLOCK_K]
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
@@ -209,7 +210,7 @@ def _conv_implicit_kernel(
                  mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
     else:
         # the epilogue decodes its rows again rather than keep them live through the K loop
-        nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
+        nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
         out = _epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
         y_row = (fx.cast(nb, idx) * sy_n + fx.cast(od, idx) * sy_d + fx.cast(oh, idx) * sy_h
                  + fx.cast(ow, idx) * sy_w)  # fmt: skip
@@ -257,7 +258,7 @@ def _conv_split_epilogue_kernel(
     for s in range(0, splits):
         acc += fx.load(p_ptrs + row_offset(s, s_split), mask=mask, other=0.0)
     out = _epilogue(acc, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
-    nb, od, oh, ow = _rows(fx.where(m_ok, rm, 0), OD, OH, OW)
+    nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
     y_row = row_offset(nb, sy_n) + row_offset(od, sy_d) + row_offset(oh, sy_h) + row_offset(ow, sy_w)
     fx.store(y_ptr + y_row[:, None] + row_offset(co, sy_c)[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -17,6 +17,8 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
+from .implicit_gemm import output_coords
+
 __all__ = ["launch_wgrad"]
 
 _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
@@ -56,13 +58,7 @@ def _conv_wgrad_kernel(
     for p0 in range(p_begin, p_end, BLOCK_K):
         rp = p0 + fx.arange(0, BLOCK_K)
         p_ok = rp < p_end
-        pp = fx.where(p_ok, rp, 0)
-        ow = pp % OW
-        t = pp // OW
-        oh = t % OH
-        t = t // OH
-        od = t % OD
-        nb = t // OD
+        nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
         dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
         id_ = od * sd - pd + kd * dd
         ih = oh * sh - ph + kh * dh
