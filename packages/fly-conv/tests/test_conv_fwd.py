@@ -162,6 +162,18 @@ def test_strided_input_views(device, poisoned):
         assert_rel_close(conv(x_in, w, padding=1), conv_ref(x_in, w, padding=1), tol=tolerance(F16))
 
 
+@pytest.mark.parametrize("groups", [8, 2], ids=["depthwise", "narrow-groups"])
+def test_direct_kernel_non_contiguous_weight(groups, device, poisoned):
+    """The direct kernel's weight is transposed on the host: a strided weight (every other filter of a larger
+    one, a 3x3 window of 3x4 taps) takes torch's copy instead of the transpose kernel, with the same result."""
+    x = rand(2, 8, 7, 6, dtype=F16, device=device)
+    big = weight(16, 8 // groups, (3, 3), dtype=F16, device=device)
+    for w in (big[::2], weight(8, 8 // groups, (3, 4), dtype=F16, device=device)[..., 1:]):
+        assert not w.is_contiguous()
+        assert_rel_close(conv(x, w, padding=1, groups=groups), conv_ref(x, w, padding=1, groups=groups),
+                         tol=tolerance(F16))  # fmt: skip
+
+
 def test_unbatched(device, poisoned):
     x = rand(5, 7, 6, dtype=F16, device=device)
     w = weight(4, 5, (3, 3), dtype=F16, device=device)
