@@ -141,13 +141,14 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
     return _record(launch_implicit_gemm, x5, w2, y5, b, geom, act, transposed, groups, cfg, *scales), cfg, problem
 
 
-def _direct(dtype, n, c, size, k, cg=1):
+def _direct(dtype, n, c, size, k, cg=1, input_grad=False):
     x5, y5 = _cl(n, c, (size, size), dtype), _cl(n, c, (size, size), dtype)
-    w2 = torch.empty((cg * k * k, c), dtype=dtype, device="meta")
+    w2 = torch.empty((c, k * k * cg) if input_grad else (cg * k * k, c), dtype=dtype, device="meta")
     problem = ConvProblem("direct", n * size * size, c, cg, k * k, c // cg, dtype)
     cfg = default_config(problem, SM90)
-    b = torch.empty((c,), dtype=dtype, device="meta")
-    return _record(launch_direct, x5, w2, y5, b, _geom(k, 1, k // 2), c // cg, 2, cfg), cfg, problem
+    b = None if input_grad else torch.empty((c,), dtype=dtype, device="meta")
+    args = (x5, w2, y5, b, _geom(k, 1, k // 2), c // cg, 0 if input_grad else 2, cfg, input_grad)
+    return _record(launch_direct, *args), cfg, problem
 
 
 def _wgrad(dtype, n, c_in, k_out, size, k):
@@ -167,9 +168,9 @@ FP8 = torch.float8_e4m3fn
 # through a stride), a grouped layer's narrow tiles (16 channels a group, the narrowest a 16-bit layer runs
 # there: narrower groups run the direct kernel), the pointwise GEMM, the input gradient (stride 1: the taps
 # reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
-# checked for spills only), the direct kernel (depthwise, and 4 and 8 channels a group) and the weight gradient; the
-# fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight scales, a strided 3x3 with a per-tensor
-# one, a grouped layer and the pointwise GEMM
+# checked for spills only), the direct kernel (depthwise, 4 and 8 channels a group, a depthwise input
+# gradient) and the weight gradient; the fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight
+# scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
@@ -183,6 +184,7 @@ VARIANTS = [
     ("depthwise", lambda: _direct(BF16, 32, 384, 28, 3)),
     ("direct_cg4", lambda: _direct(BF16, 32, 128, 56, 3, cg=4)),
     ("direct_cg8", lambda: _direct(BF16, 32, 256, 28, 3, cg=8)),
+    ("direct_dgrad_7x7", lambda: _direct(BF16, 64, 128, 56, 7, input_grad=True)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conv_helpers import GRAD_TOL, rand, weight
 from torch import nn
 
+import flydsl.direct
 from fly_conv import FlyConv1d, FlyConv2d, FlyConv3d, conv
 from fly_conv.autotune import ConvProblem, wgrad_splits
 from flydsl.arch import SM90
@@ -31,7 +32,11 @@ CASES = [
     (2, 1, 5, 6, (8, 9), 3, 1, 2, 2, 1, "zeros"),  # stride 1, dilation 2: dgrad's reversed taps step by 2
     (2, 2, 4, 6, (8, 7), 3, (1, 2), 1, 1, 1, "zeros"),  # stride 1 in one dim only: dgrad's division path
     (2, 2, 8, 5, (5, 5), 1, 1, 0, 1, 1, "zeros"),  # pointwise
-    (2, 2, 6, 6, (7, 7), 3, 1, 1, 1, 6, "zeros"),  # depthwise (its backward runs the grouped implicit GEMM)
+    (2, 2, 6, 6, (7, 7), 3, 1, 1, 1, 6, "zeros"),  # depthwise: dgrad by the direct kernel, taps reversed
+    (2, 2, 8, 12, (7, 6), 3, 1, 2, 2, 2, "zeros"),  # 4 channels a group into 6, dilation 2: direct dgrad
+    (2, 1, 4, 8, (6, 7), 4, 1, "same", 1, 4, "zeros"),  # depthwise x2, even kernel "same": padding 1 / 2
+    (2, 1, 4, 4, (5, 5), 3, 1, 3, 1, 4, "zeros"),  # padding past the window: the dgrad's padding is -1
+    (1, 2, 16, 8, (19,), 5, 1, 2, 1, 4, "zeros"),  # 1D, 4 channels a group into 2
     (2, 1, 4, 6, (6, 7), 3, 1, 1, 1, 1, "reflect"),  # padding mode: torch's pad is differentiated by torch
     (1, 2, 17, 9, (23,), 7, 2, 3, 1, 1, "zeros"),  # 1D, 17 channels
     (3, 1, 3, 4, (3, 5, 4), 3, 1, 1, 1, 1, "zeros"),  # 3D
@@ -78,6 +83,19 @@ def _ref(x, w, b, stride, padding, dilation, groups, padding_mode, activation):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}d-c{c[2]}-ks{c[5]}-s{c[6]}-d{c[8]}-g{c[9]}-{c[10]}")
 def test_gradients(case, device, poisoned):
     _check(*_grads(case, F16, device), F16)
+
+
+@pytest.mark.parametrize(("case", "direct_launches"), [(CASES[6], 2), (CASES[7], 2), (CASES[1], 1), (CASES[0], 0)],
+                         ids=["depthwise", "narrow-groups", "narrow-groups-s2", "dense"])  # fmt: skip
+def test_direct_kernel_runs_the_forward_and_stride_1_input_gradient(case, direct_launches, device, monkeypatch):
+    """Narrow groups: the forward by the direct kernel, and at stride 1 the input gradient too (a stride-2
+    input gradient stays on the implicit GEMM)."""
+    calls = []
+    real = conv_mod.launch_direct
+    monkeypatch.setattr(conv_mod, "launch_direct", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with flydsl.direct.general_path_only():  # a replayed call would not pass through the host code
+        _check(*_grads(case, F16, device), F16)
+    assert len(calls) == direct_launches
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[5]], ids=["s1", "s2", "s1-d2", "1x1"])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from conv_helpers import rand, weight
 
 from fly_conv import FlyConv2d, conv, conv_ref
+from fly_conv.autotune import direct_kernel
 from flydsl import direct
 from flydsl.errors import ArgumentError
 from flydsl.testing import assert_rel_close, host_work, tolerance
@@ -104,7 +105,10 @@ def test_common_layouts_are_replayable(layer):
         foreign, launches = host_work(conv_mod._eager_grads, g, x, w, stride, pad, dil, groups, True,
                                          True, cl)  # fmt: skip
         assert not foreign, foreign
-        assert "_conv_wgrad_kernel" in launches and "_conv_implicit_kernel" in launches
+        # the input gradient: the direct kernel's at stride 1 with narrow groups, else the implicit GEMM's
+        direct = all(v == 1 for v in stride) and direct_kernel(w_shape[0], w_shape[1] * groups, groups, BF16)
+        assert "_conv_wgrad_kernel" in launches
+        assert ("_conv_direct_kernel" if direct else "_conv_implicit_kernel") in launches
 
 
 def _count_replays(monkeypatch):

@@ -28,6 +28,7 @@ compiled kernel and one tuned config serve every resolution of a layer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,10 +200,10 @@ def default_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
     elif problem.kind == "direct":
         # memory bound: 4096 outputs a program (32 a thread at 4 warps), channels across the lanes so that
         # each tap's load of a position is contiguous; groups of 5-8 channels hold an input tile twice the
-        # outputs' beside them: 1024 (on sm_90 2048 spill 24 bytes with a bias, 4096 16 without)
+        # outputs' beside them: 8 warps (sm_90 compiles at 4 warps spilled 8-24 bytes at 1024-4096 outputs)
         block_n = _pow2_in(problem.n, 1, 64)
-        outputs = 4096 if problem.cg <= 4 else 1024
-        cfg = ConvConfig(min(_MAX_TILE, outputs // block_n), block_n, 1, num_warps=4, num_stages=1)
+        cfg = ConvConfig(min(_MAX_TILE, 4096 // block_n), block_n, 1, num_warps=4 if problem.cg <= 4 else 8,
+                         num_stages=1)  # fmt: skip
     elif problem.kind == "wgrad":
         cfg = ConvConfig(_pow2_in(problem.n, 16, 128), _pow2_in(problem.cg, 16, 128), 64 if wide else 32,
                          num_warps=8 if problem.n >= 128 and problem.cg >= 128 else 4, num_stages=3)  # fmt: skip
@@ -415,15 +416,19 @@ def _direct_candidates(p: ConvProblem) -> list[ConvConfig]:
 
 
 def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
-    """The default's tile and its halves, two position steps, and each with the splits of the positions that
-    fill the SMs (:func:`wgrad_splits`), half and twice that (where the positions allow) and none."""
+    """The default's tile and its halves, two position steps (the one-channel tile: three, and 2 warps too),
+    and each with the splits of the positions that fill the SMs (:func:`wgrad_splits`), half and twice that
+    (where the positions allow) and none."""
     base = default_config(p, a)
     steps = (16, 32) if p.dtype.itemsize == 4 else (32, 64)
+    warps = (None,)  # None: the tile's own count
+    if base.block_m * base.block_n <= 16 * 16:  # the one-channel tile (depthwise): longer steps, fewer warps
+        steps, warps = (*steps, 2 * steps[-1]), (None, 2)
     out = []
     for bm in sorted({base.block_m, max(16, base.block_m // 2)}, reverse=True):
         for bn in sorted({base.block_n, max(16, base.block_n // 2)}, reverse=True):
-            for bk in steps:
-                cfg = ConvConfig(bm, bn, bk, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+            for bk, nw in itertools.product(steps, warps):
+                cfg = ConvConfig(bm, bn, bk, num_warps=nw or (8 if bm * bn >= 128 * 128 else 4), num_stages=3)
                 fill = wgrad_splits(cfg, p, a)
                 more = fill * 2 if flyc.cdiv(p.m, bk) // (fill * 2) >= _WGRAD_MIN_STEPS // 2 else fill
                 out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, 1, max(1, fill // 2), more})]
@@ -556,8 +561,11 @@ def _bench_problems(case, dtype: torch.dtype, train: bool) -> list[ConvProblem]:
     else:
         problems = [ConvProblem("implicit", rows, kg, cg, taps, groups, dtype, **geo)]
     if train:
-        problems += [ConvProblem("implicit", n * math.prod(spatial), cg, kg, taps, groups, dtype, **geo,
-                                 transposed=True),
+        if s == 1 and direct_kernel(k, c, groups, dtype):  # the input gradient as a direct convolution
+            dgrad = ConvProblem("direct", n * math.prod(spatial), c, kg, taps, groups, dtype, **geo)
+        else:
+            dgrad = ConvProblem("implicit", n * math.prod(spatial), cg, kg, taps, groups, dtype, **geo, transposed=True)
+        problems += [dgrad,
                      ConvProblem("wgrad", rows, kg, cg, taps, groups, dtype, **geo)]  # fmt: skip
     return problems
 

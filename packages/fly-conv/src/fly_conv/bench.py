@@ -111,7 +111,8 @@ _GROUPED = [_case(32, 128, 128, (56, 56), 3, groups=32), _case(32, 256, 256, (28
             _case(32, 512, 512, (14, 14), 3, groups=32), _case(32, 1024, 1024, (7, 7), 3, groups=32),
             _case(32, 512, 512, (28, 28), 3, groups=8), _case(32, 256, 256, (28, 28), 3, groups=64)]  # fmt: skip
 _TRAIN = [_case(32, 64, 64, (56, 56), 3, train=True), _case(32, 256, 256, (14, 14), 3, train=True),
-          _case(32, 256, 64, (56, 56), 1, train=True), _case(8, 64, 64, (8, 56, 56), 3, train=True)]  # fmt: skip
+          _case(32, 256, 64, (56, 56), 1, train=True), _case(8, 64, 64, (8, 56, 56), 3, train=True),
+          _case(32, 384, 384, (28, 28), 7, groups=384, train=True)]  # fmt: skip
 
 # the interpreter's smoke cases: every kind at a size it runs in seconds
 _QUICK = {

@@ -323,8 +323,9 @@ def _bias_plane(bias, y):
 
 def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channels_last, config=None):
     """dL/dx of the forward (``x_size``: x's NC* shape), as the implicit GEMM transposed: the output gradient
-    gathered through the forward's taps against the weight packed as ``[C_in, (kd, kh, kw, k)]``. ``config``:
-    the launch's (the tuner's search), else chosen."""
+    gathered through the forward's taps against the weight packed as ``[C_in, (kd, kh, kw, k)]``; stride-1
+    layers whose output groups are narrow (depthwise ones among them) as the direct kernel's convolution of
+    the output gradient, taps reversed. ``config``: the launch's (the tuner's search), else chosen."""
     rank = weight.dim() - 2
     n, c_in = x_size[:2]
     dx = _alloc(n, c_in, x_size[2:], grad.dtype, grad.device, channels_last)
@@ -336,7 +337,8 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
     geom = _geom(kernel, stride, lo, dilation)
     taps = geom[0][0] * geom[0][1] * geom[0][2]
     kg, cg = k_out // groups, c_in // groups
-    g5 = _channels_last(grad, rank) if not geom_pointwise(geom) else _ndhwc(grad, rank)
+    direct = all(s == 1 for s in stride) and direct_kernel(k_out, c_in, groups, grad.dtype)
+    g5 = _channels_last(grad, rank) if direct or not geom_pointwise(geom) else _ndhwc(grad, rank)
     if kg > 1 and weight.is_contiguous() and groups <= MAX_BATCH:  # [groups, kg, (c, tap)] -> [groups, (c, tap), kg]
         wd = _transposed(weight.view(groups, kg, cg * taps)).view(c_in, taps * kg)
     else:
@@ -345,6 +347,15 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
             wd = wd.contiguous()
     dx5 = _ndhwc(dx, rank)
     arch = flydsl.arch.current(grad.device)
+    if direct:
+        # stride 1: the input gradient is the forward convolution of the output gradient (kg channels a group
+        # into cg) with the taps reversed and padding dilation * (kernel - 1) - padding: the direct kernel's
+        problem = ConvProblem("direct", dx5.numel() // c_in, c_in, kg, taps, groups, grad.dtype, kernel, stride,
+                              dilation)  # fmt: skip
+        lo_t = tuple(d * (k - 1) - p for k, p, d in zip(geom[0], geom[2], geom[3], strict=True))
+        launch_direct(g5, wd, dx5, None, (geom[0], geom[1], lo_t, geom[3]), groups, 0,
+                      _config(problem, arch, config), input_grad=True)  # fmt: skip
+        return dx
     problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype, kernel, stride, dilation,
                           transposed=True)  # fmt: skip
     launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, _config(problem, arch, config))

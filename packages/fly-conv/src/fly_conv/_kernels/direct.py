@@ -47,9 +47,9 @@ def _group_columns(g0, G, WIDTH: fx.constexpr, WIDTH_P: fx.constexpr, BLOCK_G: f
 def _conv_direct_kernel(
     x_ptr, w_ptr, y_ptr, bias_ptr,
     M, G, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-    sx_n, sx_d, sx_h, sx_w, sx_c, s_wr, sy_n, sy_d, sy_h, sy_w, sy_c,
-    CG: fx.constexpr, KG: fx.constexpr, CG_P: fx.constexpr, KG_P: fx.constexpr, HAS_BIAS: fx.constexpr,
-    ACT: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_G: fx.constexpr,
+    sx_n, sx_d, sx_h, sx_w, sx_c, s_wn, s_wc, s_wt, sy_n, sy_d, sy_h, sy_w, sy_c,
+    CG: fx.constexpr, KG: fx.constexpr, CG_P: fx.constexpr, KG_P: fx.constexpr, FLIP: fx.constexpr,
+    HAS_BIAS: fx.constexpr, ACT: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_G: fx.constexpr,
 ):
     # fmt: on
     BLOCK_N: fx.constexpr = BLOCK_G * KG_P
@@ -62,6 +62,7 @@ def _conv_direct_kernel(
     nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
     x_row = row_offset(nb, sx_n)
     x_cols = row_offset(cx, sx_c)
+    w_cols = w_ptr + row_offset(rn, s_wn)
     taps = KD * KH * KW
     bd = od * sd - pd
     bh = oh * sh - ph
@@ -80,13 +81,14 @@ def _conv_direct_kernel(
                 xt = fx.load(x_ptr + (row_dh + row_offset(iw, sx_w))[:, None] + x_cols[None, :],
                              mask=ok[:, None] & cx_ok[None, :], other=0.0)  # fmt: skip
                 x3 = fx.reshape(xt.to(fx.float32), [BLOCK_M, BLOCK_G, CG_P])
-                w_tap = w_ptr + row_offset((kd * KH + kh) * KW + kw, s_wr) + rn
+                tap = (kd * KH + kh) * KW + kw
+                w_tap = w_cols + row_offset(taps - 1 - tap if FLIP else tap, s_wt)
                 for ci in fx.static_range(CG):
                     # channel ci of each group (-0.0 is the sum's identity: the select-sum folds to a move),
                     # repeated over the group's outputs
                     xc = fx.sum(fx.where((rc == ci)[None, None, :], x3, -0.0), axis=2)
                     xb = fx.reshape(fx.broadcast_to(xc[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
-                    wv = fx.load(w_tap + row_offset(ci * taps, s_wr), mask=n_ok, other=0.0)
+                    wv = fx.load(w_tap + ci * s_wc, mask=n_ok, other=0.0)
                     acc += xb * wv.to(fx.float32)[None, :]
     out = acc
     if HAS_BIAS:
@@ -98,21 +100,29 @@ def _conv_direct_kernel(
 
 
 @flyc.jit
-def launch_direct(x5, wt, y5, bias, geom, groups: int, act: int, cfg, stream=None):
+def launch_direct(x5, w, y5, bias, geom, groups: int, act: int, cfg, input_grad: bool = False, stream=None):
     """Launch the direct kernel.
 
-    ``x5``: ``[N, D, H, W, C_in]``; ``wt``: the weight as ``[CG * taps, K_out]`` (row ``ci * taps + tap``, the
-    output channels contiguous: the weight transposed); ``y5``: ``[N, OD, OH, OW, K_out]`` (any strides),
-    ``groups`` dividing ``C_in`` and ``K_out``; ``bias``: ``[K_out]`` or None. ``geom``: (kernel, stride,
-    padding, dilation), three values each. ``cfg``: a :class:`fly_conv.autotune.ConvConfig`: ``block_m``
-    positions x ``block_n`` output channels, rounded to whole groups (at least one, its outputs padded to a
-    power of two, the positions cut to keep the tile's size).
+    ``x5``: ``[N, D, H, W, C_in]``; ``y5``: ``[N, OD, OH, OW, K_out]`` (any strides), ``groups`` dividing
+    ``C_in`` and ``K_out``; ``bias``: ``[K_out]`` or None. ``geom``: (kernel, stride, padding, dilation), three
+    values each. ``w``: the forward's weight transposed, ``[CG * taps, K_out]`` (row ``ci * taps + tap``: a tap's
+    weights of every output channel one vector). ``input_grad``: the launch is a stride-1 layer's input
+    gradient (x5 the output gradient, y5 the input's, geom's padding ``dilation * (kernel - 1) - padding``) and
+    ``w`` the layer's weight packed for it, ``[K_out, taps * CG]`` in this launch's terms (row: an output
+    channel, that is a channel of the layer's input; column ``tap * CG + ci``, ci a channel of the output
+    gradient's group), read with its taps reversed. ``cfg``: a :class:`fly_conv.autotune.ConvConfig`:
+    ``block_m`` positions x ``block_n`` output channels, rounded to whole groups (at least one, its outputs
+    padded to a power of two, the positions cut to keep the tile's size).
     """
-    nb, d, h, w, c = x5.shape
+    nb, d, h, wd, c = x5.shape
     _, od, oh, ow, k_out = y5.shape
     (kd, kh, kw), (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = geom
     m = nb * od * oh * ow
     cg, kg = c // groups, k_out // groups
+    if input_grad:  # [K_out, (tap, ci)]
+        s_wn, s_wc, s_wt = w.stride(0), w.stride(1), cg * w.stride(1)
+    else:  # [(ci, tap), K_out]
+        s_wn, s_wc, s_wt = w.stride(1), kd * kh * kw * w.stride(0), w.stride(0)
     kg_p = flyc.next_power_of_2(kg)
     block_g = max(1, cfg.block_n // kg_p)
     block_m = max(1, cfg.block_m * cfg.block_n // (block_g * kg_p))
@@ -120,10 +130,10 @@ def launch_direct(x5, wt, y5, bias, geom, groups: int, act: int, cfg, stream=Non
     # fmt: off
     flyc.launch(
         _conv_direct_kernel, grid,
-        x5, wt, y5, bias,
-        m, groups, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-        *x5.stride(), wt.stride(0), *y5.stride(),
-        CG=cg, KG=kg, CG_P=flyc.next_power_of_2(cg), KG_P=kg_p, HAS_BIAS=bias is not None, ACT=act,
-        BLOCK_M=block_m, BLOCK_G=block_g, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x5, w, y5, bias,
+        m, groups, d, h, wd, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+        *x5.stride(), s_wn, s_wc, s_wt, *y5.stride(),
+        CG=cg, KG=kg, CG_P=flyc.next_power_of_2(cg), KG_P=kg_p, FLIP=input_grad, HAS_BIAS=bias is not None,
+        ACT=act, BLOCK_M=block_m, BLOCK_G=block_g, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # fmt: on
