@@ -13,6 +13,10 @@ gathers no longer whole vectors.
 
 Sizes, strides, padding and dilation are runtime values (one compiled kernel serves every resolution and
 window); ``CG`` and ``KG`` are constexprs. Bias and activation run in fp32 before the one downcast.
+
+The input gradient of a stride-1 layer is the same convolution of the output gradient with the taps
+reversed (``FLIP``), so it runs this kernel too; the weight is read through three strides (output channel,
+group channel, tap), which cover both packs.
 """
 
 from __future__ import annotations
