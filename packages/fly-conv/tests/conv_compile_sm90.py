@@ -24,8 +24,8 @@ import torch
 import flydsl.compiler as flyc
 from fly_conv._kernels.direct import launch_direct
 from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
-from fly_conv._kernels.wgrad import launch_wgrad
-from fly_conv.autotune import ConvProblem, default_config, smem_bytes, wgrad_splits
+from fly_conv._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad
+from fly_conv.autotune import ConvProblem, default_config, depthwise_wgrad_config, smem_bytes, wgrad_splits
 from flydsl.arch import SM90
 from flydsl.testing.sm90 import resource_usage
 
@@ -162,6 +162,16 @@ def _wgrad(dtype, n, c_in, k_out, size, k):
     return _record(launch_wgrad, dy5, x5, out, geom, 1, splits, -(-steps // splits), cfg), cfg, problem
 
 
+def _depthwise_wgrad(dtype, n, c, size, k):
+    dy5, x5 = _cl(n, c, (size, size), dtype), _cl(n, c, (size, size), dtype)
+    problem = ConvProblem("wgrad", n * size * size, 1, 1, k * k, c, dtype)
+    cfg = depthwise_wgrad_config(problem, SM90)
+    out = torch.empty((cfg.split_k, c, k * k), dtype=torch.float32, device="meta")
+    steps = -(-problem.m // cfg.block_m)
+    args = (dy5, x5, out, _geom(k, 1, k // 2), cfg.split_k, -(-steps // cfg.split_k), cfg)
+    return _record(launch_depthwise_wgrad, *args), cfg, problem
+
+
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 # (name, launch): the forward at the ResNet 3x3 default (128 x 128 x 64), a strided 3x3 (int32 addressing
@@ -169,8 +179,8 @@ FP8 = torch.float8_e4m3fn
 # there: narrower groups run the direct kernel), the pointwise GEMM, the input gradient (stride 1: the taps
 # reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
 # checked for spills only), the direct kernel (depthwise, 4 and 8 channels a group, a depthwise input
-# gradient) and the weight gradient; the fp8 forward (e4m3 wgmma): the 3x3 default with per-channel weight
-# scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
+# gradient) and the weight gradient (tiled, and depthwise's); the fp8 forward (e4m3 wgmma): the 3x3 default
+# with per-channel weight scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
@@ -186,6 +196,7 @@ VARIANTS = [
     ("direct_cg8", lambda: _direct(BF16, 32, 256, 28, 3, cg=8)),
     ("direct_dgrad_7x7", lambda: _direct(BF16, 64, 128, 56, 7, input_grad=True)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
+    ("wgrad_depthwise_7x7", lambda: _depthwise_wgrad(BF16, 32, 384, 28, 7)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),
     ("implicit_grouped_fp8", lambda: _implicit(FP8, 32, 256, 256, 28, 3, pad=1, groups=8, w_scale="channel")),

@@ -98,6 +98,29 @@ def test_direct_kernel_runs_the_forward_and_stride_1_input_gradient(case, direct
     assert len(calls) == direct_launches
 
 
+@pytest.mark.parametrize("programs_per_sm", [None, 1 << 20], ids=["default", "split"])
+@pytest.mark.parametrize("multiplier", [1, 3])
+def test_depthwise_weight_gradient_kernel(multiplier, programs_per_sm, device, monkeypatch):
+    """Depthwise layers' weight gradient runs its own kernel (one launch; the tiled kernel never), its positions
+    split (partial sums added in order) where the grid is short of the SMs: forced here with a huge target."""
+    autotune = importlib.import_module("fly_conv.autotune")
+    if programs_per_sm:
+        monkeypatch.setattr(autotune, "_DW_WGRAD_PROGRAMS_PER_SM", programs_per_sm)
+    calls = []
+    for name in ("launch_depthwise_wgrad", "launch_wgrad"):
+        real = getattr(conv_mod, name)
+        monkeypatch.setattr(conv_mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    case = (2, 2, 4, 4 * multiplier, (16, 17), 3, 1, 2, 2, 4, "zeros")  # dilation 2: taps past the border
+    with flydsl.direct.general_path_only():
+        _check(*_grads(case, F16, device), F16)
+    assert calls == ["launch_depthwise_wgrad"]
+    if programs_per_sm and not flydsl.arch.current().is_interpreter:
+        return  # the GPU's position steps differ; the split itself is checked on the CPU
+    p = ConvProblem("wgrad", 2 * 16 * 17, multiplier, 1, 9, 4, F16)
+    split = autotune.depthwise_wgrad_config(p, flydsl.arch.current()).split_k
+    assert split == 4 if programs_per_sm else split >= 1  # 34 steps of 16: the most runs of >= 8 steps is 4
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[5]], ids=["s1", "s2", "s1-d2", "1x1"])
 def test_gradients_int64_offsets(case, device, poisoned, monkeypatch):
     """Every launch forced onto the implicit GEMM's int64 offsets (chosen on the host where an offset could pass

@@ -107,7 +107,8 @@ def test_common_layouts_are_replayable(layer):
         assert not foreign, foreign
         # the input gradient: the direct kernel's at stride 1 with narrow groups, else the implicit GEMM's
         direct = all(v == 1 for v in stride) and direct_kernel(w_shape[0], w_shape[1] * groups, groups, BF16)
-        assert "_conv_wgrad_kernel" in launches
+        depthwise = groups > 1 and w_shape[1] == 1
+        assert ("_conv_depthwise_wgrad_kernel" if depthwise else "_conv_wgrad_kernel") in launches
         assert ("_conv_direct_kernel" if direct else "_conv_implicit_kernel") in launches
 
 

@@ -45,7 +45,7 @@ from flydsl.testing import tolerance
 
 __all__ = [
     "ConvProblem", "ConvConfig", "KINDS", "DIRECT_MAX_CG", "direct_kernel", "default_config", "config_valid",
-    "smem_bytes", "wgrad_splits",
+    "smem_bytes", "wgrad_splits", "depthwise_wgrad_config",
     "implicit_splits",
     "TUNABLE", "tuning_key", "candidates", "config_for", "key_problem", "clear_memo",
 ]  # fmt: skip
@@ -157,6 +157,30 @@ def wgrad_splits(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     while tiles * split < _WGRAD_PROGRAMS_PER_SM * arch.sm_count and steps // (2 * split) >= _WGRAD_MIN_STEPS:
         split *= 2
     return split
+
+
+# The depthwise weight gradient (one input channel a group): the wgrad kernel's tiles of 16 x 16 channel pairs
+# would hold one useful pair, so it runs a kernel of its own (``_kernels/wgrad.py``): a program a tap, a block of
+# groups and a run of positions, each step one [positions, channels] product summed in registers. Its grid is
+# small (taps x channel blocks), and each program streams its positions from L2 (every tap's program reads the
+# same output gradient): split the positions until there are 8 programs an SM, each run >= 8 steps.
+_DW_WGRAD_PROGRAMS_PER_SM = 8
+
+
+def depthwise_wgrad_config(problem: ConvProblem, arch: flydsl.arch.Arch) -> ConvConfig:
+    """The depthwise weight gradient's launch (pure; not tuned yet): ``block_m`` positions a step, ``block_n``
+    output channels a program (whole groups), ``split_k`` runs of the positions. ``problem``: the layer's
+    ``"wgrad"`` problem (``n``: outputs a group, ``cg`` 1)."""
+    k_out = problem.n * problem.groups
+    block_n = max(_pow2_in(k_out, 1, 64), flyc.next_power_of_2(problem.n))
+    block_m = 16 if arch.is_interpreter else max(16, min(_MAX_TILE, 4096 // block_n))
+    groups_a_block = max(1, block_n // flyc.next_power_of_2(problem.n))
+    programs = problem.taps * flyc.cdiv(problem.groups, groups_a_block)
+    steps = flyc.cdiv(problem.m, block_m)
+    split = 1
+    while programs * split < _DW_WGRAD_PROGRAMS_PER_SM * arch.sm_count and steps // (2 * split) >= _WGRAD_MIN_STEPS:
+        split *= 2
+    return ConvConfig(block_m, block_n, 1, num_warps=4, num_stages=1, split_k=split)
 
 
 # Split-K of the forward implicit GEMM (fly-gemm's rule): a grid of output tiles under one wave of the SMs
@@ -565,8 +589,9 @@ def _bench_problems(case, dtype: torch.dtype, train: bool) -> list[ConvProblem]:
             dgrad = ConvProblem("direct", n * math.prod(spatial), c, kg, taps, groups, dtype, **geo)
         else:
             dgrad = ConvProblem("implicit", n * math.prod(spatial), cg, kg, taps, groups, dtype, **geo, transposed=True)
-        problems += [dgrad,
-                     ConvProblem("wgrad", rows, kg, cg, taps, groups, dtype, **geo)]  # fmt: skip
+        problems.append(dgrad)
+        if cg > 1 or groups == 1:  # a depthwise weight gradient runs its own kernel, not tuned (yet)
+            problems.append(ConvProblem("wgrad", rows, kg, cg, taps, groups, dtype, **geo))
     return problems
 
 

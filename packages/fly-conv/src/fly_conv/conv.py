@@ -30,8 +30,16 @@ from flydsl_common.reference import torch_activation
 from ._kernels.direct import launch_direct
 from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
 from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
-from ._kernels.wgrad import launch_wgrad
-from .autotune import ConvConfig, ConvProblem, config_for, config_valid, default_config, direct_kernel
+from ._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad
+from .autotune import (
+    ConvConfig,
+    ConvProblem,
+    config_for,
+    config_valid,
+    default_config,
+    depthwise_wgrad_config,
+    direct_kernel,
+)
 
 __all__ = ["conv", "conv1d", "conv2d", "conv3d", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "PADDING_MODES"]
 
@@ -379,16 +387,28 @@ def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups, config=None
     positions = g5.numel() // k_out
     arch = flydsl.arch.current(grad.device)
     problem = ConvProblem("wgrad", positions, k_out // groups, cg, taps, groups, grad.dtype, kernel, stride, dilation)
-    cfg = _config(problem, arch, config)
-    steps = -(-positions // cfg.block_k)
+    if cg == 1 and groups > 1 and config is None:  # depthwise: its own kernel (a config names the tiled one)
+        cfg = depthwise_wgrad_config(problem, arch)
+        step = cfg.block_m
+
+        def launch(out, splits, split_steps):
+            launch_depthwise_wgrad(g5, x5, out.view(splits, k_out, taps), geom, splits, split_steps, cfg)
+    else:
+        cfg = _config(problem, arch, config)
+        step = cfg.block_k
+
+        def launch(out, splits, split_steps):
+            launch_wgrad(g5, x5, out.view(splits, k_out, cg, taps), geom, groups, splits, split_steps, cfg)
+
+    steps = -(-positions // step)
     split_steps = -(-steps // cfg.split_k)
     splits = -(-steps // split_steps)  # every split holds positions
     if splits == 1:
         dw = _empty(w_size, grad.dtype, grad.device)
-        launch_wgrad(g5, x5, dw.view(1, k_out, cg, taps), geom, groups, 1, split_steps, cfg)
+        launch(dw, 1, split_steps)
         return dw
     parts = _empty((splits, k_out, cg, taps), torch.float32, grad.device)
-    launch_wgrad(g5, x5, parts, geom, groups, splits, split_steps, cfg)
+    launch(parts, splits, split_steps)
     dw = _empty(w_size, grad.dtype, grad.device)
     launch_sum_splits(parts.view(splits, -1), dw.view(-1))  # added in split order: deterministic
     return dw

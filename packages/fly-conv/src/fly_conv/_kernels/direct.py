@@ -34,7 +34,7 @@ _RUNTIME_SIZES = ["M", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
 
 
 @flyc.func
-def _group_columns(g0, G, WIDTH: fx.constexpr, WIDTH_P: fx.constexpr, BLOCK_G: fx.constexpr):
+def group_columns(g0, G, WIDTH: fx.constexpr, WIDTH_P: fx.constexpr, BLOCK_G: fx.constexpr):
     """(channel index, in-bounds mask) of ``BLOCK_G`` groups of ``WIDTH`` channels from group ``g0``, laid out
     ``WIDTH_P`` a group: contiguous (provably, so loads vectorize) when ``WIDTH`` is a power of two."""
     i = fx.arange(0, BLOCK_G * WIDTH_P)
@@ -59,8 +59,8 @@ def _conv_direct_kernel(
     BLOCK_N: fx.constexpr = BLOCK_G * KG_P
     rm = fx.program_id(0) * BLOCK_M + fx.arange(0, BLOCK_M)
     g0 = fx.program_id(1) * BLOCK_G
-    cx, cx_ok = _group_columns(g0, G, CG, CG_P, BLOCK_G)  # the groups' input channels
-    rn, n_ok = _group_columns(g0, G, KG, KG_P, BLOCK_G)  # their output channels
+    cx, cx_ok = group_columns(g0, G, CG, CG_P, BLOCK_G)  # the groups' input channels
+    rn, n_ok = group_columns(g0, G, KG, KG_P, BLOCK_G)  # their output channels
     rc = fx.arange(0, CG_P)
     m_ok = rm < M
     nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)

@@ -17,9 +17,10 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
+from .direct import group_columns
 from .implicit_gemm import output_coords
 
-__all__ = ["launch_wgrad"]
+__all__ = ["launch_wgrad", "launch_depthwise_wgrad"]
 
 _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
                   "dd", "dh", "dw", "split_steps"]  # fmt: skip
@@ -99,5 +100,74 @@ def launch_wgrad(dy5, x5, out, geom, groups: int, splits: int, split_steps: int,
         *dy5.stride(), *x5.stride(), *out.stride(),
         IEEE=x5.dtype.itemsize == 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # fmt: on
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
+def _conv_depthwise_wgrad_kernel(
+    dy_ptr, x_ptr, out_ptr,
+    P, G, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
+    sdy_n, sdy_d, sdy_h, sdy_w, sdy_c, sx_n, sx_d, sx_h, sx_w, sx_c, so_s, so_k, so_t,
+    KG: fx.constexpr, KG_P: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_G: fx.constexpr,
+):
+    # fmt: on
+    BLOCK_N: fx.constexpr = BLOCK_G * KG_P
+    tap = fx.program_id(0)  # fastest: the programs of one run of positions, every tap, run together (L2)
+    g0 = fx.program_id(1) * BLOCK_G
+    split = fx.program_id(2)
+    kd = tap // (KH * KW)
+    kh = (tap // KW) % KH
+    kw = tap % KW
+    rn, n_ok = group_columns(g0, G, KG, KG_P, BLOCK_G)  # output channels (KG a group)
+    cx, cx_ok = group_columns(g0, G, 1, 1, BLOCK_G)  # their input channels, one a group
+    dy_cols = row_offset(rn, sdy_c)
+    x_cols = row_offset(cx, sx_c)
+    p_begin = split * split_steps * BLOCK_M
+    p_end = fx.minimum(p_begin + split_steps * BLOCK_M, P)
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for p0 in range(p_begin, p_end, BLOCK_M):
+        rp = p0 + fx.arange(0, BLOCK_M)
+        p_ok = rp < p_end
+        nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
+        dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
+        id_ = od * sd - pd + kd * dd
+        ih = oh * sh - ph + kh * dh
+        iw = ow * sw - pw + kw * dw
+        x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
+        a = fx.load(dy_ptr + dy_row[:, None] + dy_cols[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & cx_ok[None, :], other=0.0)
+        bb = fx.reshape(fx.broadcast_to(b.to(fx.float32)[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
+        acc += a.to(fx.float32) * bb
+    out = fx.sum(acc, axis=0)
+    fx.store(out_ptr + row_offset(split, so_s) + row_offset(rn, so_k) + row_offset(tap, so_t),
+             out.to(out_ptr.dtype.element_ty), mask=n_ok)  # fmt: skip
+
+
+@flyc.jit
+def launch_depthwise_wgrad(dy5, x5, out, geom, splits: int, split_steps: int, cfg, stream=None):
+    """Launch the depthwise weight-gradient kernel (one input channel a group, ``K_out / C_in`` outputs each).
+
+    ``dy5``: ``[N, OD, OH, OW, K_out]``; ``x5``: ``[N, D, H, W, C_in]`` (any strides); ``out``: ``[splits,
+    K_out, taps]`` (fp32 partial sums when ``splits > 1``, else the weight gradient in its dtype). ``cfg``: a
+    :class:`fly_conv.autotune.ConvConfig` from ``depthwise_wgrad_config``: ``block_m`` positions a step,
+    ``block_n`` output channels (whole groups). Split ``s`` reduces positions ``[s * split_steps * block_m,
+    ...)``.
+    """
+    nb, od, oh, ow, k_out = dy5.shape
+    _, d, h, w, c = x5.shape
+    (kd, kh, kw), (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = geom
+    kg = k_out // c
+    kg_p = flyc.next_power_of_2(kg)
+    block_g = max(1, cfg.block_n // kg_p)
+    # fmt: off
+    flyc.launch(
+        _conv_depthwise_wgrad_kernel, (kd * kh * kw, flyc.cdiv(c, block_g), splits),
+        dy5, x5, out,
+        nb * od * oh * ow, c, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
+        *dy5.stride(), *x5.stride(), *out.stride(),
+        KG=kg, KG_P=kg_p, BLOCK_M=cfg.block_m, BLOCK_G=block_g, num_warps=cfg.num_warps, num_stages=1,
     )
     # fmt: on
