@@ -9,6 +9,11 @@ A program computes a ``BLOCK_M x BLOCK_N`` tile of (output channel, input channe
 as in the forward, masked in the padding). With more than one split (grid axis 2) the positions are cut into
 equal runs, each storing fp32 partial sums to its own slice of a workspace; the host adds the slices in a
 fixed order, so the result never depends on scheduling (no atomics).
+
+Depthwise layers (one input channel a group) have their own kernel: there a tile of channel pairs would hold
+one useful pair. A program takes a tap, a block of whole groups and a run of positions; each step multiplies
+the output gradient's ``[positions, outputs]`` tile by the input channel broadcast over its group's outputs,
+and the positions are summed once at the end (the same split and fixed-order sum).
 """
 
 from __future__ import annotations
@@ -24,6 +29,22 @@ __all__ = ["launch_wgrad", "launch_depthwise_wgrad"]
 
 _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
                   "dd", "dh", "dw", "split_steps"]  # fmt: skip
+
+
+@flyc.func
+def _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+              sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w):  # fmt: skip
+    """Positions ``rp`` (flat, masked past ``p_end``): their output-gradient rows and, for tap (kd, kh, kw),
+    their input rows and which of them fall inside the input (the padding is a mask)."""
+    p_ok = rp < p_end
+    nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
+    dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
+    id_ = od * sd - pd + kd * dd
+    ih = oh * sh - ph + kh * dh
+    iw = ow * sw - pw + kw * dw
+    x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
+    return p_ok, dy_row, x_ok, x_row
 
 
 # fmt: off
@@ -58,14 +79,8 @@ def _conv_wgrad_kernel(
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_K):
         rp = p0 + fx.arange(0, BLOCK_K)
-        p_ok = rp < p_end
-        nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
-        dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
-        id_ = od * sd - pd + kd * dd
-        ih = oh * sh - ph + kh * dh
-        iw = ow * sw - pw + kw * dw
-        x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
+        p_ok, dy_row, x_ok, x_row = _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw,
+                                              dd, dh, dw, sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w)
         a = fx.load(dy_ptr + dy_cols[:, None] + dy_row[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
         b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & c_ok[None, :], other=0.0)
         if IEEE:
@@ -129,14 +144,8 @@ def _conv_depthwise_wgrad_kernel(
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_M):
         rp = p0 + fx.arange(0, BLOCK_M)
-        p_ok = rp < p_end
-        nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
-        dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
-        id_ = od * sd - pd + kd * dd
-        ih = oh * sh - ph + kh * dh
-        iw = ow * sw - pw + kw * dw
-        x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
+        p_ok, dy_row, x_ok, x_row = _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw,
+                                              dd, dh, dw, sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w)
         a = fx.load(dy_ptr + dy_row[:, None] + dy_cols[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & cx_ok[None, :], other=0.0)
         bb = fx.reshape(fx.broadcast_to(b.to(fx.float32)[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
