@@ -11,7 +11,7 @@ from fly_gemm._kernels.moe_gemm import QUANT_BLOCK, QUANT_CHANNEL, QUANT_NONE, Q
 from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage, signature
 
 # every stride but the unit ones (which a launch specializes to the constant 1) a multiple of 16 elements
-_ALIGNED = ["a_ptr", "b_ptr", "c_ptr", "sorted_ptr", "expert_ids_ptr", "w_ptr", "as_ptr", "bs_ptr", "N", "K",
+_ALIGNED = ["a_ptr", "b_ptr", "c_ptr", "sorted_ptr", "expert_ids_ptr", "w_ptr", "as_ptr", "bs_ptr", "N", "K", "KP",
             "up_offset", "stride_am", "stride_be", "stride_bn", "stride_cm"]  # fmt: skip
 
 

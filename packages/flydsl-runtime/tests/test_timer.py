@@ -167,6 +167,7 @@ def test_rotating_copies_bounds():
 
 
 @pytest.mark.gpu
+@pytest.mark.overlap  # the back-to-back rate needs each launch queued, not run at once (as the sanitizers do)
 def test_bench_sync_each_times_host_and_device_in_series():
     """With ``sync_each`` a call's time holds its host work and then its device work in series: a call that
     spends ~30 us on the host and then queues ~20 us of device work (as an op checks, then launches) takes

@@ -73,25 +73,40 @@ def _to_16bit(x, dtype: fx.constexpr):
         return x.to(dtype)
 
 
+# The 4-bit decode is on the critical path of every K step, and at decode sizes it bounds the kernel (the dot
+# is small): each code becomes fp32 through bit patterns, a mask, a shift and one fp32 operation, with no
+# integer -> float conversion, no compare and no select.
+_INT4_MAGIC = fx.constexpr(0x4B000008)  # fp32 2**23 + 8 with the code in the low bits: 2**23 + (code ^ 8)
+_INT4_BIAS = fx.constexpr(8388616.0)  # 2**23 + 8
+_FP4_UNBIAS = fx.constexpr(2.0**126)  # e2m1 placed in an fp32's top exponent bits reads as 2**-126 x its value
+
+
 @flyc.func
-def _w4_value(nib, FP4: fx.constexpr):
-    """int32 of a 4-bit code: the int4 value (two's complement), or twice the fp4 e2m1 value (integers:
-    0, 1, 2, 3, 4, 6, 8, 12 and their negatives; the caller halves the scale)."""
+def _w4_values(v, HIGH: fx.constexpr, FP4: fx.constexpr):
+    """fp32 values of the 4-bit codes in int32 ``v`` (bytes 0..255): the low nibble, or the high one (``HIGH``).
+    int4: the code (two's complement) as 2**23 + (code ^ 8), minus 2**23 + 8: exact. fp4 e2m1: magnitude bits
+    (exponent, mantissa) moved to fp32 bits 24..22 and the sign to bit 31 read as 2**-126 x the value (the
+    code 0.5 as an fp32 subnormal), times 2**126: exact, as the multiply keeps subnormal inputs."""
     if FP4:
-        e = (nib >> 1) & 3
-        m = nib & 1
-        mag = fx.where(e == 0, m, (2 + m) << fx.maximum(e - 1, 0))
-        return fx.where((nib & 8) != 0, -mag, mag)
+        if HIGH:
+            bits = ((v << 18) & 0x01C00000) | ((v << 24) & -2147483648)
+        else:
+            bits = ((v << 22) & 0x01C00000) | ((v << 28) & -2147483648)
+        return bits.to(fx.float32, bitcast=True) * _FP4_UNBIAS
     else:
-        return nib - ((nib & 8) << 1)  # sign extension: 8..15 -> -8..-1
+        if HIGH:
+            bits = ((v >> 4) & 15) ^ _INT4_MAGIC
+        else:
+            bits = (v & 15) ^ _INT4_MAGIC
+        return bits.to(fx.float32, bitcast=True) - _INT4_BIAS
 
 
 @flyc.func
 def _w4_scale(s, FP4: fx.constexpr):
-    """fp32 scale of a column: as stored (int4: fp32), or 2**(s - 127) / 2 of an e8m0 byte (MXFP4; the 1/2
-    undoes _w4_value's doubling; s = 0 reads as 0, not 2**-127)."""
+    """fp32 scale of a column: as stored (int4: fp32), or 2**(s - 127) of an e8m0 byte (MXFP4; s = 0 reads as
+    0, not 2**-127)."""
     if FP4:
-        return (s.to(fx.int32) << 23).to(fx.float32, bitcast=True) * 0.5
+        return (s.to(fx.int32) << 23).to(fx.float32, bitcast=True)
     else:
         return s
 
@@ -101,11 +116,9 @@ def _dequant_w4(packed, scale, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, FP4
     """[BLOCK_N, BLOCK_K / 2] bytes of 4-bit pairs (element 2j in the low nibble, 2j + 1 in the high) ->
     [BLOCK_N, BLOCK_K] fp32 values times ``scale`` (from :func:`_w4_scale`): [BLOCK_N, 1], a column's, or
     [BLOCK_N, BLOCK_K], an element's."""
-    v = packed.to(fx.int32) & 255
-    lo = _w4_value(v & 15, FP4)
-    hi = _w4_value(v >> 4, FP4)
-    w = fx.reshape(fx.join(lo, hi), [BLOCK_N, BLOCK_K])
-    return w.to(fx.float32) * scale
+    v = packed.to(fx.int32)
+    w = fx.reshape(fx.join(_w4_values(v, False, FP4), _w4_values(v, True, FP4)), [BLOCK_N, BLOCK_K])
+    return w * scale
 
 
 @flyc.func
@@ -127,7 +140,7 @@ def _w4_step_scale(row, k0, rk, n_ok, K, stride_bsk, SCALE_BK: fx.constexpr, BLO
 @flyc.kernel(do_not_specialize=["NUMEL", "num_blocks"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sorted_ptr, expert_ids_ptr, npad_ptr, w_ptr, as_ptr, bs_ptr,
-    N, K, NUMEL, num_blocks, TOPK, up_offset,
+    N, K, KP, NUMEL, num_blocks, TOPK, up_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_wt, stride_wk,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     GATHER_A: fx.constexpr, GATED: fx.constexpr, ACT: fx.constexpr, MUL_WEIGHT: fx.constexpr,
@@ -174,12 +187,17 @@ def _moe_gemm_kernel(
             acc_up = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = rk < K - k0
+            if QUANT >= 3:
+                # the step's bytes inside the row's KP = cdiv(K, 2): a bound the compiler sees is a multiple
+                # of 16 where KP is (Triton specializes it), so the loads stay vector-wide and pipelined (a
+                # per-column form such as ``2 * rk2 < K - k0`` keeps them one byte wide, in series)
+                k2_left = KP - k0 // 2
             a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b_ok = n_ok[:, None] & k_ok[None, :]
             if QUANT == 3:
                 # weight-only: the tile dequantized to A's dtype (int4 x its group scale, rounded once), then
                 # the 16-bit dot
-                b4_ok = n_ok[:, None] & (rk2 * 2 < K - k0)[None, :]
+                b4_ok = n_ok[:, None] & (rk2 < k2_left)[None, :]
                 sb = _w4_step_scale(bs_row, k0, rk, n_ok, K, stride_bsk, SCALE_BK, BLOCK_K, FP4)
                 b = _dequant_w4(fx.load(b_ptrs, mask=b4_ok, other=0), sb, BLOCK_N, BLOCK_K, FP4)
                 acc = fx.dot(a, fx.trans(_to_16bit(b, a.dtype)), acc)
@@ -189,10 +207,10 @@ def _moe_gemm_kernel(
                                        FP4)  # fmt: skip
                     acc_up = fx.dot(a, fx.trans(_to_16bit(b_up, a.dtype)), acc_up)
             elif QUANT == 4:
-                # w4a8: the 4-bit codes are exact in e4m3 (int4 -8..7; fp4 e2m1 doubled, 0..12), so the fp8 dot
+                # w4a8: the 4-bit values are exact in e4m3 (int4 -8..7; fp4 e2m1 +-0.5..6), so the fp8 dot
                 # takes them as they are; BLOCK_K divides the group, so this step's partial product is scaled
                 # by (the row's group scale) x (the column's group scale), as for block scales
-                b4_ok = n_ok[:, None] & (rk2 * 2 < K - k0)[None, :]
+                b4_ok = n_ok[:, None] & (rk2 < k2_left)[None, :]
                 sa = fx.load(as_row + row_offset(k0 // SCALE_BK, stride_ask), mask=m_ok, other=0.0)
                 kb = row_offset(k0 // SCALE_BK, stride_bsk)
                 sb = _w4_scale(fx.load(bs_row + kb, mask=n_ok, other=0), FP4)
@@ -351,7 +369,7 @@ def launch_moe_gemm(
     flyc.launch(
         _moe_gemm_kernel, (blocks * flyc.cdiv(n, cfg.block_n),),
         a, w, c, sorted_ids, expert_ids, num_padded, weights, a_scale, w_scale,
-        n, k, numel, blocks, topk, n * w.stride(1),
+        n, k, w.shape[2] if quant >= QUANT_W4 else k, numel, blocks, topk, n * w.stride(1),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         weights.stride(0), weights.stride(1), *as_strides, *ws_strides,
         GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,

@@ -37,8 +37,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU; skipped where kernels run in the interpreter")
     config.addinivalue_line(
         "markers",
-        "overlap: needs kernels of two streams to run at once (compute-sanitizer serializes every launch, so the "
-        "sanitize sessions deselect it)",
+        "overlap: needs GPU work to run at once with other GPU work (two streams) or with the host's next steps "
+        "(timings of queued launches); compute-sanitizer serializes every launch, so the sanitize sessions deselect "
+        "it",
     )
     config.addinivalue_line(
         "markers",
