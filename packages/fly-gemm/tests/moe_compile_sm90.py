@@ -24,6 +24,8 @@ def variant(a, b, quant, tiles, warps, stages, scale_bk=1, fp4=False, int_acc=Fa
     consts = {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "stride_bsk": 1, "stride_ask": 1,
               "GATHER_A": True, "GATED": True, "ACT": 1, "MUL_WEIGHT": False, "QUANT": quant, "INT_ACC": int_acc,
               "SCALE_BN": 1 if quant != QUANT_BLOCK else 128, "SCALE_BK": scale_bk, "FP4": fp4,
+              "FP4_ASM": fp4 and quant == QUANT_W4 and a == "bf16" and scale_bk % bk == 0
+              and (bn * bk // 2) % (128 * warps) == 0,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}  # fmt: skip
     if quant == QUANT_NONE:  # (weight-only 4-bit launches pass ``a`` for the unread activation scales)
         consts["as_ptr"] = consts["bs_ptr"] = None

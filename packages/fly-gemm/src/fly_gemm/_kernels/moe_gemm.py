@@ -26,6 +26,8 @@ in a fixed order (deterministic, no atomics) in fp32, skipping slots whose exper
 
 from __future__ import annotations
 
+import torch
+
 import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
@@ -60,6 +62,8 @@ QUANT_W4A8 = 4  # packed int4 / fp4 weights, fp8 activations: the 4-bit codes (e
 
 # the interpreter converts fp32 to bf16 by truncation; the hardware rounds to nearest even
 _INTERPRET = fx.constexpr(flydsl.interpreting())
+# compiled for NVIDIA: the MXFP4 decode may use inline PTX (:func:`_fp4_bf16`)
+_PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 
 @flyc.func
@@ -112,6 +116,12 @@ def _w4_scale(s, FP4: fx.constexpr):
 
 
 @flyc.func
+def _e8m0_bf16(s):
+    """bf16 2**(s - 127) of e8m0 bytes ``s`` (0 reads as 0, 255 as inf), the bits ``s << 7``."""
+    return (s.to(fx.int32) << 7).to(fx.int16).to(fx.bfloat16, bitcast=True)
+
+
+@flyc.func
 def _dequant_w4(packed, scale, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, FP4: fx.constexpr):
     """[BLOCK_N, BLOCK_K / 2] bytes of 4-bit pairs (element 2j in the low nibble, 2j + 1 in the high) ->
     [BLOCK_N, BLOCK_K] fp32 values times ``scale`` (from :func:`_w4_scale`): [BLOCK_N, 1], a column's, or
@@ -119,6 +129,38 @@ def _dequant_w4(packed, scale, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, FP4
     v = packed.to(fx.int32)
     w = fx.reshape(fx.join(_w4_values(v, False, FP4), _w4_values(v, True, FP4)), [BLOCK_N, BLOCK_K])
     return w * scale
+
+
+# bf16 bit patterns of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as two 8-byte tables (low bytes, high
+# bytes) a ``prmt`` indexes by the code's three magnitude bits
+_FP4_ASM = fx.constexpr("""{
+.reg .b32 x, y, sl, sh, lb, hb, s, tl0, tl1, th0, th1, nz;
+mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000; mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;
+mov.b32 nz, 0x80008000;
+and.b32 x, $4, 0x07070707; shr.b32 y, x, 4; or.b32 x, x, y; prmt.b32 sl, x, x, 0x0020;
+shr.b32 x, $4, 4; and.b32 x, x, 0x07070707; shr.b32 y, x, 4; or.b32 x, x, y; prmt.b32 sh, x, x, 0x0020;
+prmt.b32 lb, tl0, tl1, sl; prmt.b32 hb, th0, th1, sl;
+shl.b32 s, $4, 4; and.b32 s, s, 0x80808080; or.b32 hb, hb, s;
+prmt.b32 $0, lb, hb, 0x5140; prmt.b32 $1, lb, hb, 0x7362;
+fma.rn.bf16x2 $0, $0, $5, nz; fma.rn.bf16x2 $1, $1, $6, nz;
+prmt.b32 lb, tl0, tl1, sh; prmt.b32 hb, th0, th1, sh;
+and.b32 s, $4, 0x80808080; or.b32 hb, hb, s;
+prmt.b32 $2, lb, hb, 0x5140; prmt.b32 $3, lb, hb, 0x7362;
+fma.rn.bf16x2 $2, $2, $5, nz; fma.rn.bf16x2 $3, $3, $6, nz;
+}""")
+
+
+@flyc.func
+def _fp4_bf16(packed, scale):
+    """MXFP4 bytes (uint8 [R, C]: an e2m1 code in each nibble) -> the (low, high) nibbles' values in bf16 ([R, C]
+    each) times ``scale`` (bf16, broadcastable; a power of two, so the product is exact). NVIDIA inline PTX,
+    four bytes at a time: the magnitudes index two ``prmt`` byte tables, the sign bits are or-ed in, one bf16
+    fma (times the scale, plus -0) a pair: about 3 instructions an element, where the fp32 decode takes ~10
+    (the gated stage's K loop at decode sizes is bound by them)."""
+    return fx.inline_asm_elementwise(
+        _FP4_ASM, "=r,=r,=r,=r,r,r,r", [packed, fx.broadcast_to(scale, packed.shape)],
+        dtype=(fx.bfloat16, fx.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @flyc.func
@@ -145,6 +187,7 @@ def _moe_gemm_kernel(
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     GATHER_A: fx.constexpr, GATED: fx.constexpr, ACT: fx.constexpr, MUL_WEIGHT: fx.constexpr,
     QUANT: fx.constexpr, INT_ACC: fx.constexpr, SCALE_BN: fx.constexpr, SCALE_BK: fx.constexpr, FP4: fx.constexpr,
+    FP4_ASM: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
 ):
     # fmt: on
@@ -194,7 +237,18 @@ def _moe_gemm_kernel(
                 k2_left = KP - k0 // 2
             a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b_ok = n_ok[:, None] & k_ok[None, :]
-            if QUANT == 3:
+            if QUANT == 3 and FP4_ASM and _PTX:
+                # MXFP4 into a bf16 dot (one scale a column a step): the codes times the scale straight to bf16
+                b4_ok = n_ok[:, None] & (rk2 < k2_left)[None, :]
+                kb = row_offset(k0 // SCALE_BK, stride_bsk)
+                sb = _e8m0_bf16(fx.load(bs_row + kb, mask=n_ok, other=0))[:, None]
+                lo, hi = _fp4_bf16(fx.load(b_ptrs, mask=b4_ok, other=0), sb)
+                acc = fx.dot(a, fx.trans(fx.reshape(fx.join(lo, hi), [BLOCK_N, BLOCK_K])), acc)
+                if GATED:
+                    sb_up = _e8m0_bf16(fx.load(bs_row_up + kb, mask=n_ok, other=0))[:, None]
+                    lo, hi = _fp4_bf16(fx.load(b_ptrs + up_offset, mask=b4_ok, other=0), sb_up)
+                    acc_up = fx.dot(a, fx.trans(fx.reshape(fx.join(lo, hi), [BLOCK_N, BLOCK_K])), acc_up)
+            elif QUANT == 3:
                 # weight-only: the tile dequantized to A's dtype (int4 x its group scale, rounded once), then
                 # the 16-bit dot
                 b4_ok = n_ok[:, None] & (rk2 < k2_left)[None, :]
@@ -375,6 +429,8 @@ def launch_moe_gemm(
         GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
         QUANT=quant, INT_ACC=not a.dtype.is_floating_point,
         SCALE_BN=scale_block[0], SCALE_BK=scale_block[1], FP4=fp4,
+        FP4_ASM=fp4 and quant == QUANT_W4 and a.dtype == torch.bfloat16 and scale_block[1] % cfg.block_k == 0
+        and (cfg.block_n * cfg.block_k // 2) % (4 * 32 * cfg.num_warps) == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.launch_options(),
     )
     # fmt: on
