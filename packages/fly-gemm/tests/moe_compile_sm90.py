@@ -1,13 +1,23 @@
 """Compile the fused MoE grouped-GEMM kernel for sm_90 without a GPU (Triton's compiler and its bundled
 ptxas), in a process of its own: ``FLYDSL_INTERPRET=0 python moe_compile_sm90.py``. One variant a weight
-format at the default prefill tiles (the gated stage, the heavier one), and the 4-bit paths that read a scale
-an element (groups smaller than the K step). Prints one line a variant: ``ok <name> <wgmma|no-wgmma> <shared
-bytes> REG:n STACK:n`` (STACK > 0 is a spill) or ``FAIL <name> <error>``."""
+format at the default prefill tiles (the gated stage, the heavier one), the 4-bit paths that read a scale
+an element (groups smaller than the K step), MXFP4's decode tile and one tile that keeps its fp32 decode.
+Prints one line a variant: ``ok <name> <wgmma|no-wgmma> <shared bytes> REG:n STACK:n`` (STACK > 0 is a
+spill) or ``FAIL <name> <error>``."""
 
 from __future__ import annotations
 
 # flydsl (through fly_gemm) chooses compiled Triton before triton is imported: triton only inside functions
-from fly_gemm._kernels.moe_gemm import QUANT_BLOCK, QUANT_CHANNEL, QUANT_NONE, QUANT_W4, QUANT_W4A8, _moe_gemm_kernel
+from fly_gemm._kernels.moe_gemm import (
+    QUANT_BLOCK,
+    QUANT_CHANNEL,
+    QUANT_NONE,
+    QUANT_W4,
+    QUANT_W4A8,
+    _fp4_asm,
+    _moe_gemm_kernel,
+)
+from fly_gemm.moe_config import MoeConfig
 from flydsl.testing.sm90 import compile_sm90, divisible_by_16, resource_usage, signature
 
 # every stride but the unit ones (which a launch specializes to the constant 1) a multiple of 16 elements
@@ -24,8 +34,7 @@ def variant(a, b, quant, tiles, warps, stages, scale_bk=1, fp4=False, int_acc=Fa
     consts = {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "stride_bsk": 1, "stride_ask": 1,
               "GATHER_A": True, "GATED": True, "ACT": 1, "MUL_WEIGHT": False, "QUANT": quant, "INT_ACC": int_acc,
               "SCALE_BN": 1 if quant != QUANT_BLOCK else 128, "SCALE_BK": scale_bk, "FP4": fp4,
-              "FP4_ASM": fp4 and quant == QUANT_W4 and a == "bf16" and scale_bk % bk == 0
-              and (bn * bk // 2) % (128 * warps) == 0,
+              "FP4_ASM": _fp4_asm(fp4 and quant == QUANT_W4 and a == "bf16", scale_bk, MoeConfig(bm, bn, bk, 1, warps)),
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}  # fmt: skip
     if quant == QUANT_NONE:  # (weight-only 4-bit launches pass ``a`` for the unread activation scales)
         consts["as_ptr"] = consts["bs_ptr"] = None
@@ -44,6 +53,10 @@ VARIANTS = [
     ("int4-g128", lambda: variant("bf16", "u8", QUANT_W4, (128, 128, 64), 8, 4, scale_bk=128)),
     ("int4-g16-step32", lambda: variant("bf16", "u8", QUANT_W4, (128, 128, 32), 8, 4, scale_bk=16)),
     ("mxfp4-g32", lambda: variant("bf16", "u8", QUANT_W4, (128, 128, 32), 8, 4, scale_bk=32, fp4=True)),
+    # the decode tile (16 rows, warp-level MMA): MXFP4 through the inline-PTX decode
+    ("mxfp4-g32-decode", lambda: variant("bf16", "u8", QUANT_W4, (16, 64, 32), 4, 4, scale_bk=32, fp4=True)),
+    # a warpgroup-MMA tile whose shared layout sm_90's compiler rejected with the inline-PTX decode: the fp32 one
+    ("mxfp4-g32-64x128x32", lambda: variant("bf16", "u8", QUANT_W4, (64, 128, 32), 4, 3, scale_bk=32, fp4=True)),
     ("w4a8-int4-g128", lambda: variant("fp8e4nv", "u8", QUANT_W4A8, (128, 64, 32), 8, 4, scale_bk=128)),
     ("w4a8-mxfp4-g32", lambda: variant("fp8e4nv", "u8", QUANT_W4A8, (128, 64, 32), 8, 4, scale_bk=32, fp4=True)),
 ]

@@ -420,10 +420,11 @@ def test_quant_gpu_block_scaled_odd_shapes_and_cuda_graph():
 
 def test_kernel_compiles_for_sm90_without_spills():
     """Triton's compiler (not the interpreter) takes the gated stage of every weight format at its default
-    prefill tiles for sm_90, in a process of its own (moe_compile_sm90.py): tensor-core dots (wgmma), and no
-    spill, the 4-bit paths included (a scale an element for groups below the K step; w4a8's fp8 dot)."""
+    prefill tiles for sm_90, in a process of its own (moe_compile_sm90.py): tensor-core dots (wgmma, but the
+    16-row decode tile: the warp-level MMA), and no spill, the 4-bit paths included (a scale an element for
+    groups below the K step; w4a8's fp8 dot; MXFP4's inline-PTX decode)."""
     lines = run_compile_script(Path(__file__).with_name("moe_compile_sm90.py"))
-    assert len(lines) == 9 and all(line.startswith("ok") for line in lines), "\n".join(lines)
+    assert len(lines) == 11 and all(line.startswith("ok") for line in lines), "\n".join(lines)
     for line in lines:
-        mma, usage = line.split()[2], " ".join(line.split()[4:])
-        assert mma == "wgmma" and usage.endswith("STACK:0"), line
+        name, mma, usage = line.split()[1], line.split()[2], " ".join(line.split()[4:])
+        assert mma == ("no-wgmma" if name.endswith("-decode") else "wgmma") and usage.endswith("STACK:0"), line

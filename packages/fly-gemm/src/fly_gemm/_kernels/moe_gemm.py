@@ -390,6 +390,15 @@ def _moe_quant_kernel(
 # ------------------------------------------------------------------ host launchers
 
 
+def _fp4_asm(bf16_mxfp4: bool, group: int, cfg) -> bool:
+    """Whether an MXFP4 launch decodes through :func:`_fp4_bf16`: bf16 activations, one scale a column a K step,
+    whole 4-byte packs a thread, and tiles of fewer than 64 rows (the warp-level MMA of decode sizes, where the
+    decode bounds the step; sm_90's compiler rejects the shared layout it picks for some warpgroup-MMA tiles,
+    64 x 128 x 32 at 4 warps among them, which keep the fp32 decode)."""
+    return (bf16_mxfp4 and group % cfg.block_k == 0 and cfg.block_m < 64
+            and (cfg.block_n * cfg.block_k // 2) % (4 * 32 * cfg.num_warps) == 0)  # fmt: skip
+
+
 @flyc.jit(skip_empty=False)
 def launch_moe_gemm(
     a, w, c, sorted_ids, expert_ids, num_padded, weights, topk: int, numel: int, *, gather_a: bool, gated: bool,
@@ -429,8 +438,7 @@ def launch_moe_gemm(
         GATHER_A=gather_a, GATED=gated, ACT=act, MUL_WEIGHT=mul_weight,
         QUANT=quant, INT_ACC=not a.dtype.is_floating_point,
         SCALE_BN=scale_block[0], SCALE_BK=scale_block[1], FP4=fp4,
-        FP4_ASM=fp4 and quant == QUANT_W4 and a.dtype == torch.bfloat16 and scale_block[1] % cfg.block_k == 0
-        and (cfg.block_n * cfg.block_k // 2) % (4 * 32 * cfg.num_warps) == 0,
+        FP4_ASM=_fp4_asm(fp4 and quant == QUANT_W4 and a.dtype == torch.bfloat16, scale_block[1], cfg),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.launch_options(),
     )
     # fmt: on
