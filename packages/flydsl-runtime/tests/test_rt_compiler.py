@@ -364,6 +364,17 @@ def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
     assert in_fresh_thread(keep_callers) is mine
 
 
+def test_scratch_is_zero_filled_under_flydsl_zero_scratch(monkeypatch):
+    """FLYDSL_ZERO_SCRATCH=1 (the sanitize sessions' setting for initcheck) zero-fills the scratch; unset, it
+    is torch.empty (no memset a launch)."""
+    monkeypatch.setenv("FLYDSL_ZERO_SCRATCH", "1")
+    assert not flyc._torch_scratch(4096, 128, None).any()
+    monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
+    calls = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append(a))
+    assert flyc._torch_scratch(64, 128, None).numel() == 64 and not calls
+
+
 @pytest.mark.gpu
 def test_driver_signature_names_each_argument():
     """One letter an argument in launch order: pointers, the ints as Triton typed them (i32, or constexpr when

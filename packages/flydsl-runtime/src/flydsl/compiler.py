@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _backend, _interp_gpu, _interp_numpy, cache
+from . import _backend, _interp_gpu, _interp_numpy, cache, env
 from .errors import ArgumentError, DeviceError
 
 __all__ = [
@@ -638,6 +638,8 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     interpreting). torch's blocks are 512-byte aligned, past any alignment Triton asks for."""
     del alignment, stream
     device = "cpu" if interpreting() else "cuda"
+    if env.get("FLYDSL_ZERO_SCRATCH"):  # for initcheck (see flydsl.env); the kernel fills what it reads
+        return torch.zeros(size, dtype=torch.int8, device=device)
     return torch.empty(size, dtype=torch.int8, device=device)
 
 

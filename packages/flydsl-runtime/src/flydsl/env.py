@@ -120,6 +120,14 @@ VARS: dict[str, Var] = {
             "1 lets Hypothesis shrink a failing fuzz case (minutes through the interpreter).",
         ),
         Var(
+            "FLYDSL_ZERO_SCRATCH",
+            _parse_bool,
+            lambda: False,
+            "1 zero-fills the global scratch memory of kernels that build tensor descriptors on the device "
+            "(one memset a launch). For compute-sanitizer's initcheck, which does not count the descriptor "
+            "the kernel writes through the tensormap proxy as a write; the sanitize sessions set it.",
+        ),
+        Var(
             "FLYDSL_LOG_LEVEL",
             _parse_level,
             lambda: "WARNING",
