@@ -365,14 +365,30 @@ def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
 
 
 def test_scratch_is_zero_filled_under_flydsl_zero_scratch(monkeypatch):
-    """FLYDSL_ZERO_SCRATCH=1 (the sanitize sessions' setting for initcheck) zero-fills the scratch; unset, it
-    is torch.empty (no memset a launch)."""
+    """FLYDSL_ZERO_SCRATCH=1 (the sanitize sessions' setting for initcheck) installs a zero-filling allocator,
+    chosen when a thread's allocator is installed (no environment read a launch); unset, torch.empty."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    def fresh_thread_allocator():
+        out = []
+
+        def install():
+            flyc.ensure_scratch_allocator()
+            out.append(_allocation._allocator.get())
+
+        t = threading.Thread(target=install)
+        t.start()
+        t.join()
+        return out[0]
+
     monkeypatch.setenv("FLYDSL_ZERO_SCRATCH", "1")
-    assert not flyc._torch_scratch(4096, 128, None).any()
+    zeroing = fresh_thread_allocator()
+    assert zeroing is flyc._torch_zero_scratch
+    assert not zeroing(4096, 128, None).any()
     monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
-    calls = []
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append(a))
-    assert flyc._torch_scratch(64, 128, None).numel() == 64 and not calls
+    assert fresh_thread_allocator() is flyc._torch_scratch
 
 
 @pytest.mark.gpu

@@ -638,13 +638,19 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     interpreting). torch's blocks are 512-byte aligned, past any alignment Triton asks for."""
     del alignment, stream
     device = "cpu" if interpreting() else "cuda"
-    if env.get("FLYDSL_ZERO_SCRATCH"):  # for initcheck (see flydsl.env); the kernel fills what it reads
-        return torch.zeros(size, dtype=torch.int8, device=device)
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
+def _torch_zero_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """:func:`_torch_scratch` zero-filled (one memset a launch), installed under ``FLYDSL_ZERO_SCRATCH=1``: for
+    compute-sanitizer's initcheck, which does not count the descriptors the kernels write through the
+    tensormap proxy as writes (see :mod:`flydsl.env`)."""
+    return _torch_scratch(size, alignment, stream).zero_()
+
+
 def ensure_scratch_allocator() -> None:
-    """Install :func:`_torch_scratch` as Triton's scratch allocator in this thread's context if none is set.
+    """Install :func:`_torch_scratch` (:func:`_torch_zero_scratch` under ``FLYDSL_ZERO_SCRATCH=1``, read here,
+    once a thread, not a launch) as Triton's scratch allocator in this thread's context if none is set.
 
     Kernels that build tensor descriptors on the device (``fx.make_tensor_descriptor``) need global
     scratch memory for them. Triton keeps its allocator in a context variable, so every thread starts
@@ -657,4 +663,4 @@ def ensure_scratch_allocator() -> None:
     # "none set" is Triton's NullAllocator (one shared instance from 3.6, a fresh default before): by its type
     null_type = getattr(_allocation, "NullAllocator", None)
     if current is None or null_type is None or isinstance(current.get(), null_type):
-        triton.set_allocator(_torch_scratch)
+        triton.set_allocator(_torch_zero_scratch if env.get("FLYDSL_ZERO_SCRATCH") else _torch_scratch)
