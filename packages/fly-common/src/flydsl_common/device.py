@@ -33,6 +33,8 @@ __all__ = [
     "ACT_SILU",
     "FP8_E4M3_MAX",
     "INT8_MAX",
+    "INTERPRET",
+    "PTX",
     "absmax_f32",
     "activation",
     "activation_code",
@@ -77,9 +79,11 @@ _FP8_MAX = fx.constexpr(FP8_E4M3_MAX)
 # Adding and subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the
 # nearest integer, ties to even (the rounding of the fp32 add itself).
 _RNE_MAGIC = fx.constexpr(12582912.0)
-_INTERPRET = fx.constexpr(flydsl.interpreting())
-# Compiled for NVIDIA: helpers may use PTX inline assembly (one-instruction conversions and approximations).
-_PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
+# Kernels run in Triton's interpreter (whose own conversions differ from the hardware's in places).
+INTERPRET = fx.constexpr(flydsl.interpreting())
+# Compiled for NVIDIA: device code may use PTX inline assembly (here: one-instruction conversions and
+# approximations; the families' own kernels: their decodes and waits). One flag for every package.
+PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 
 # ---------------------------------------------------------------- addressing
@@ -154,7 +158,7 @@ def round_half_even(x):
 @flyc.func
 def cast_sat_int8(x):
     """fp32 -> int8: round half to even, saturate to [-127, 127] (symmetric, so -x quantizes to -q)."""
-    if _PTX:  # one cvt.rni (round to nearest, ties to even), which also saturates at 127
+    if PTX:  # one cvt.rni (round to nearest, ties to even), which also saturates at 127
         return fx.inline_asm_elementwise(
             "cvt.rni.sat.s8.f32 $0, $1;", "=r,r", [fx.maximum(x, -_INT8_MAX)], dtype=fx.int32, is_pure=True, pack=1
         ).to(fx.int8)
@@ -187,7 +191,7 @@ def _fp8e4m3_bits(c):
 def cast_sat_fp8e4m3(x):
     """fp32 -> fp8 e4m3 (fn), round half to even, saturating to +-448 (the hardware conversion gives NaN)."""
     c = fx.minimum(fx.maximum(x, -_FP8_MAX), _FP8_MAX)
-    if _INTERPRET:
+    if INTERPRET:
         # The interpreter's own fp32 -> fp8 conversion is wrong for many values;
         # build the encoding exactly instead.
         return _fp8e4m3_bits(c).to(fx.uint8).to(fx.float8e4nv, bitcast=True)
@@ -202,7 +206,7 @@ def cast_sat_fp8e4m3(x):
 def fast_exp2(x):
     """2**x in fp32. Compiled for NVIDIA: one ``ex2.approx.ftz`` (relative error ~2**-22; results below
     2**-126 flush to 0), where ``fx.exp2`` adds subnormal fix-ups around it; elsewhere ``fx.exp2``."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=fx.float32, is_pure=True, pack=1
         )
@@ -214,7 +218,7 @@ def fast_exp2(x):
 def fast_rcp(x):
     """1 / x in fp32. Compiled for NVIDIA: one ``rcp.approx.ftz`` (within 1 ulp), where ``/`` is an IEEE
     division of a dozen instructions; elsewhere ``1 / x``."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=fx.float32, is_pure=True, pack=1
         )
@@ -229,7 +233,7 @@ def fast_rcp(x):
 def pdl_launch_dependents():
     """Let the next kernel on the stream launch once every program of this one has called this (or
     exited); a no-op unless this kernel was launched with ``launch_pdl`` (and outside NVIDIA)."""
-    if _PTX:
+    if PTX:
         fx.extra.cuda.gdc_launch_dependents()
 
 
@@ -238,7 +242,7 @@ def pdl_wait():
     """Wait until the kernel before this one on the stream has finished and its writes are visible.
     A kernel launched with ``launch_pdl`` may start early: it must call this before it reads what that
     kernel may write, and before it writes anything."""
-    if _PTX:
+    if PTX:
         fx.extra.cuda.gdc_wait()
 
 
@@ -246,7 +250,7 @@ def pdl_wait():
 def prefetch_l2(ptrs, ok, base):
     """Ask L2 for the 128-byte lines at ``ptrs`` where ``ok`` (elsewhere at ``base``, a valid address):
     nothing is loaded into registers or waited for. NVIDIA only; elsewhere nothing."""
-    if _PTX:
+    if PTX:
         addr = fx.where(ok, ptrs, base)
         fx.inline_asm_elementwise(
             "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=fx.int32, is_pure=False, pack=1

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
-import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
+    INTERPRET,
+    PTX,
     absmax_f32,
     activation,
     cast_sat_fp8e4m3,
@@ -60,16 +61,12 @@ QUANT_W4 = 3  # packed int4 / fp4 weights with block (group) scales, dequantized
 QUANT_W4A8 = 4  # packed int4 / fp4 weights, fp8 activations: the 4-bit codes (exact in e4m3) in an fp8 dot
 
 
-# the interpreter converts fp32 to bf16 by truncation; the hardware rounds to nearest even
-_INTERPRET = fx.constexpr(flydsl.interpreting())
-# compiled for NVIDIA: the MXFP4 decode may use inline PTX (:func:`_fp4_bf16`)
-_PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 
 @flyc.func
 def _to_16bit(x, dtype: fx.constexpr):
     """fp32 -> ``dtype`` (bf16 / fp16) rounded to nearest even, on the hardware and in the interpreter."""
-    if _INTERPRET and dtype == fx.bfloat16:
+    if INTERPRET and dtype == fx.bfloat16:
         bits = x.to(fx.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # finite values: round the low 16 bits away
         return bits.to(fx.float32, bitcast=True).to(dtype)
@@ -237,7 +234,7 @@ def _moe_gemm_kernel(
                 k2_left = KP - k0 // 2
             a = fx.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b_ok = n_ok[:, None] & k_ok[None, :]
-            if QUANT == 3 and FP4_ASM and _PTX:
+            if QUANT == 3 and FP4_ASM and PTX:
                 # MXFP4 into a bf16 dot (one scale a column a step): the codes times the scale straight to bf16
                 b4_ok = n_ok[:, None] & (rk2 < k2_left)[None, :]
                 kb = row_offset(k0 // SCALE_BK, stride_bsk)

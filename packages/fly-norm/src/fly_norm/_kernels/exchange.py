@@ -18,17 +18,12 @@ values this way, so the helpers live here rather than in flydsl-common. They are
 
 from __future__ import annotations
 
-import torch
-
-import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
+from flydsl_common.device import PTX
 
 __all__ = ["collect", "collect_from", "collect_pairs_from", "collect_sum", "peek", "publish", "publish_pair"]
 
-# Compiled for NVIDIA: the waits may use PTX inline assembly (a relaxed load the compiler keeps in place, a
-# poll loop inside one asm statement).
-_PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 # A kernel whose programs wait on each other must be launched with a grid no
 # larger than what the GPU holds at once (flyc.programs_per_sm x SMs), so that
@@ -148,7 +143,7 @@ def _spin_limits(like, SPIN_LIMIT: fx.constexpr):
 def peek(slot_ptrs):
     """One read of the int64 slots (a block of any shape), for :func:`collect_from`. NVIDIA: a relaxed load in
     an asm statement, issued where it is written (the compiler neither moves it nor merges it with another)."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", [slot_ptrs], dtype=fx.int64, is_pure=False, pack=1
         )
@@ -163,7 +158,7 @@ def collect_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr):
     they were published by then no read is on the critical path. NVIDIA: each thread waits for its copies in
     one asm statement (no loop in the kernel's IR: Triton pipelines only loops without nested loops).
     Elsewhere :func:`collect`."""
-    if _PTX:
+    if PTX:
         m32 = mask.to(fx.int32)
         bits = fx.inline_asm_elementwise(
             _AWAIT_PTX, "=r,l,l,r,r", [words, slot_ptrs, m32, _spin_limits(m32, SPIN_LIMIT)], dtype=fx.int32,
@@ -205,7 +200,7 @@ def collect_pairs_from(words, slot_ptrs, mask, SPIN_LIMIT: fx.constexpr, SIGNED:
     off (-0 for a signed pair's high value), NaN where SPIN_LIMIT more reads found a slot unpublished.
     ``SIGNED`` as the slots were published. NVIDIA: one asm statement; elsewhere a poll loop as
     :func:`collect`."""
-    if _PTX:
+    if PTX:
         m32 = mask.to(fx.int32)
         lo, hi = fx.inline_asm_elementwise(
             _AWAIT_PAIR_PTX, "=r,=r,l,l,r,r", [words, slot_ptrs, m32, _spin_limits(m32, SPIN_LIMIT)],

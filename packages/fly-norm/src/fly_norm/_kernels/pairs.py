@@ -18,12 +18,9 @@ a portable twin with the same results.
 
 from __future__ import annotations
 
-import torch
-
-import flydsl
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8
+from flydsl_common.device import PTX, cast_sat_fp8e4m3, cast_sat_int8
 
 __all__ = [
     "NEG_INF_BF16_PAIR",
@@ -40,8 +37,6 @@ __all__ = [
     "sum_absmax_f32",
 ]
 
-# Compiled for NVIDIA: helpers may use PTX inline assembly (one-instruction conversions).
-_PTX = fx.constexpr(not flydsl.interpreting() and torch.version.hip is None)
 
 
 # ------------------------------------------------------------ two reductions in one
@@ -92,7 +87,7 @@ def bf16_pairs_again(words):
     the first (NVIDIA: two ``prmt``): a kernel that keeps a row packed through a reduction widens it again
     after it, rather than let the compiler hold the fp32 copy (twice the registers) from before. Elsewhere
     :func:`bf16_pairs`."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x1044; prmt.b32 $1, $2, z, 0x3244; }",
             "=r,=r,r", [words], dtype=(fx.float32, fx.float32), is_pure=True, pack=1,
@@ -107,7 +102,7 @@ def bf16_pairs_third(words, zero):
     0 without the compiler being able to prove it (the sign bit of a positive value, for example). The
     compiler can match neither of the other widenings with it (those shift, or permute a constant zero),
     and cannot compute it before ``zero``. Elsewhere :func:`bf16_pairs`."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "prmt.b32 $0, $2, $3, 0x1044; prmt.b32 $1, $2, $3, 0x3244;",
             "=r,=r,r,r", [words, zero], dtype=(fx.float32, fx.float32), is_pure=True, pack=1,
@@ -123,7 +118,7 @@ NEG_INF_BF16_PAIR = fx.constexpr(-8323200)  # 0xFF80FF80 as int32
 def max_bf16_halves(a, b):
     """Half by half max of int32 words of two bf16 each. NVIDIA: one ``max.bf16x2`` (a NaN half yields the
     other operand's); elsewhere through fp32."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=fx.int32, is_pure=True, pack=1
         )
@@ -141,7 +136,7 @@ def offsets_after(offs, after, VEC: fx.constexpr):
     copy hides from the compiler. A kernel writing a row held in registers part by part orders each
     part's per-column reads after the previous part's results this way, rather than let the compiler
     issue them all at once and hold what they read (NVIDIA; elsewhere ``offs``)."""
-    if _PTX:
+    if PTX:
         o = fx.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [offs, after], dtype=fx.int32, is_pure=True,
                                       pack=1)  # fmt: skip
         return fx.max_contiguous(fx.multiple_of(o, [1, VEC]), [1, VEC])
@@ -152,7 +147,7 @@ def offsets_after(offs, after, VEC: fx.constexpr):
 def bf16_words(even, odd):
     """Two fp32 tensors rounded to bf16 (nearest, ties to even) and packed as int32 words, ``even`` in the low
     half: the inverse of :func:`bf16_pairs` (NVIDIA: one ``cvt.rn.bf16x2.f32`` a pair)."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=fx.int32, is_pure=True, pack=1
         )
@@ -188,7 +183,7 @@ def sat_int8_pairs(even, odd):
 def sat_fp8e4m3_pairs(even, odd):
     """:func:`cast_sat_fp8e4m3` of two fp32 tensors, packed as int16 as :func:`sat_int8_pairs` packs (NVIDIA:
     one ``cvt.rn.satfinite.e4m3x2`` a pair, whose saturation at +-448 is the clamp's)."""
-    if _PTX:
+    if PTX:
         return fx.inline_asm_elementwise(
             "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [even, odd], dtype=fx.int16, is_pure=True, pack=1
         )
