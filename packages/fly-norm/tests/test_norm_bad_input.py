@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from norm_helpers import assert_quant_matches, randn
+from norm_helpers import CHUNKED, assert_quant_matches, force_config, randn
 
+import fly_norm.layernorm as layernorm_mod
 from fly_norm import (
     FlyLayerNorm,
     FlyRMSNorm,
@@ -21,9 +22,11 @@ from fly_norm import (
     rms_norm_quant,
     softmax,
 )
+from fly_norm._split_host import SPLIT_MIN_N, launch_fwd_split
 from fly_norm.reference import layer_norm_quant_ref, layer_norm_ref, rms_norm_quant_ref, rms_norm_ref, softmax_ref
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, LayoutError, ShapeError
-from flydsl.testing import assert_rel_close, tolerance
+from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
+from flydsl_common.rows import RowConfig
 
 FUNCTIONS = ["rms_norm", "layer_norm", "softmax", "rms_norm_quant", "layer_norm_quant"]
 MODULES = ["FlyRMSNorm", "FlyLayerNorm", "FlySoftmax"]
@@ -363,10 +366,10 @@ NAN_N = 100
 @pytest.mark.parametrize("op", OPS)
 def test_nan_inf(device, op):
     """NaN / Inf where torch's (fp64) reference has them, the finite values finite and right. softmax: -inf
-    entries give exact zeros, a row holding only -inf gives NaN, as torch.softmax. rms_norm_quant: a row whose
-    normalized values hold a NaN gets a NaN scale, so it dequantizes to NaN, never to a finite wrong row (its
-    codes are unspecified); the finite rows are unaffected. layer_norm_quant: the finite rows are unaffected;
-    its NaN rows: test_nan_inf_layer_norm_quant_scale (an xfail)."""
+    entries give exact zeros, a row holding only -inf gives NaN, as torch.softmax. The quantized ops: a row
+    whose normalized values hold a NaN gets a NaN scale, so it dequantizes to NaN, never to a finite wrong
+    row (its codes are unspecified); the finite rows are unaffected. (layer_norm_quant on each of its paths:
+    test_nan_inf_layer_norm_quant_scale.)"""
     x = _nan_inf_rows(NAN_N, device)
     out, ref = _run(op, x), _ref(op, x)
     if op in QUANT:
@@ -374,9 +377,8 @@ def test_nan_inf(device, op):
         qr, sr = ref
         bad = torch.tensor([False, True, True, True, True], device=device)  # rows 1-4 normalize to NaN / Inf
         assert torch.isnan(sr[bad]).all()
-        if op == "rms_norm_quant":
-            assert torch.isnan(s[bad]).all(), s
-            assert torch.isnan(q[bad].float() * s[bad, None]).all()  # dequantized: NaN
+        assert torch.isnan(s[bad]).all(), s
+        assert torch.isnan(q[bad].float() * s[bad, None]).all()  # dequantized: NaN
         assert_quant_matches(q[~bad], s[~bad], qr[~bad], sr[~bad])
         return
     assert torch.equal(torch.isnan(out), torch.isnan(ref)), (out, ref)
@@ -390,15 +392,69 @@ def test_nan_inf(device, op):
         assert torch.isnan(_run(op, torch.full((2, NAN_N), float("-inf"), device=device))).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layer_norm_quant: a row whose normalized values are NaN (a NaN or Inf in x) gets scale 0 and codes "
-    "0 when the row is narrower than its block (padding lanes of 0 win the NaN-dropping max): the row "
-    "dequantizes to silent zeros where the reference gives a NaN scale",
-)
-def test_nan_inf_layer_norm_quant_scale(device):
-    x = _nan_inf_rows(NAN_N, device)
-    _, s = _run("layer_norm_quant", x)
-    _, sr = _ref("layer_norm_quant", x)
+def _quant_on(path, x, w, b, r, sm, qdtype, monkeypatch):
+    """(q, scale, residual_out or None) of layer_norm_quant (rms_norm_quant where ``b`` is None, eps 1e-6)
+    through ``path`` (see the test below)."""
+    is_rms = b is None
+    eps = 1e-6 if is_rms else 1e-5
+    if path == "split":
+        q = torch.empty(x.shape, dtype=qdtype, device=x.device)
+        s = empty_poisoned(x.shape[0], dtype=torch.float32, device=x.device)
+        h = None if r is None else torch.empty_like(r)
+        code, qmax = (1, 127.0) if qdtype == torch.int8 else (2, 448.0)
+        assert launch_fwd_split(x, r, w, b, sm, q, h, None, None, s, eps, 0.0, is_rms, code, qmax)
+        return q, s, h
+    if path == "chunked":
+        force_config(monkeypatch, layernorm_mod, CHUNKED)
+    if path == "chunk":
+        force_config(monkeypatch, layernorm_mod, RowConfig(1, 128, 4, False))
+    if is_rms:
+        out = rms_norm_quant(x, w, eps, dtype=qdtype, smooth_scale=sm, residual=r)
+    else:
+        out = layer_norm_quant(x, w, b, eps, dtype=qdtype, smooth_scale=sm, residual=r)
+    return out if r is not None else (*out, None)
+
+
+# layer_norm_quant's abs-max paths: "rows", the row kernel's single pass (rows of NAN_N columns in blocks of
+# 128); "chunked", the chunked passes over a row wider than its block (CHUNKED: two chunks of 64, the last
+# short: the lanes' running max); "chunk", the chunked passes with one chunk of 128 (lanes past the row: the
+# lanes' merge); "split", the split kernel launched directly (one slice of 4096 columns a row, so it runs in
+# the interpreter too); "wide", the public op on rows past SPLIT_MIN_N, which a GPU splits over many slices.
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("path", ["rows", "chunked", "chunk", "split", pytest.param("wide", marks=pytest.mark.gpu)])
+def test_nan_inf_layer_norm_quant_scale(device, path, fused, monkeypatch):
+    """layer_norm_quant on each of its paths: a row whose normalized values hold a NaN (a NaN or an Inf in x)
+    gets a NaN scale, as torch's amax gives it, so it dequantizes to NaN; the finite row matches the
+    reference. The rows are narrower than their block (slice), whose padding lanes hold 0, and the last chunk
+    of a chunked row is short: a max that drops NaN let those zeros win (scale 0, codes 0: a row of silent
+    zeros). ``fused``: with a residual, a smooth scale and fp8 codes (int8 otherwise)."""
+    n = SPLIT_MIN_N + 7231 if path == "wide" else NAN_N
+    x = _nan_inf_rows(n, device)
+    w, b = _params(n, x.dtype, device)
+    r = randn(5, n, device=device, seed=3) if fused else None
+    sm = torch.rand(n, device=device) + 0.5 if fused else None
+    qdtype = torch.float8_e4m3fn if fused else torch.int8
+    q, s, h = _quant_on(path, x, w, b, r, sm, qdtype, monkeypatch)
+    qr, sr, *_ = layer_norm_quant_ref(x, w, b, 1e-5, dtype=qdtype, smooth_scale=sm, residual=r)
     assert torch.isnan(sr[1:]).all()
     assert torch.isnan(s[1:]).all(), s
+    assert torch.isnan(q[1:].float() * s[1:, None]).all()  # dequantized: NaN
+    assert_quant_matches(q[:1], s[:1], qr[:1], sr[:1])
+    if fused:  # residual_out: x + r as fp32 adds it (the reference's rounding step turns its inf into NaN)
+        torch.testing.assert_close(h, x + r, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["split", pytest.param("wide", marks=pytest.mark.gpu)])
+def test_nan_inf_rms_norm_quant_split_scale(device, path, monkeypatch):
+    """rms_norm_quant's split path (its row paths: test_nan_inf) takes the row's scale from the same exchange
+    of the slices' |y| maxima as layer_norm_quant's: a row whose normalized values hold a NaN gets a NaN scale
+    there too, not the zeros past N in a short slice."""
+    n = SPLIT_MIN_N + 7231 if path == "wide" else NAN_N
+    x = _nan_inf_rows(n, device)
+    w = _params(n, x.dtype, device)[0]
+    q, s, _ = _quant_on(path, x, w, None, None, None, torch.int8, monkeypatch)
+    qr, sr = rms_norm_quant_ref(x, w, 1e-6)
+    assert torch.isnan(sr[1:]).all()
+    assert torch.isnan(s[1:]).all(), s
+    assert torch.isnan(q[1:].float() * s[1:, None]).all()  # dequantized: NaN
+    assert_quant_matches(q[:1], s[:1], qr[:1], sr[:1])

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import inverse_scale, pdl_wait, quant_scale, row_offset
+from flydsl_common.device import absmax_f32, inverse_scale, pdl_wait, quant_scale, row_offset
 
 from .affine import load_bwd_rows, load_weight
 from .pairs import (
@@ -246,7 +246,9 @@ def norm_fwd_kernel(
             if QUANT == 0:
                 fx.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
             else:
-                amax = fx.max(fx.abs(fx.where(mask, y, 0.0)), axis=1)
+                # NaN where y holds one, as torch's amax: a plain max drops NaN, and a row narrower than its
+                # block would get the padding's 0 (a NaN row quantized to silent zeros)
+                amax = absmax_f32(fx.where(mask, y, 0.0), 1)
                 fx.store(qs_ptr + rows, quant_scale(amax, QMAX), mask=row_ok)
                 fx.store(y_rows + cols[None, :], quantize(y, inverse_scale(amax, QMAX), QUANT), mask=mask)
     else:

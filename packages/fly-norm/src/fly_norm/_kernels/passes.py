@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, row_offset
+from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, max_nan, maximum_nan, row_offset
 
 from .affine import load_weight
 from .pairs import sat_fp8e4m3_pairs, sat_int8_pairs, sum_absmax_f32
@@ -254,14 +254,16 @@ def lane_amax(
     HAS_RESIDUAL: fx.constexpr, HAS_WEIGHT: fx.constexpr, HAS_BIAS: fx.constexpr, HAS_SMOOTH: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr,
 ):  # fmt: skip
-    """The quantized forwards' middle pass: max |y| of each row over its N columns, per lane then merged."""
+    """The quantized forwards' middle pass: max |y| of each row over its N columns, per lane then merged; NaN
+    where y holds a NaN, as torch's amax (a plain max drops NaN, in the lanes as in the merge: the zeros of
+    masked columns and of lanes past N would give a NaN row a finite scale)."""
     amax = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for start in range(0, N, BLOCK_N):
         y, mask = _chunk_y(x_rows, r_rows, row_ok, start + cols, N, mean, rstd, w_ptr, b_ptr, s_ptr,
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last",
                            False)  # fmt: skip
-        amax = fx.maximum(amax, fx.abs(fx.where(mask, y, 0.0)))
-    return fx.max(amax, axis=1)
+        amax = maximum_nan(amax, fx.abs(fx.where(mask, y, 0.0)))
+    return max_nan(amax, 1)
 
 
 @flyc.func

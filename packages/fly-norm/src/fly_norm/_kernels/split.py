@@ -62,9 +62,11 @@ from __future__ import annotations
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import (
+    absmax_f32,
     cast_sat_fp8e4m3,
     cast_sat_int8,
     inverse_scale,
+    max_nan,
     pdl_launch_dependents,
     pdl_wait,
     quant_scale,
@@ -124,10 +126,11 @@ def _merge_slices(base, p_idx, p_ok, p_count, N, IS_RMS: fx.constexpr, SPIN_LIMI
 @flyc.func
 def _exchange_amax(base, part, p_idx, p_ok, amax, live, PARTS_POW2: fx.constexpr, SPIN_LIMIT: fx.constexpr):
     """The quantized forwards' second exchange: this slice's max |y| published (``live``: the row exists),
-    the row's returned with its ``ok``. Slots after the (s1, s2) pairs: ``base + 2 * PARTS_POW2 + part``."""
+    the row's returned with its ``ok``. Slots after the (s1, s2) pairs: ``base + 2 * PARTS_POW2 + part``.
+    A NaN slice makes the row's NaN, as torch's amax (the masked-off slots' zeros would win a plain max)."""
     publish(base + 2 * PARTS_POW2 + part, amax, live)
     amax_p, ok = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
-    return fx.max(amax_p, axis=0), ok
+    return max_nan(amax_p, 0), ok
 
 
 @flyc.func
@@ -228,10 +231,11 @@ def norm_fwd_split_kernel(
         if QUANT == 0:
             fx.store(y_ptr + row_offset(row, stride_y) + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
         else:
-            # 4. quantized output: a second exchange, of the slices' |y| maxima.
+            # 4. quantized output: a second exchange, of the slices' |y| maxima (NaN where y holds a NaN, as
+            # torch's amax: a plain max drops it, and the zeros past N in a short slice would win).
             if HAS_SMOOTH:
                 y = y * fx.load(s_ptr + c, mask=cmask, other=0.0, eviction_policy=COL_EVICT).to(fx.float32)
-            amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, fx.max(fx.abs(fx.where(cmask, y, 0.0)), axis=0),
+            amax, ok2 = _exchange_amax(base, part, p_idx, p_ok, absmax_f32(fx.where(cmask, y, 0.0), 0),
                                        row < M, PARTS_POW2, SPIN_LIMIT)  # fmt: skip
             inv = inverse_scale(amax, QMAX)  # an all-zero row: q = 0
             if QUANT == 1:
