@@ -3,8 +3,8 @@
 - ``topk_softmax`` / ``grouped_topk`` against ``topk_softmax_ref`` / ``grouped_topk_ref`` (fp64): T of 0, 1,
   odd; E around the kernels' power-of-two expert tiles; k from 1 to its limit; fp32 / bf16 / fp16 and
   strided logits; tied logits (ties go to the lower id, documented), -inf entries, rows of only -inf and
-  +inf (NaN weights, as torch.softmax). NaN logits are not drawn: topk_softmax drops a NaN logit, the
-  strict xfail ``test_nan_inf_topk_softmax_nan_logit`` in test_gemm_bad_input.py.
+  +inf, NaN logits and rows of only NaN (NaN weights exactly where the reference has them, as torch.softmax;
+  the ids of such a row unspecified but distinct experts in [0, E)).
 - ``moe_align`` exactly against ``moe_align_ref``: int32 / int64 and strided ids, experts with no rows,
   every row on one expert, -1 slots, block_m of 1 to 128 and the counting kernels' chunk and sub-tile
   thresholds (+-1).
@@ -117,23 +117,30 @@ def _logits(draw, t, e, dtype, kind, seed_):
     elif kind == "spread":
         x = x * 8
     x = x.to(dtype)
-    if t and kind in ("neg-inf", "all-neg-inf", "pos-inf"):
+    if t and kind in ("neg-inf", "all-neg-inf", "pos-inf", "nan", "all-nan"):
         r = draw(st.integers(0, t - 1))
         if kind == "neg-inf":
             x[r, draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=e))] = float("-inf")
         elif kind == "all-neg-inf":
             x[r] = float("-inf")
-        else:
+        elif kind == "pos-inf":
             x[r, draw(st.integers(0, e - 1))] = float("inf")
+        elif kind == "nan":
+            x[r, draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=e))] = float("nan")
+        else:
+            x[r] = float("nan")
     return x
 
 
 def _check_routing(got, ref, logits):
     """ids exactly the reference's (ties to the lower id); weights to fp32's 1e-5 (test_moe_routing's); NaN
-    weights exactly where the reference has them (rows of only -inf, or holding +inf)."""
+    weights exactly where the reference has them (rows of only -inf, or holding +inf or NaN). Every row's ids,
+    a NaN row's too, are distinct experts in [0, E) (fused_moe reads its weights by them)."""
     (w, ids), (wr, idr) = got, ref
     assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == wr.shape == ids.shape
     w, ids = w.cpu(), ids.cpu()
+    assert ((ids >= 0) & (ids < logits.shape[1])).all(), f"ids outside [0, E):\n{ids}"
+    assert all(len(set(row)) == len(row) for row in ids.tolist()), f"an expert twice in a row:\n{ids}"
     nan = torch.isnan(wr).any(-1)
     assert torch.equal(torch.isnan(w), torch.isnan(wr)), f"NaN weights in other places than torch's:\n{w}\n{wr}"
     # a row holding +inf: its expert first, as the reference ranks it; the rest of a NaN row is unspecified
@@ -150,8 +157,8 @@ def test_fuzz_topk_softmax(data):
     e = data.draw(st.one_of(st.integers(1, 70), st.sampled_from(E_EDGES + [256])))
     k = data.draw(st.integers(1, min(e, 9)))
     dtype = data.draw(st.sampled_from(LOGIT_DTYPES))
-    # no NaN logit: topk_softmax drops it (the strict xfail test_nan_inf_topk_softmax_nan_logit)
-    kind = data.draw(st.sampled_from(["normal", "normal", "ties", "spread", "neg-inf", "all-neg-inf", "pos-inf"]))
+    kinds = ["normal", "normal", "ties", "spread", "neg-inf", "all-neg-inf", "pos-inf", "nan", "all-nan"]
+    kind = data.draw(st.sampled_from(kinds))
     layout = data.draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
     renorm = data.draw(st.booleans())
     note(f"T={t} E={e} k={k} {dtype} {kind} {layout} renormalize={renorm}")
@@ -169,7 +176,9 @@ def test_fuzz_grouped_topk(data):
     constant one: a group ranks by the sum of its two best scores, and sums of different scores that are
     equal only in exact arithmetic (sigmoid(x) + sigmoid(-x) = 1 for any x; -2..2 logits with a bias in
     quarters: softmax p(2) + 0.5 + p(1) - 0.25 = p(1) + 0.25 + p(2), seed 7's draw) are ties that fp32
-    and fp64 round apart, so neither answer is wrong. Equal scores summed alike stay exact ties."""
+    and fp64 round apart, so neither answer is wrong. Equal scores summed alike stay exact ties. NaN logits
+    and rows of NaN: NaN weights where the reference has them (a sigmoid score is per expert: unrenormalized,
+    only the NaN expert's weight)."""
     t = data.draw(st.one_of(st.integers(0, 30), st.sampled_from(ROW_EDGES)))
     groups = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
     per = data.draw(st.sampled_from([1, 2, 3, 4, 8, 32]))
@@ -177,7 +186,7 @@ def test_fuzz_grouped_topk(data):
     topk_group = data.draw(st.integers(1, groups))
     k = data.draw(st.integers(1, min(9, topk_group * per)))
     dtype = data.draw(st.sampled_from(LOGIT_DTYPES))
-    kind = data.draw(st.sampled_from(["normal", "normal", "ties-012"]))
+    kind = data.draw(st.sampled_from(["normal", "normal", "ties-012", "nan", "all-nan"]))
     bias = data.draw(st.sampled_from([None, torch.float32, torch.bfloat16]))
     scoring = data.draw(st.sampled_from(["sigmoid", "softmax"]))
     renorm = data.draw(st.booleans())
@@ -490,7 +499,6 @@ def test_fuzz_fly_moe(data):
     ref = fused_moe_ref(x2, m.w1.detach().cpu(), m.w2.detach().cpu(), rw, ids, activation=act)
     terms = _terms(x2, m.w1.detach().cpu(), m.w2.detach().cpu(), rw, ids, act, False)
     assert_rel_close(y.reshape(-1, h), ref, tol=tolerance(dtype), terms=terms)
-
 
 
 # ---------------------------------------------------------------- failures the fuzzing found, as fixed examples

@@ -12,8 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fly_gemm import fused_moe, gemm, gemm_ref, grouped_gemm, grouped_gemm_ref, linear, prepack, topk_softmax
-from fly_gemm.moe_reference import fused_moe_ref, topk_softmax_ref
+from fly_gemm import (
+    fused_moe,
+    gemm,
+    gemm_ref,
+    grouped_gemm,
+    grouped_gemm_ref,
+    grouped_topk,
+    linear,
+    prepack,
+    topk_softmax,
+)
+from fly_gemm.moe_reference import fused_moe_ref, grouped_topk_ref, topk_softmax_ref
 from flydsl.errors import ArgumentError, DeviceError, DTypeError, ShapeError
 from flydsl.testing import assert_rel_close, tolerance
 
@@ -521,8 +531,7 @@ def _assert_same_non_finite(out, ref):
 def test_nan_inf(device, op):
     """NaN / Inf propagate as in torch's reference: into their own rows (and columns) only, never into other
     tokens or tiles; a routing row of -inf logits but one gives that expert weight 1; a row of only -inf, or
-    with +inf, gives NaN weights as torch.softmax. A NaN logit among finite ones:
-    test_nan_inf_topk_softmax_nan_logit (an xfail)."""
+    with +inf, gives NaN weights as torch.softmax. A NaN logit: test_nan_inf_topk_softmax_nan_logit."""
     if op in ("gemm", "linear", "prepack"):
         a = _randn(5, 16, dtype=F16, device=device)
         b = _randn(6, 16, dtype=F16, device=device, seed=1)
@@ -564,14 +573,40 @@ def test_nan_inf(device, op):
         assert torch.equal(ids[0].cpu(), idr[0].cpu())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="topk_softmax drops a NaN logit: the row's weights come back finite, from the remaining experts, "
-    "where torch.softmax (and the reference) give NaN for the row",
-)
-def test_nan_inf_topk_softmax_nan_logit(device):
-    logits = _randn(3, 8, device=device)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_nan_inf_topk_softmax_nan_logit(device, renormalize):
+    """A NaN logit among finite ones makes its row's weights NaN, as torch.softmax (and topk_softmax_ref) do,
+    renormalized or not (the max reductions drop NaN: with renormalization the row came out finite, from the
+    other experts); a row of only NaN too. The ids of such a row are unspecified but are k distinct expert ids
+    in [0, E) (a NaN matches no maximum: a row of NaN got ids past E, which fused_moe would read out of
+    bounds); the other rows are untouched. grouped_topk likewise against grouped_topk_ref: sigmoid scores are
+    per expert, so without renormalization only the NaN expert's weight is NaN."""
+    e = 6  # not a power of two: the kernels' padding columns past E are there to be (wrongly) picked
+    logits = _randn(4, e, device=device)
     logits[1, 4] = float("nan")
-    w, _ = topk_softmax(logits, 2)
-    assert torch.isnan(topk_softmax_ref(logits, 2)[0][1]).all()
-    assert torch.isnan(w[1]).all(), w[1]
+    logits[2, :] = float("nan")
+    logits[3, [0, 2]] = float("nan")
+    nan_rows = torch.tensor([False, True, True, True])
+    for k in (2, e):
+        w, ids = topk_softmax(logits, k, renormalize)
+        wr, idr = topk_softmax_ref(logits, k, renormalize)
+        w, ids = w.cpu(), ids.cpu()
+        assert torch.isnan(wr[nan_rows]).all() and torch.isnan(w[nan_rows]).all(), w
+        _assert_valid_ids(ids, e)
+        assert torch.equal(ids[0], idr[0].cpu())
+        assert_rel_close(w[0], wr[0], tol=1e-5)
+    for scoring, bias in (("sigmoid", None), ("sigmoid", torch.zeros(e, device=device)), ("softmax", None)):
+        w, ids = grouped_topk(logits, 3, 3, 2, correction_bias=bias, scoring=scoring, renormalize=renormalize)
+        wr, idr = grouped_topk_ref(logits, 3, 3, 2, correction_bias=bias, scoring=scoring, renormalize=renormalize)
+        w, ids = w.cpu(), ids.cpu()
+        assert torch.isnan(wr[nan_rows]).any(-1).all()
+        assert torch.equal(torch.isnan(w), torch.isnan(wr)), (scoring, bias, w, wr)
+        _assert_valid_ids(ids, e)
+        assert torch.equal(ids[0], idr[0].cpu())
+        assert_rel_close(w[0], wr[0], tol=1e-5)
+
+
+def _assert_valid_ids(ids, e):
+    """Each row: distinct expert ids in [0, e)."""
+    assert ((ids >= 0) & (ids < e)).all(), ids
+    assert all(len(set(row)) == len(row) for row in ids.tolist()), ids

@@ -284,6 +284,10 @@ def _default(key, arch: str) -> GemmConfig:
     the same shape (searched, cached, shipped or default), so the tuned LLM shapes serve every epilogue."""
     if key["epilogue"] != "none":
         return TUNABLE.explain({**key, "epilogue": "none"}, arch)[0]
+    if key["out"] == "fp16" and _key_dtype(key).itemsize == 1:
+        # 8-bit operands into fp16 (a 16-bit x against a quantized PackedWeight): the same kernel and output
+        # bytes as into bf16, whose keys are the ones tuned
+        return TUNABLE.explain({**key, "out": "bf16"}, arch)[0]
     return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), _arch(arch))
 
 

@@ -185,8 +185,9 @@ def gemm(
             quantized per row on the fly).
         bias: optional ``[N]``, any float dtype, added in fp32.
         activation: None, ``"relu"``, ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf form), after the bias.
-        out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, bf16 for fp8 and
-            int8), or int32 for the raw int8 product (no scales, bias or activation).
+        out_dtype: output dtype: fp16 / bf16 / fp32 (default: ``a``'s for 16-bit inputs, also when a quantized
+            PackedWeight has it quantized on the fly; bf16 for fp8 and int8), or int32 for the raw int8
+            product (no scales, bias or activation).
         scale_a: one value (a Python number, or an fp32 tensor of one element) or an fp32 ``[M]`` (per row of
             A); scale_b: one value or fp32 ``[N]`` (per column of C). Applied to the accumulator in fp32; the
             usual fp8 / int8 dequantization scales. A number costs a one-element fill on the device each call.
@@ -208,6 +209,10 @@ def gemm(
     if not isinstance(a, torch.Tensor):
         raise ArgumentError(f"a: expected a torch.Tensor, got {type(a).__name__}")
     if isinstance(b, PackedWeight):
+        if out_dtype is None and out is None and b.quantized and a.dtype in (torch.float16, torch.bfloat16):
+            # the default follows the a given: _unpack quantizes a 16-bit a to the weight's 8-bit dtype, whose
+            # own default (bf16) is not the contract of a 16-bit call
+            out_dtype = a.dtype
         a, b, scale_a, scale_b, b_layout = _unpack(a, b, scale_a, scale_b, b_layout)
     elif not isinstance(b, torch.Tensor):
         raise ArgumentError(f"b: expected a torch.Tensor or a fly_gemm.PackedWeight, got {type(b).__name__}")

@@ -56,6 +56,8 @@ def topk_softmax(router_logits: torch.Tensor, k: int, renormalize: bool = True):
 
     Returns:
         ``(weights, ids)``: fp32 ``[T, k]`` and int32 ``[T, k]``, best first; equal logits go to the lower id.
+        A row holding NaN (or +inf, or only -inf) gets NaN weights, as ``torch.softmax``; its ids are distinct
+        experts in [0, E) (a NaN ranks first, as in torch's sort).
 
     Example::
 
@@ -93,7 +95,9 @@ def grouped_topk(
         k: experts a token, at most ``topk_group * E / num_expert_group``.
 
     Returns:
-        ``(weights, ids)``: fp32 ``[T, k]`` and int32 ``[T, k]``; ties go to the lower group / expert id.
+        ``(weights, ids)``: fp32 ``[T, k]`` and int32 ``[T, k]``; ties go to the lower group / expert id. A NaN
+        score ranks first (in its group, and its group first), as in torch's sort: its weight is NaN, and so is
+        its row's when renormalized; the ids stay distinct experts in [0, E).
 
     Example::
 

@@ -1,7 +1,12 @@
 """Device code of the MoE routing: top-k of the router's scores, and the alignment of routed rows by expert.
 
 Selection: a token's k experts are taken one at a time, each the largest remaining score, equal scores to
-the lower expert id (the minimum id among the maxima), so ties give one answer on every device.
+the lower expert id (the minimum id among the maxima), so ties give one answer on every device. A NaN score
+ranks above every other, as in torch's sort (the references'), by ranking it as +inf: the max reductions
+drop NaN on every target, so a NaN left in the ranking would never be picked (the row's weights finite,
+from the other experts, where torch's are NaN), and as a NaN equals no maximum a row of NaN would pick no
+column at all (ids past E, which fused_moe would read out of bounds). Ranked first, the NaN expert is taken
+and its NaN weight reaches the row's renormalization.
 
 Alignment (``moe_align``), in three launches and no host synchronization: the flat rows ``t * k + j`` are
 cut into chunks; (1) each chunk counts its rows per expert, and fills its share of ``sorted_ids`` with the
@@ -21,6 +26,13 @@ import flydsl.expr as fx
 __all__ = ["launch_topk_softmax", "launch_grouped_topk", "launch_align", "align_scratch_size"]
 
 _NEG_INF = fx.constexpr(float("-inf"))
+_POS_INF = fx.constexpr(float("inf"))
+
+
+@flyc.func
+def _nan_first(v):
+    """``v`` with NaN as +inf: a ranking in which NaN comes first, as torch's sort puts it (see the module)."""
+    return fx.where(v != v, _POS_INF, v)
 
 
 @flyc.func
@@ -38,7 +50,8 @@ def _select(
 ):  # fmt: skip
     """Take the K largest of ``v`` a row (ties to the lower column) and store their columns as ids and their
     ``vals`` as weights, times ``scale_num`` over the chosen weights' sum (RENORM) or times ``scale_num``.
-    The weights are kept in registers until scaled, so nothing is read back from memory.
+    The weights are kept in registers until scaled, so nothing is read back from memory. ``v`` holds no NaN
+    (:func:`_nan_first`): every pick then finds a column below E, the lowest untaken one at worst.
 
     A taken column is set to -inf and also marked taken: once only -inf scores remain (a row with fewer
     than K finite logits), the next pick is the lowest column not yet taken, as the reference's stable sort
@@ -84,13 +97,14 @@ def _topk_softmax_kernel(
     p = fx.exp(x - row_max[:, None])
     p = fx.where(e_ok[None, :], p, 0.0)
     denom = fx.sum(p, axis=1)
-    # selected on the logits (they rank as the probabilities do, and equal logits stay equal)
+    # selected on the logits (they rank as the probabilities do, and equal logits stay equal); a NaN logit's
+    # p is NaN, so its row's renormalized weights are NaN as torch's (and its denom, so are the others')
     if RENORM:
         vals = p
     else:
         vals = p / denom[:, None]
-    _select(x, vals, re, rt, t_ok, w_ptr, ids_ptr, stride_wt, stride_wk, stride_it, stride_ik, 1.0, RENORM, K, BLOCK_T,
-            BLOCK_E, BLOCK_K)  # fmt: skip
+    _select(_nan_first(x), vals, re, rt, t_ok, w_ptr, ids_ptr, stride_wt, stride_wk, stride_it, stride_ik, 1.0,
+            RENORM, K, BLOCK_T, BLOCK_E, BLOCK_K)  # fmt: skip
 
 
 # fmt: off
@@ -119,7 +133,8 @@ def _grouped_topk_kernel(
     choice = scores
     if HAS_BIAS:
         choice = scores + fx.load(bias_ptr + re, mask=e_ok, other=0.0).to(fx.float32)[None, :]
-    choice = fx.where(e_ok[None, :], choice, _NEG_INF)
+    # a NaN score (or bias) ranks first in its group and its group first, as in the reference
+    choice = fx.where(e_ok[None, :], _nan_first(choice), _NEG_INF)
     group_of = re // GROUP_SIZE
     # each group's score: the sum of its two largest choice scores (with a bias), else its largest
     gscore = fx.full([BLOCK_T, BLOCK_G], float("-inf"), dtype=fx.float32)
@@ -130,7 +145,7 @@ def _grouped_topk_kernel(
         s = first
         if HAS_BIAS and GROUP_SIZE > 1:
             second = fx.max(fx.where(re[None, :] == idx[:, None], _NEG_INF, v), axis=1)
-            s = first + second
+            s = _nan_first(first + second)  # inf + -inf (NaN beside a -inf bias) is NaN: first, as the reference
         gscore = fx.where(rg[None, :] == g, s[:, None], gscore)
     # the TOPK_GROUP best groups; experts of the others are out of the running
     keep = (rt[:, None] < 0) & (re[None, :] < 0)  # all False
