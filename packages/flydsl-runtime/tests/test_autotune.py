@@ -7,6 +7,7 @@ launched on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ from flydsl.autotune import (
     atomic_write_json,
     identity,
     key_string,
+    precompile,
     tune_artifact,
     write_artifact,
 )
@@ -657,3 +659,43 @@ def test_concurrent_writers_never_expose_half_files(tmp_path, monkeypatch):
     assert final["writer"] in range(4) and final["round"] == ROUNDS - 1
     # No temporary files left behind.
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_precompile_skips_a_tunable_no_family_registers(tmp_path):
+    """Workers find the tunable through its family's entry point: one that none registers compiles during the
+    search, and tune_artifact's result is the same with jobs as without."""
+    kernel = FakeKernel({DEFAULT: 10.0, Cfg(64): 5.0, Cfg(256): 9.9, Cfg(512): 11.0})
+    tun = make_tunable(tmp_path, make_task=lambda key, device: kernel.task(), tune_keys=lambda arch: [KEY])
+    assert precompile(tun, [KEY], ARCH, "cpu", jobs=4) == 0
+    path = tune_artifact(tun, None, ARCH, "cpu", progress=False, jobs=4)
+    assert [e["config"] for e in json.loads(path.read_text())["entries"]] == [{"block": 64, "warps": 4}]
+
+
+def test_compile_worker_runs_each_candidate_once_building_a_task_a_key(tmp_path, monkeypatch):
+    """A worker's share: every (key, candidate) run once, one task built per key (its operands freed before
+    the next), a candidate that raises counted, not fatal."""
+    import flydsl.families
+    from flydsl.autotune import tuner
+
+    built, ran = [], []
+
+    def make_task(key, device):
+        built.append(key["n"])
+
+        def run(cfg):
+            ran.append((key["n"], cfg.block))
+            if cfg.block == 256:
+                raise RuntimeError("out of shared memory")
+            return torch.zeros(1)
+
+        return SearchTask(run=run, reference=lambda: torch.zeros(1), rtol=0.0)
+
+    tun = make_tunable(tmp_path, make_task=make_task)
+    fam = flydsl.families.Family("toy", "toy", "toy", "0", tunables=lambda: [tun])
+    monkeypatch.setattr(flydsl.families, "discover", lambda: {"toy": fam})
+    assert tuner._find_tunable("toy_fwd") == ("toy", tun)
+    keys = [KEY, {**KEY, "n": 2048}]
+    items = [(k, dataclasses.asdict(c)) for k in keys for c in tun._candidate_list(k, ARCH)]
+    assert tuner._compile_worker("toy", "toy_fwd", ARCH, "cpu", items) == 2  # Cfg(256) of each key
+    assert built == [1024, 2048]
+    assert ran == [(n, b) for n in (1024, 2048) for b in (128, 64, 256, 512)]

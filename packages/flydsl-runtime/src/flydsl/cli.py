@@ -156,7 +156,8 @@ def cmd_tune(args) -> int:
             if not keys:
                 print(f"{fam.name}/{t.name}: no tuning keys for {a.name}")
                 continue
-            path = tune_artifact(t, keys, a.name, "cuda" if not a.is_interpreter else "cpu", out_path=out)
+            path = tune_artifact(t, keys, a.name, "cuda" if not a.is_interpreter else "cpu", out_path=out,
+                                 jobs=args.jobs)  # fmt: skip
             print(f"{fam.name}/{t.name}: {len(keys)} keys -> {path}")
             total += 1
     return 0
@@ -283,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable: any of them)")
     s.add_argument("--missing", action="store_true", help="only keys the artifact being written has no entry for")
     s.add_argument("--out", default=None, help="folder for the artifacts (default: inside the family package)")
+    s.add_argument("--jobs", type=int, default=1,
+                   help="compile the candidates first in this many processes (each holds one key's operands on "
+                        "the GPU at a time); the search then times them one at a time")  # fmt: skip
     s.add_argument("--allow-interpreter", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_tune)
 

@@ -24,7 +24,7 @@ from .store import (
     write_artifact,
 )
 from .timer import Timing, bench, rotating_copies
-from .tuner import TIE_TOLERANCE, SearchResult, SearchTask, Tunable, tune_artifact
+from .tuner import TIE_TOLERANCE, SearchResult, SearchTask, Tunable, precompile, tune_artifact
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -42,6 +42,7 @@ __all__ = [
     "identity",
     "key_string",
     "rotating_copies",
+    "precompile",
     "tune_artifact",
     "write_artifact",
 ]

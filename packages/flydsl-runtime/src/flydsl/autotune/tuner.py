@@ -33,7 +33,7 @@ from ..errors import TuningError
 from . import timer
 from .store import ArtifactFile, LocalCache, _segment, _warn_once, identity, key_string, write_artifact
 
-__all__ = ["TIE_TOLERANCE", "SearchResult", "SearchTask", "Tunable", "tune_artifact"]
+__all__ = ["TIE_TOLERANCE", "SearchResult", "SearchTask", "Tunable", "precompile", "tune_artifact"]
 
 _log = logging.getLogger("flydsl.autotune")
 
@@ -423,6 +423,7 @@ def tune_artifact(
     device: Any,
     out_path: Path | None = None,
     progress: bool = True,
+    jobs: int = 1,
 ) -> Path:
     """Search every key offline and merge the winners into the family's artifact.
 
@@ -433,6 +434,10 @@ def tune_artifact(
     key so an interrupted run keeps what it found. Keys whose search fails
     are reported together in one :class:`TuningError` after the others are
     written. Returns the artifact path.
+
+    ``jobs`` > 1 compiles every candidate first in that many worker processes (:func:`precompile`), so the
+    search, which times one candidate at a time, finds each kernel in the compile cache: a search is mostly
+    compiles, one after another, and the machine's other cores would sit idle.
     """
     from tqdm.auto import tqdm
 
@@ -446,6 +451,8 @@ def tune_artifact(
     if not keys:
         raise TuningError(f"no keys to tune {tunable.name} for on {arch}")
     ident = identity(arch)
+    if jobs > 1:
+        precompile(tunable, keys, arch, device, jobs)
     failures: list[str] = []
     for key in tqdm(keys, desc=f"{tunable.name} keys", unit="key", disable=None if progress else True):
         try:
@@ -469,3 +476,63 @@ def tune_artifact(
     if failures:
         raise TuningError(f"{len(failures)} of {len(keys)} keys failed:\n" + "\n".join(failures))
     return Path(out_path)
+
+
+def _find_tunable(name: str) -> tuple[str, Tunable] | None:
+    """(family, tunable) of the installed family that registers a tunable called ``name``; None if none does."""
+    from ..families import discover
+
+    for fam_name, fam in discover().items():
+        for t in fam.tunables():
+            if t.name == name:
+                return fam_name, t
+    return None
+
+
+def _compile_worker(family: str, name: str, arch: str, device: Any, items: list[tuple[dict, dict]]) -> int:
+    """Run each (key, config) once, in a process of its own, so that its kernels land in the compile cache;
+    returns how many raised (the search meets them again and rejects them with the reason)."""
+    from ..families import discover
+
+    tunable = next(t for t in discover()[family].tunables() if t.name == name)
+    failed, task, task_key = 0, None, None
+    for key, config in items:
+        try:
+            if key != task_key:
+                task, task_key = None, None  # free the last key's operands before building the next
+                task, task_key = tunable.make_task(key, device), key
+            if task.prepare is not None:
+                task.prepare()
+            task.run(tunable.config_type(**config))
+        except Exception:  # noqa: BLE001 - the search itself reports a failing candidate
+            failed += 1
+    return failed
+
+
+def precompile(tunable: Tunable, keys: Sequence[Mapping[str, Any]], arch: str, device: Any, jobs: int) -> int:
+    """Compile every candidate of ``keys`` in ``jobs`` spawned processes, each running a contiguous share of
+    the (key, candidate) list, so that a process builds few keys' operands. Returns the number of candidates
+    run; 0 when ``tunable`` belongs to no installed family (a worker finds the tunable by its family's entry
+    point) or there is nothing to split.
+
+    The kernels land in the shared compile cache; the search then loads them instead of compiling. Each
+    worker holds one key's operands at a time: ``jobs`` bounds the device memory taken at once."""
+    import concurrent.futures
+    import multiprocessing
+
+    found = _find_tunable(tunable.name)
+    items = [(dict(k), dataclasses.asdict(c)) for k in keys for c in tunable._candidate_list(k, arch)]
+    if found is None or found[1].make_task is None or len(items) < 2 or jobs < 2:
+        if found is None:
+            _log.info("%s: not an installed family's tunable; candidates compile during the search", tunable.name)
+        return 0
+    jobs = min(jobs, len(items))
+    share = math.ceil(len(items) / jobs)
+    chunks = [items[i : i + share] for i in range(0, len(items), share)]
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with concurrent.futures.ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        futures = [pool.submit(_compile_worker, found[0], tunable.name, arch, device, c) for c in chunks]
+        failed = sum(f.result() for f in futures)
+    _log.info("%s: precompiled %d candidates of %d keys in %d processes (%d raised)", tunable.name, len(items),
+              len(keys), len(chunks), failed)  # fmt: skip
+    return len(items)
