@@ -59,9 +59,11 @@ ALL_ON = (True, True, True, True, "fp16")
 ALL_OFF = (False, False, False, False, "bf16")
 HEAD_DIMS = (64, 128, 256)
 # the head dims that are not powers of two (padded tiles) and a value head dim of its own, at 128 x 64 tiles
-EXTRA = [((80, 80), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), (True, False, False, True, "fp16")),
-         ((96, 96), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), ALL_ON),
-         ((192, 128), AttnConfig(128, 64, num_warps=8, num_stages=2, tma=True, tma_store=True), ALL_ON)]
+EXTRA = [
+    ((80, 80), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), (True, False, False, True, "fp16")),
+    ((96, 96), AttnConfig(128, 64, num_warps=8, num_stages=3, tma=True), ALL_ON),
+    ((192, 128), AttnConfig(128, 64, num_warps=8, num_stages=2, tma=True, tma_store=True), ALL_ON),
+]
 
 
 def variants():

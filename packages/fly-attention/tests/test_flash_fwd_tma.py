@@ -23,7 +23,7 @@ from test_flash_varlen import _run as run_varlen
 import flydsl.arch
 from fly_attention import AttnConfig, flash_attn, flash_attn_ref
 from fly_attention import attention as attn_mod
-from fly_attention.autotune import config_valid, smem_bytes, tma_candidates
+from fly_attention.autotune import config_valid, default_config, smem_bytes, tma_candidates
 from flydsl.errors import ArgumentError
 from flydsl.testing import assert_rel_close, tolerance
 from flydsl.testing.sm90 import run_compile_script
@@ -195,14 +195,14 @@ def test_the_default_takes_tma_where_it_was_measured_faster():
     TMA cannot take, a GPU without TMA or the interpreter."""
     sm90, sm80 = flydsl.arch.SM90, dataclasses.replace(flydsl.arch.SM90, name="sm_80", capability=(8, 0))
     for d, tma in ((64, False), (80, True), (128, True), (192, True), (256, True)):
-        cfg = attn_mod.default_config(d, d, 4096, 4096, True, torch.bfloat16, sm90)
+        cfg = default_config(d, d, 4096, 4096, True, torch.bfloat16, sm90)
         assert cfg.tma == tma and cfg.block_m == 128 and config_valid(cfg, d, d, torch.bfloat16, sm90), (d, cfg)
-        assert not attn_mod.default_config(d, d, 4096, 4096, True, torch.bfloat16, sm80).tma
-        assert not attn_mod.default_config(d, d, 4096, 4096, True, torch.bfloat16, flydsl.arch.INTERPRETER).tma
-        assert not attn_mod.default_config(d, d, 64, 4096, True, torch.bfloat16, sm90).tma
-        assert not attn_mod.default_config(d, d, 4096, 4096, True, torch.float8_e4m3fn, sm90).tma
-    assert not attn_mod.default_config(100, 100, 4096, 4096, False, torch.float16, sm90).tma  # rows of 200 bytes
-    assert attn_mod.default_config(192, 128, 4096, 4096, False, torch.float16, sm90).tma
+        assert not default_config(d, d, 4096, 4096, True, torch.bfloat16, sm80).tma
+        assert not default_config(d, d, 4096, 4096, True, torch.bfloat16, flydsl.arch.INTERPRETER).tma
+        assert not default_config(d, d, 64, 4096, True, torch.bfloat16, sm90).tma
+        assert not default_config(d, d, 4096, 4096, True, torch.float8_e4m3fn, sm90).tma
+    assert not default_config(100, 100, 4096, 4096, False, torch.float16, sm90).tma  # rows of 200 bytes
+    assert default_config(192, 128, 4096, 4096, False, torch.float16, sm90).tma
 
 
 # ---------------------------------------------------------------- the kernel compiles for the H200

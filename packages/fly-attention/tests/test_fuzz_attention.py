@@ -628,6 +628,7 @@ def test_fuzz_paged_attention_decode(data):
     q = q.to(dtype)
     ks = vs = None
     if kv_dtype == "fp8":
+
         def scale_of():
             how = data.draw(st.sampled_from(["number", "tensor1", "tensor0", "per_head"]))
             vals = torch.tensor([data.draw(st.sampled_from([0.25, 0.5, 1.5, 3.0])) for _ in range(hkv)])
@@ -722,6 +723,7 @@ def test_fuzz_fused_rope_cache(data):
     vc = _randn((num_blocks, page, hkv, dv), g).to(cache_dtype)
     ks = vs = None
     if fp8:
+
         def scale_of():
             how = data.draw(st.sampled_from([None, "number", "tensor1", "tensor0", "per_head"]))
             vals = torch.tensor([data.draw(st.sampled_from([0.02, 0.5, 1.0, 3.0])) for _ in range(hkv)])

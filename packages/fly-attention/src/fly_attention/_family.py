@@ -59,6 +59,12 @@ def _varlen_case(device) -> DemoRun:
                    per_sequence, "SDPA per sequence", 2e-2)  # fmt: skip
 
 
+def _tunables():
+    from .autotune import BWD_TUNABLE, FWD_TUNABLE
+
+    return [FWD_TUNABLE, BWD_TUNABLE]
+
+
 def _demo_cases():
     return [DemoCase("flash_attn causal GQA", _flash_case), DemoCase("flash_attn_varlen causal", _varlen_case)]
 
@@ -75,6 +81,7 @@ FAMILY = Family(
     module="fly_attention",
     version=__version__,
     description="flash attention forward (dense, varlen; GQA, causal, window, softcap); decode and paged KV to come",
+    tunables=_tunables,
     demo_cases=_demo_cases,
     bench=_bench,
 )

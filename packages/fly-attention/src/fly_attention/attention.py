@@ -12,7 +12,6 @@ always writes; it uses no atomics, so its result is deterministic.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -28,7 +27,7 @@ from ._kernels.flash_fwd import launch_flash_fwd
 from ._kernels.flash_fwd_fp8 import launch_flash_fwd_fp8
 from ._kernels.flash_fwd_tma import launch_flash_fwd_tma, tma_addressable
 from ._seqlens import offsets_span
-from .autotune import AttnBwdConfig, AttnConfig, bwd_config_valid, config_valid, default_bwd_config, default_config
+from .autotune import AttnBwdConfig, AttnConfig, bwd_config_for, bwd_config_valid, config_for, config_valid
 
 __all__ = ["flash_attn", "flash_attn_varlen", "IN_DTYPES", "FP8_DTYPES", "FP8_OUT_DTYPES", "MAX_HEAD_DIM"]
 
@@ -129,14 +128,15 @@ def _check_cu_seqlens(cu_q, cu_k, q, k, max_seqlen_q, max_seqlen_k) -> tuple[int
 # ------------------------------------------------------------------ config and launch
 
 
-@functools.lru_cache(maxsize=1024)
-def _config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnConfig:
-    return default_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
+# The served configs (autotune.config_for / bwd_config_for): a searched winner, the shipped artifact's or the
+# default, memoised there (one dict lookup a launch). Module names, so that tests can substitute them.
+_config_for = config_for
+_bwd_config_for = bwd_config_for
 
 
 def _resolve(config, q, d, dv, sq, sk, causal, cls, lookup, valid, what: str):
-    """A launch config: the given one, checked (its type, then ``valid``), or ``lookup``'s default for the
-    shape's buckets (sequence lengths to the next power of two)."""
+    """A launch config: the given one, checked (its type, then ``valid``), or ``lookup``'s answer for the
+    shape's buckets (sequence lengths to the next power of two), checked the same way."""
     arch = flydsl.arch.current(q.device)
     if config is None:
         config = lookup(d, dv, flyc.next_power_of_2(max(sq, 1)), flyc.next_power_of_2(max(sk, 1)), causal, q.dtype,
@@ -303,11 +303,6 @@ def _flash_attn_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_sc
     launch_flash_fwd_fp8(q, k, _v_transposed(v, cfg.block_n), out, lse if return_lse else None, qd, kd, vd, sk,
                          left, right, _scale(softmax_scale, d), float(softcap), qf * kf, vf, cfg)  # fmt: skip
     return out, lse_out
-
-
-@functools.lru_cache(maxsize=1024)
-def _bwd_config_for(d, dv, sq_bucket, sk_bucket, causal, dtype, arch) -> AttnBwdConfig:
-    return default_bwd_config(d, dv, sq_bucket, sk_bucket, causal, dtype, arch)
 
 
 def _bwd_config(q, d, dv, sq, sk, causal, config) -> AttnBwdConfig:

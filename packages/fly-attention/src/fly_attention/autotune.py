@@ -1,25 +1,41 @@
 """Launch configurations of the flash attention forward: :class:`AttnConfig`, its pure default
 (:func:`default_config`) and its validity predicate (:func:`config_valid`); the backward's the same way:
-:class:`AttnBwdConfig`, :func:`default_bwd_config`, :func:`bwd_config_valid`.
+:class:`AttnBwdConfig`, :func:`default_bwd_config`, :func:`bwd_config_valid`; and the tuning adopter of both
+(:data:`FWD_TUNABLE`, :data:`BWD_TUNABLE`, :func:`tuning_key`, :func:`candidates`, :func:`bwd_candidates`,
+:func:`config_for`, :func:`bwd_config_for`).
 
 The 16-bit defaults come from a config grid timed on the H200 (the comments in :func:`_default_16bit`
 and :func:`default_bwd_config` give the figures); the fp8 ones and the backward above head dim 128 from
-sm_90 compiles only. A tuning adopter with shipped artifacts is to replace them.
+sm_90 compiles only. They serve every shape no search or artifact covers.
+
+A launch is served (:func:`config_for`, :func:`bwd_config_for`) the searched winner of its tuning key (on this
+machine, under the cache root), the shipped artifact's (``fly_attention/artifacts/flash_fwd.json`` and
+``flash_bwd.json``, written by ``flydsl tune attention`` on the GPU) or its default. The key holds what decides
+the tile: the head dims, causal, the dtype and the two sequence lengths' buckets (see :func:`tuning_key`);
+batch and heads are not in it (they only multiply the grid of a long sequence).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
+from flydsl import env
+from flydsl.autotune import SearchTask, Tunable
+from flydsl.checks import dtype_name, parse_dtype
+from flydsl.testing import tolerance
 
 __all__ = [
     "AttnConfig", "default_config", "config_valid", "smem_bytes", "tma_candidates", "AttnBwdConfig",
     "default_bwd_config", "bwd_config_valid", "bwd_smem_bytes",
+    "FWD_TUNABLE", "BWD_TUNABLE", "SEQLEN_CAP", "tuning_key", "key_args", "candidates", "bwd_candidates",
+    "config_for", "bwd_config_for", "clear_memo",
 ]  # fmt: skip
 
 _DOT_MIN = 16  # every dimension of a tensor-core dot is at least 16
@@ -250,3 +266,335 @@ def default_bwd_config(
             cfg, dkdv_block_n=cfg.dkdv_block_n // 2, dq_block_m=max(_DOT_MIN, cfg.dq_block_m // 2)
         )
     return cfg
+
+
+# ------------------------------------------------------------------ tuning adopter
+#
+# Key: {"head_dim", "head_dim_v", "causal", "dtype", "seqlen_q", "seqlen_k"} and the arch, one key space a
+# direction (the backward's dtypes are the 16-bit ones). The head dims are exact: they decide the tiles'
+# registers and shared memory and whether the TMA kernel can run (rows of whole 16-byte units), and a model
+# has one or two of them. The sequence lengths are bucketed to the next power of two (as the default always
+# took them), capped at SEQLEN_CAP. Batch and heads stay out: they multiply the grid, and at the tuned lengths
+# the grid is many waves of the SMs whatever they are. GQA stays out too: the kernels walk a query head's KV
+# head the same way whatever the ratio.
+
+# The top of the tuned lengths (fly_attention.bench's 16K): longer sequences take its answer, their programs
+# walking more key blocks with the same tiles.
+SEQLEN_CAP = 1 << 14
+_FWD_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+_BWD_DTYPES = (torch.float16, torch.bfloat16)
+_KEY_FIELDS = ("head_dim", "head_dim_v", "causal", "dtype", "seqlen_q", "seqlen_k")
+
+
+def _bucket(seqlen: int) -> int:
+    return min(flyc.next_power_of_2(max(int(seqlen), 1)), SEQLEN_CAP)
+
+
+def tuning_key(head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool,
+               dtype: torch.dtype) -> dict:  # fmt: skip
+    """The tuning key of a flash attention launch (either direction): the head dims and causal as given, the
+    dtype's short name ("bf16", "fp16", "fp8_e4m3"), each sequence length to the next power of two, at most
+    :data:`SEQLEN_CAP` (a varlen call's: its max_seqlen)."""
+    return {"head_dim": int(head_dim), "head_dim_v": int(head_dim_v), "causal": bool(causal),
+            "dtype": dtype_name(dtype), "seqlen_q": _bucket(seqlen_q), "seqlen_k": _bucket(seqlen_k)}  # fmt: skip
+
+
+def key_args(key) -> tuple[int, int, int, int, bool, torch.dtype]:
+    """(head_dim, head_dim_v, seqlen_q, seqlen_k, causal, dtype) of a key: its representative launch, whose
+    default, validity and candidates are the key's. Raises ValueError on a malformed key."""
+    missing = [f for f in _KEY_FIELDS if f not in key]
+    if missing:
+        raise ValueError(f"key: expected the fields {_KEY_FIELDS}, missing {missing} in {dict(key)!r}")
+    dims = [key[f] for f in ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in dims):
+        raise ValueError(f"key: head dims and sequence lengths must be ints >= 1, got {dict(key)!r}")
+    if not isinstance(key["causal"], bool):
+        raise ValueError(f"key: causal must be a bool, got {key['causal']!r}")
+    try:
+        dtype = parse_dtype("dtype", key["dtype"], _FWD_DTYPES)
+    except TypeError as exc:
+        raise ValueError(f"key: {exc}") from None
+    d, dv, sq, sk = dims
+    return d, dv, sq, sk, key["causal"], dtype
+
+
+def _arch(name: str) -> flydsl.arch.Arch:
+    """The Arch a key's arch name stands for: this machine's when it is that arch, sm_90's description for
+    "sm_90" elsewhere (CPU tests, artifacts read on another GPU), the interpreter for "cpu"."""
+    if name == "cpu":
+        return flydsl.arch.INTERPRETER
+    here = flydsl.arch.current()
+    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
+
+
+def _fwd_default(key, arch: str) -> AttnConfig:
+    d, dv, sq, sk, causal, dtype = key_args(key)
+    return default_config(d, dv, sq, sk, causal, dtype, _arch(arch))
+
+
+def _fwd_valid(cfg: AttnConfig, key, arch: str) -> bool:
+    d, dv, _, _, _, dtype = key_args(key)
+    return config_valid(cfg, d, dv, dtype, _arch(arch))
+
+
+def _bwd_key_args(key) -> tuple[int, int, int, int, bool, torch.dtype]:
+    d, dv, sq, sk, causal, dtype = key_args(key)
+    if dtype not in _BWD_DTYPES:
+        raise ValueError(f"key: the backward's dtype is fp16 or bf16, got {key['dtype']!r}")
+    return d, dv, sq, sk, causal, dtype
+
+
+def _bwd_default(key, arch: str) -> AttnBwdConfig:
+    d, dv, sq, sk, causal, dtype = _bwd_key_args(key)
+    return default_bwd_config(d, dv, sq, sk, causal, dtype, _arch(arch))
+
+
+def _bwd_valid(cfg: AttnBwdConfig, key, arch: str) -> bool:
+    d, dv, _, _, _, dtype = _bwd_key_args(key)
+    return bwd_config_valid(cfg, d, dv, dtype, _arch(arch))
+
+
+# A key's search times at most this many configs, the default included: every config compiles once for each
+# (head dims, causal, dtype), and the tuned set's ~55 keys are to be searched in minutes on one GPU.
+_MAX_CANDIDATES = 16
+_ROW_TILES = (128, 64)
+_KEY_STEPS = (64, 128, 32)  # in order of promise: 64 led every head dim of the H200 grid, 128 next
+
+
+def candidates(key, arch: str) -> list[AttnConfig]:
+    """The forward's bounded space of a key (pure; at most 16 configs with the default, each valid for the
+    key on ``arch``), most promising first, cut there: the default; for 16-bit inputs with more than 64
+    queries, the TMA configs (:func:`tma_candidates`: 128 x 64 / 128 x 128 at 2-4 stages, the descriptor
+    store); then the pointer kernel's grid, 128 or 64 query rows (8 and 4 warps; 8 where 4 cannot hold the
+    tiles) x 64, 128 or 32 keys x 3 or 2 stages. Decode-like queries (at most 64) take one row tile, theirs.
+    The interpreter: the default, a 16 x 16 tile and the default's TMA form where the dims allow it."""
+    d, dv, sq, sk, causal, dtype = key_args(key)
+    a = _arch(arch)
+    default = default_config(d, dv, sq, sk, causal, dtype, a)
+    if a.is_interpreter:  # the interpreter executes every element of a tile: a few small configs
+        out = [default, AttnConfig(16, 16, num_warps=4, num_stages=1), dataclasses.replace(default, tma=True)]
+    else:
+        rows = sorted({min(bm, max(_DOT_MIN, flyc.next_power_of_2(sq))) for bm in _ROW_TILES}, reverse=True)
+        out = [default]
+        if rows[0] >= 128:  # the TMA kernel's tiles are 128 rows (its small-row tiles were never run)
+            out += [c for c in tma_candidates(d, dtype, a) if config_valid(c, d, dv, dtype, a)]
+        for bn, bm, stages in itertools.product(_KEY_STEPS, rows, (3, 2)):
+            # 8 warps for 128 rows, 4 for fewer unless their registers need 8 (fp8 at d 256)
+            tiles = [AttnConfig(bm, bn, num_warps=w, num_stages=stages) for w in ((8,) if bm >= 128 else (4, 8))]
+            out.append(next((c for c in tiles if config_valid(c, d, dv, dtype, a)), tiles[0]))
+    return [c for c in dict.fromkeys(out) if config_valid(c, d, dv, dtype, a)][:_MAX_CANDIDATES]
+
+
+# The backward's tiles as (queries a dK / dV step, keys a dK / dV program) with warps, in order of promise;
+# the dQ kernel takes the same pair mirrored (keys-a-program rows, stepping queries-a-step keys), as the
+# defaults do. From the H200 grid at d 128: 32 x 64 with 4 warps (the default) and 64 x 128 with 8 led; the
+# 64 x 64 tiles of 8 warps were the best at d 256 (they spill there in sm_90 compiles); the rest fills in.
+_BWD_TILES = (((32, 64), 4), ((64, 128), 8), ((64, 64), 4), ((64, 64), 8), ((32, 128), 8), ((32, 32), 4),
+              ((32, 32), 8), ((16, 64), 4), ((16, 32), 4))  # fmt: skip
+
+
+def bwd_candidates(key, arch: str) -> list[AttnBwdConfig]:
+    """The backward's bounded space of a key (pure; at most 16 configs with the default, each valid for the
+    key on ``arch``): the default, then :data:`_BWD_TILES` at 2 and 3 stages, most promising first, cut
+    there. The interpreter: the default and 16 x 16 tiles."""
+    d, dv, sq, sk, causal, dtype = _bwd_key_args(key)
+    a = _arch(arch)
+    default = default_bwd_config(d, dv, sq, sk, causal, dtype, a)
+    if a.is_interpreter:
+        out = [default, AttnBwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1)]
+    else:
+        out = [default]
+        for (step, held), warps in _BWD_TILES:
+            out += [AttnBwdConfig(step, held, held, step, num_warps=warps, num_stages=s) for s in (2, 3)]
+    return [c for c in dict.fromkeys(out) if bwd_config_valid(c, d, dv, dtype, a)][:_MAX_CANDIDATES]
+
+
+def _bench_keys(bwd: bool) -> list[dict]:
+    """The keys of fly_attention.bench's tuned cases: the forward's bf16 head dims 64 / 128 / 256, causal
+    and not, at 1K-16K; the fp8 forward's (d 128); the varlen bench's longest sequences (d 128); the
+    backward's d 128 at 1K-16K and d 64 / 256 at 4K. Deduplicated, in the bench's order."""
+    from . import bench  # here: bench imports attention, which imports this module
+
+    def key(d, sq, sk, causal, dtype):
+        return tuning_key(d, d, sq, sk, causal, dtype)
+
+    if bwd:
+        found = [key(c.params["D"], c.params["Sq"], c.params["Sk"], c.params["causal"], torch.bfloat16)
+                 for c in bench._bwd_cases()]  # fmt: skip
+    else:
+        found = [key(c.params["D"], c.params["Sq"], c.params["Sk"], c.params["causal"], torch.bfloat16)
+                 for c in bench._tuned_cases()]  # fmt: skip
+        found += [key(c.params["D"], max(c.params["lens"]), max(c.params["lens"]), c.params["causal"],
+                      torch.bfloat16) for c in bench._varlen_cases()]  # fmt: skip
+        found += [key(c.params["D"], c.params["Sq"], c.params["Sk"], c.params["causal"], bench._FP8)
+                  for c in bench._fp8_cases()]  # fmt: skip
+    return list({tuple(sorted(k.items())): k for k in found}.values())
+
+
+def _fwd_tune_keys(arch: str) -> list[dict]:
+    return _bench_keys(bwd=False)
+
+
+def _bwd_tune_keys(arch: str) -> list[dict]:
+    return _bench_keys(bwd=True)
+
+
+def _task_shape(key, device) -> tuple[int, int]:
+    """(batch, heads) of a key's search problem: on a GPU the bench's budget (batch x longest sequence =
+    16K tokens, heads x head_dim = 2048), so a tuned key is timed on its bench case; on the CPU (the
+    interpreter, tests) one sequence of two heads."""
+    from .bench import _HIDDEN, _TOKENS
+
+    d, _, sq, sk, _, _ = key_args(key)
+    if torch.device(device).type == "cpu":
+        return 1, 2
+    return max(1, _TOKENS // max(sq, sk)), max(1, _HIDDEN // d)
+
+
+def _random_qkv(key, device, gen):
+    """fp32 q ``[B, Sq, H, D]``, k ``[B, Sk, H, D]``, v ``[B, Sk, H, Dv]`` of unit normals (MHA: the bench's)."""
+    d, dv, sq, sk, _, _ = key_args(key)
+    b, h = _task_shape(key, device)
+    return tuple(torch.randn(b, s, h, e, generator=gen, device=device) for s, e in ((sq, d), (sk, d), (sk, dv)))
+
+
+def _fwd_task(key, device) -> SearchTask:
+    """The forward's search task of a key: the key's representative problem (:func:`_task_shape`, the key's
+    bucketed lengths, seeded unit-normal inputs; fp8: quantized per tensor as the fp8 bench does), run through
+    the host path of a public call with the candidate as its config (checks, allocation, the TMA or pointer
+    kernel), checked against the fp32 reference on the same inputs (fp8: the dequantized ones) within the
+    tests' tolerance of the output dtype (fp8: the fp8 tests' 2^-4 for P's rounding). The inputs are
+    ~64 MB each on a GPU, past L2, and the kernel is compute bound: no rotation of copies."""
+    from . import attention, bench, reference
+
+    d, dv, sq, sk, causal, dtype = key_args(key)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = _random_qkv(key, device, gen)
+    left, right = attention._options(causal, None, (-1, -1), 0.0)
+    if dtype == torch.float8_e4m3fn:
+        (q8, qs), (k8, ks), (v8, vs) = (bench.quantize_fp8(x * m) for x, m in zip((q, k, v), bench._FP8_MAGNITUDES,
+                                                                                  strict=True))  # fmt: skip
+
+        def run(cfg):
+            return attention._flash_attn_fp8(q8, k8, v8, qs, ks, vs, causal, None, left, right, 0.0, False,
+                                             config=cfg)[0]  # fmt: skip
+
+        def ref():
+            return reference.flash_attn_fp8_ref(q8, k8, v8, qs, ks, vs, causal=causal)
+
+        return SearchTask(run=run, reference=ref, rtol=bench._FP8_TOLERANCE)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+
+    def run(cfg):
+        return attention._flash_attn(q, k, v, causal, None, left, right, 0.0, False, config=cfg)[0]
+
+    return SearchTask(run=run, reference=lambda: reference.flash_attn_ref(q, k, v, causal=causal),
+                      rtol=tolerance(dtype))  # fmt: skip
+
+
+def _bwd_task(key, device) -> SearchTask:
+    """The backward's search task of a key: dq, dk, dv of the key's representative problem (as the forward's,
+    with a unit-normal output gradient) from the fp32 reference's output (rounded to the dtype, as a forward
+    stores it) and lse, through the backward's host path with the candidate as its config, each gradient
+    checked against the bench's chunked fp32 backward (:func:`fly_attention.bench.attn_grads_ref`) within
+    twice the dtype's tolerance: the reference's row terms come from the exact output, the kernels' from
+    the rounded one."""
+    from . import attention, bench, reference
+
+    d, dv, sq, sk, causal, dtype = _bwd_key_args(key)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (t.to(dtype) for t in _random_qkv(key, device, gen))
+    dout = torch.randn(q.shape[:-1] + (dv,), generator=gen, device=device).to(dtype)
+    left, right = attention._options(causal, None, (-1, -1), 0.0)
+    out, lse = reference.flash_attn_ref(q, k, v, causal=causal, return_lse=True)
+    out = out.to(dtype)
+
+    def run(cfg):
+        return attention._flash_attn_bwd(dout, q, k, v, out, lse, causal, None, left, right, 0.0, config=cfg)
+
+    return SearchTask(run=run, reference=lambda: bench.attn_grads_ref(q, k, v, dout, causal),
+                      rtol=2 * tolerance(dtype))  # fmt: skip
+
+
+_ARTIFACTS = Path(__file__).parent / "artifacts"
+
+FWD_TUNABLE = Tunable(
+    name="flash_fwd",
+    config_type=AttnConfig,
+    default=_fwd_default,
+    candidates=candidates,
+    is_valid=_fwd_valid,
+    artifact_dir=_ARTIFACTS,
+    max_candidates=_MAX_CANDIDATES,
+    tune_keys=_fwd_tune_keys,
+    make_task=_fwd_task,
+)
+BWD_TUNABLE = Tunable(
+    name="flash_bwd",
+    config_type=AttnBwdConfig,
+    default=_bwd_default,
+    candidates=bwd_candidates,
+    is_valid=_bwd_valid,
+    artifact_dir=_ARTIFACTS,
+    max_candidates=_MAX_CANDIDATES,
+    tune_keys=_bwd_tune_keys,
+    make_task=_bwd_task,
+)
+
+# (head dims, lengths as given, causal, dtype, arch name) -> config, a direction: one dict lookup a launch. The
+# arch's name, not the Arch (hashing its fields would double the lookup): a compute capability fixes the
+# shared memory and registers a program may take, all the validity predicates read of it.
+_FAST: dict = {}
+_FAST_BWD: dict = {}
+_FAST_LIMIT = 4096
+
+
+def _serve(fast, tunable, default_fn, valid_fn, make_task, d, dv, sq, sk, causal, dtype, arch, autotune, task):
+    search = env.get("FLYDSL_AUTOTUNE") if autotune is None else autotune
+    fast_key = (d, dv, sq, sk, causal, dtype, arch.name)
+    if not search:
+        cfg = fast.get(fast_key)
+        if cfg is not None:
+            return cfg
+    key = tuning_key(d, dv, sq, sk, causal, dtype)
+    if task is None:
+        device = "cpu" if arch.is_interpreter else "cuda"
+        task = lambda: make_task(key, device)  # noqa: E731
+    cfg = tunable.select(key, arch.name, autotune=search, task=task)
+    # A key answering its default serves the launch its own default (the same config: the head dims and dtype
+    # are exact in the key, and the lengths decide the default only up to 64 queries, far under the cap); an
+    # answer the launch cannot take (a GPU of the same arch name with less shared memory) falls back to it.
+    if cfg == tunable.default(key, arch.name) or not valid_fn(cfg, d, dv, dtype, arch):
+        cfg = default_fn(d, dv, sq, sk, causal, dtype, arch)
+    if not search:
+        if len(fast) >= _FAST_LIMIT:
+            fast.clear()
+        fast[fast_key] = cfg
+    return cfg
+
+
+def config_for(head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool, dtype: torch.dtype,
+               arch: flydsl.arch.Arch, *, autotune: bool | None = None, task=None) -> AttnConfig:  # fmt: skip
+    """The forward's launch config on ``arch``: its key's (:func:`tuning_key`) searched winner, the shipped
+    artifact's, or :func:`default_config` of the launch (``seqlen_q`` / ``seqlen_k`` as the launch path
+    passes them: their next powers of two). ``autotune`` (default ``FLYDSL_AUTOTUNE``) searches the key once a
+    process with ``task()`` (default: the key's representative task). A served config is valid for the
+    launch's head dims and dtype on ``arch``; answers are memoised, so a launch pays one dict lookup."""
+    return _serve(_FAST, FWD_TUNABLE, default_config, config_valid, _fwd_task, head_dim, head_dim_v, seqlen_q,
+                  seqlen_k, causal, dtype, arch, autotune, task)  # fmt: skip
+
+
+def bwd_config_for(head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, causal: bool, dtype: torch.dtype,
+                   arch: flydsl.arch.Arch, *, autotune: bool | None = None, task=None) -> AttnBwdConfig:  # fmt: skip
+    """The backward's launch config, served as :func:`config_for` serves the forward's (from
+    :data:`BWD_TUNABLE`, falling back to :func:`default_bwd_config`)."""
+    return _serve(_FAST_BWD, BWD_TUNABLE, default_bwd_config, bwd_config_valid, _bwd_task, head_dim, head_dim_v,
+                  seqlen_q, seqlen_k, causal, dtype, arch, autotune, task)  # fmt: skip
+
+
+def clear_memo() -> None:
+    """Forget every resolved config of this process, both directions (tests; after tuning)."""
+    _FAST.clear()
+    _FAST_BWD.clear()
+    FWD_TUNABLE.clear_memo()
+    BWD_TUNABLE.clear_memo()

@@ -131,7 +131,6 @@ GPU_SWEEP = SweepRange()
 CPU_SWEEP = SweepRange(seq_min=1, seq_max=64, tokens=64, heads=(2, 4))
 
 
-
 def _seqlen(rng: random.Random, r: SweepRange) -> int:
     s = log_uniform(rng, r.seq_min, r.seq_max)
     if rng.random() < 0.5:

@@ -77,7 +77,6 @@ def decode_bytes(case: Case, kv_itemsize: int = 2) -> int:
     return 2 * p["B"] * p["S"] * p["Hkv"] * p["D"] * kv_itemsize + 2 * p["B"] * p["Hq"] * p["D"] * 2
 
 
-
 def decode_sweep(rng: random.Random, count: int, r: DecodeRange = GPU_RANGE) -> list[Case]:
     def draw() -> Case:
         b = log_uniform(rng, 1, r.batch_max)
