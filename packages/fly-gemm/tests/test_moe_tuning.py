@@ -283,3 +283,15 @@ def test_search_task_layer_runs_every_mode(dtype, quant):
     y = fused_moe(*args, **kw)
     ref = fused_moe_ref(*args, **kw)
     assert_rel_close(y, ref, tol=tolerance(torch.bfloat16))
+
+
+def test_the_shipped_sm90_artifact_covers_the_tuning_set(fresh):
+    """Every key of the tuning set (the three models at decode and prefill, bf16 and fp8 block-scaled) has an
+    sm_90 entry in the shipped artifact, a config valid for its key (the default, or one a search on the H200
+    timed faster), which is what an sm_90 launch is served."""
+    keys = list(MOE_TUNABLE.tune_keys("sm_90"))
+    assert keys
+    for key in keys:
+        cfg, source = MOE_TUNABLE.explain(key, "sm_90")
+        assert source == "artifact", key
+        assert MOE_TUNABLE.is_valid(cfg, key, "sm_90") and cfg in MOE_TUNABLE._candidate_list(key, "sm_90"), key
