@@ -166,7 +166,8 @@ def test_candidates_follow_the_key():
 # ------------------------------------------------------------------------------ what config_for serves
 
 
-def test_the_default_when_nothing_is_searched_or_shipped(fresh):
+def test_the_default_when_nothing_is_searched_or_shipped(fresh, monkeypatch):
+    monkeypatch.setenv("FLYDSL_USE_ARTIFACTS", "0")  # the shipped sm_90 artifacts cover some of these keys
     assert attn_mod._config_for is config_for and attn_mod._bwd_config_for is bwd_config_for
     for a in (SM90, INTERPRETER):
         for d, dv, sq, sk, causal, dtype in [(128, 128, 4096, 4096, True, BF16), (64, 64, 32, 1024, False, F16),
@@ -322,3 +323,14 @@ def test_flydsl_tune_attention_writes_artifacts_that_are_then_served(fresh, devi
             served = ArtifactFile(out / f"{name}.json", name).lookup(arch, k)
             tunable = FWD_TUNABLE if name == "flash_fwd" else BWD_TUNABLE
             assert served is not None and tunable.is_valid(cls(**served), k, arch)
+
+
+@pytest.mark.parametrize("tunable", [FWD_TUNABLE, BWD_TUNABLE], ids=lambda t: t.name)
+def test_the_shipped_sm90_artifact_covers_the_tuning_set(fresh, tunable):
+    """Every key of the tuning set has an sm_90 entry in the shipped artifact, a config valid for its key
+    (the default, or one a search on the H200 timed faster), which is what an sm_90 launch is served."""
+    keys = list(tunable.tune_keys("sm_90"))
+    for key in keys:
+        cfg, source = tunable.explain(key, "sm_90")
+        assert source == "artifact", key
+        assert tunable.is_valid(cfg, key, "sm_90") and cfg in tunable._candidate_list(key, "sm_90"), key
