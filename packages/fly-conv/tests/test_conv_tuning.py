@@ -265,3 +265,17 @@ def test_flydsl_tune_conv_writes_an_artifact_that_is_then_served(fresh, device):
     arch = data["entries"][0]["arch"]
     served = ArtifactFile(out / "conv.json", "conv").lookup(arch, key)
     assert served is not None and config_valid(ConvConfig(**served), key_problem(key), flydsl.arch.current())
+
+
+def test_the_shipped_sm90_artifact_serves_valid_configs_for_tuned_keys(fresh):
+    """Each sm_90 entry of the shipped artifact is a key of the tuning set whose config is valid for it and
+    among its candidates (the default, or one a search on the H200 timed faster), and is what an sm_90 launch
+    of that key is served; keys with no entry get their default."""
+    keys = list(TUNABLE.tune_keys("sm_90"))
+    shipped = ArtifactFile(TUNABLE.artifact_dir / "conv.json", "conv")
+    covered = [k for k in keys if shipped.lookup("sm_90", k) is not None]
+    assert covered
+    for key in keys:
+        cfg, source = TUNABLE.explain(key, "sm_90")
+        assert source == ("artifact" if key in covered else "default"), key
+        assert TUNABLE.is_valid(cfg, key, "sm_90") and cfg in TUNABLE._candidate_list(key, "sm_90"), key
