@@ -148,3 +148,21 @@ def test_cli_demo_runs_family_cases(monkeypatch, capsys):
     assert cli.main(["demo", "--no-time"]) == 1  # the wrong case fails the command
     out = capsys.readouterr().out
     assert "double" in out and "wrong" in out and "1 passed, 1 failed" in out
+
+
+def test_cli_tune_passes_jobs_and_the_selected_keys(monkeypatch, tmp_path):
+    """``flydsl tune FAMILY --jobs N --match ...`` searches the family's matching keys with N compile workers."""
+    import flydsl.autotune
+
+    class Toy:
+        name, artifact_dir = "toy_fwd", tmp_path
+
+        def tune_keys(self, arch):
+            return [{"n": 1}, {"n": 2}]
+
+    calls = []
+    monkeypatch.setattr(cli, "discover", lambda: {"toy": Family("toy", "toy", "toy", "0", tunables=lambda: [Toy()])})
+    monkeypatch.setattr(flydsl.autotune, "tune_artifact",
+                        lambda t, keys, arch, device, out_path=None, jobs=1: calls.append((keys, jobs)) or tmp_path)
+    assert cli.main(["tune", "toy", "--jobs", "3", "--match", '{"n": 2}', "--allow-interpreter"]) == 0
+    assert calls == [([{"n": 2}], 3)]
