@@ -153,11 +153,11 @@ def test_default_split_k_runs_correctly_end_to_end(tmp_path, monkeypatch, device
     """A GPU of 3 SMs (the arch the default is derived for, patched): the default splits K for these small
     shapes, and gemm, served that default through config_for, matches the fp64 reference (bias + GELU
     applied once on the summed splits; the raw int8 product exact)."""
-    from fly_gemm import autotune, gemm, gemm_ref
+    from fly_gemm import gemm, gemm_ref
     from flydsl.testing import assert_rel_close, tolerance
 
     small = dataclasses.replace(flydsl.arch.SM90, sm_count=3)
-    monkeypatch.setattr(autotune, "_arch", lambda name: small)
+    monkeypatch.setattr(flydsl.arch, "from_name", lambda name: small)
     monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path))
     clear_memo()
     try:

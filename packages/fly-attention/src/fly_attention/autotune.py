@@ -318,23 +318,14 @@ def key_args(key) -> tuple[int, int, int, int, bool, torch.dtype]:
     return d, dv, sq, sk, key["causal"], dtype
 
 
-def _arch(name: str) -> flydsl.arch.Arch:
-    """The Arch a key's arch name stands for: this machine's when it is that arch, sm_90's description for
-    "sm_90" elsewhere (CPU tests, artifacts read on another GPU), the interpreter for "cpu"."""
-    if name == "cpu":
-        return flydsl.arch.INTERPRETER
-    here = flydsl.arch.current()
-    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
-
-
 def _fwd_default(key, arch: str) -> AttnConfig:
     d, dv, sq, sk, causal, dtype = key_args(key)
-    return default_config(d, dv, sq, sk, causal, dtype, _arch(arch))
+    return default_config(d, dv, sq, sk, causal, dtype, flydsl.arch.from_name(arch))
 
 
 def _fwd_valid(cfg: AttnConfig, key, arch: str) -> bool:
     d, dv, _, _, _, dtype = key_args(key)
-    return config_valid(cfg, d, dv, dtype, _arch(arch))
+    return config_valid(cfg, d, dv, dtype, flydsl.arch.from_name(arch))
 
 
 def _bwd_key_args(key) -> tuple[int, int, int, int, bool, torch.dtype]:
@@ -346,12 +337,12 @@ def _bwd_key_args(key) -> tuple[int, int, int, int, bool, torch.dtype]:
 
 def _bwd_default(key, arch: str) -> AttnBwdConfig:
     d, dv, sq, sk, causal, dtype = _bwd_key_args(key)
-    return default_bwd_config(d, dv, sq, sk, causal, dtype, _arch(arch))
+    return default_bwd_config(d, dv, sq, sk, causal, dtype, flydsl.arch.from_name(arch))
 
 
 def _bwd_valid(cfg: AttnBwdConfig, key, arch: str) -> bool:
     d, dv, _, _, _, dtype = _bwd_key_args(key)
-    return bwd_config_valid(cfg, d, dv, dtype, _arch(arch))
+    return bwd_config_valid(cfg, d, dv, dtype, flydsl.arch.from_name(arch))
 
 
 # A key's search times at most this many configs, the default included: every config compiles once for each
@@ -369,7 +360,7 @@ def candidates(key, arch: str) -> list[AttnConfig]:
     tiles) x 64, 128 or 32 keys x 3 or 2 stages. Decode-like queries (at most 64) take one row tile, theirs.
     The interpreter: the default, a 16 x 16 tile and the default's TMA form where the dims allow it."""
     d, dv, sq, sk, causal, dtype = key_args(key)
-    a = _arch(arch)
+    a = flydsl.arch.from_name(arch)
     default = default_config(d, dv, sq, sk, causal, dtype, a)
     if a.is_interpreter:  # the interpreter executes every element of a tile: a few small configs
         out = [default, AttnConfig(16, 16, num_warps=4, num_stages=1), dataclasses.replace(default, tma=True)]
@@ -398,7 +389,7 @@ def bwd_candidates(key, arch: str) -> list[AttnBwdConfig]:
     key on ``arch``): the default, then :data:`_BWD_TILES` at 2 and 3 stages, most promising first, cut
     there. The interpreter: the default and 16 x 16 tiles."""
     d, dv, sq, sk, causal, dtype = _bwd_key_args(key)
-    a = _arch(arch)
+    a = flydsl.arch.from_name(arch)
     default = default_bwd_config(d, dv, sq, sk, causal, dtype, a)
     if a.is_interpreter:
         out = [default, AttnBwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1)]

@@ -364,19 +364,12 @@ def key_problem(key) -> ConvProblem:
     return ConvProblem(kind, m, cout // groups, cin // groups, taps, groups, dtype, **geo)
 
 
-def _arch(name: str) -> flydsl.arch.Arch:
-    if name == "cpu":
-        return flydsl.arch.INTERPRETER
-    here = flydsl.arch.current()
-    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
-
-
 def _default(key, arch: str) -> ConvConfig:
-    return default_config(key_problem(key), _arch(arch))
+    return default_config(key_problem(key), flydsl.arch.from_name(arch))
 
 
 def _valid(cfg: ConvConfig, key, arch: str) -> bool:
-    return config_valid(cfg, key_problem(key), _arch(arch))
+    return config_valid(cfg, key_problem(key), flydsl.arch.from_name(arch))
 
 
 _MAX_CANDIDATES = 30
@@ -461,7 +454,7 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
 
 def candidates(key, arch: str) -> list[ConvConfig]:
     """A bounded space per key (at most 30 configs, each valid for the key's problem on ``arch``)."""
-    p, a = key_problem(key), _arch(arch)
+    p, a = key_problem(key), flydsl.arch.from_name(arch)
     if a.is_interpreter:  # the interpreter executes every element of a tile: the default and one other
         if p.kind == "direct":
             other = ConvConfig(16, 16, 1, num_stages=1)

@@ -264,13 +264,6 @@ def tuning_key(m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.d
             "epilogue": epilogue}  # fmt: skip
 
 
-def _arch(name: str) -> flydsl.arch.Arch:
-    if name == "cpu":
-        return flydsl.arch.INTERPRETER
-    here = flydsl.arch.current()
-    return here if here.name == name or name != "sm_90" else flydsl.arch.SM90
-
-
 def _key_dtype(key) -> torch.dtype:
     return parse_dtype("dtype", key["dtype"])
 
@@ -288,7 +281,7 @@ def _default(key, arch: str) -> GemmConfig:
         # 8-bit operands into fp16 (a 16-bit x against a quantized PackedWeight): the same kernel and output
         # bytes as into bf16, whose keys are the ones tuned
         return TUNABLE.explain({**key, "out": "bf16"}, arch)[0]
-    return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), _arch(arch))
+    return default_config(key["m_bucket"], key["n"], key["k"], _key_dtype(key), flydsl.arch.from_name(arch))
 
 
 def candidates(key, arch: str) -> list[GemmConfig]:
@@ -297,7 +290,7 @@ def candidates(key, arch: str) -> list[GemmConfig]:
     stages, the TMA kernel's tile-loop options, two programs an SM, and split-K up to 512 rows."""
     m, n, k = key["m_bucket"], key["n"], key["k"]
     dtype = _key_dtype(key)
-    a = _arch(arch)
+    a = flydsl.arch.from_name(arch)
     out: list[GemmConfig] = []
     if a.is_interpreter:
         return [_default(key, arch), GemmConfig(16, 16, 16, num_stages=1)]
@@ -351,7 +344,7 @@ def candidates(key, arch: str) -> list[GemmConfig]:
 
 
 def _valid(cfg: GemmConfig, key, arch: str) -> bool:
-    return config_valid(cfg, _key_dtype(key), _arch(arch), _key_out_size(key))
+    return config_valid(cfg, _key_dtype(key), flydsl.arch.from_name(arch), _key_out_size(key))
 
 
 def _tune_keys(arch: str) -> list[dict]:

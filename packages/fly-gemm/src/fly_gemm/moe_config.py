@@ -35,8 +35,6 @@ from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import ArgumentError
 from flydsl.testing import tolerance
 
-from .autotune import _arch
-
 __all__ = [
     "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
     "moe_candidates", "moe_config_for", "clear_moe_memo", "MOE_TUNE_MODELS", "MOE_TUNE_TOKENS", "MOE_TUNE_QUANTS",
@@ -221,13 +219,13 @@ def _fit_scale(cfg: MoeConfig, key) -> MoeConfig:
 
 def _moe_default(key, arch: str) -> MoeConfig:
     cfg = default_moe_config(key["tokens_bucket"], key["experts"], key["inter"], key["hidden"], key["topk"],
-                             _key_dtype(key), _arch(arch))  # fmt: skip
+                             _key_dtype(key), flydsl.arch.from_name(arch))  # fmt: skip
     return _fit_scale(cfg, key)
 
 
 def _moe_valid(cfg: MoeConfig, key, arch: str) -> bool:
     ok = block_k_ok(cfg.block_k, _scale_k(key["quant"]), _k_kind(key["quant"]))
-    return moe_config_valid(cfg, _key_dtype(key), _arch(arch)) and ok
+    return moe_config_valid(cfg, _key_dtype(key), flydsl.arch.from_name(arch)) and ok
 
 
 _BLOCK_M = (16, 32, 64, 128)
@@ -240,7 +238,7 @@ def moe_candidates(key, arch: str) -> list[MoeConfig]:
     of 64-256, K steps of 64 and 128 for 16-bit operands (128 for 8-bit ones; cut to the scale block), 3 or
     4 stages; 4 warps for tiles up to 64 x 64, 8 from 128 x 128, both between. Every config passes the key's
     validity predicate (shared memory, scale block)."""
-    a = _arch(arch)
+    a = flydsl.arch.from_name(arch)
     if a.is_interpreter:  # the interpreter runs every element of a tile: two small configs
         small = _fit_scale(MoeConfig(32, 32, 16, group_m=1, num_warps=4, num_stages=1), key)
         return [c for c in dict.fromkeys([_moe_default(key, arch), small]) if _moe_valid(c, key, arch)]

@@ -16,7 +16,7 @@ import torch
 
 from . import _backend
 
-__all__ = ["Arch", "current", "name", "INTERPRETER", "SM90"]
+__all__ = ["Arch", "current", "name", "from_name", "INTERPRETER", "SM90"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,14 @@ def _cuda_available() -> bool:
 def name(device=None) -> str:
     """Short architecture name ("sm_90", "gfx942", "cpu"), as used in tuning keys."""
     return current(device).name
+
+
+def from_name(arch_name: str) -> Arch:
+    """The :class:`Arch` a tuning key's arch name stands for: the interpreter for "cpu", this process's GPU
+    when it has that name, and :data:`SM90` for "sm_90" elsewhere (CPU tests of heuristics, an artifact's
+    sm_90 entries read on another machine). Another name on a machine without that GPU gets this
+    process's arch, whose limits then decide validity."""
+    if arch_name == "cpu":
+        return INTERPRETER
+    here = current()
+    return SM90 if arch_name == "sm_90" and here.name != arch_name else here
