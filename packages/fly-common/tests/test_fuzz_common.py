@@ -12,7 +12,7 @@ and values that stress the numerics: large and tiny magnitudes, rows of zeros, r
 
 Codes may differ from the reference only at a rounding tie (``assert_quant_close`` given the input); the
 scales agree to fp32 rounding. NaN rows get a NaN scale (torch's amax, documented in
-``flydsl_common.device.max_nan``), rows holding +-inf an infinite scale; their codes are not specified
+``flydsl_common.device.absmax_f32``), rows holding +-inf an infinite scale; their codes are not specified
 (``x * inv`` is NaN there), every other row must match.
 
 Profiles: ``cpu`` (the interpreter, 80 cases a test) and ``gpu`` (500, gpu-marked), chosen by the device;

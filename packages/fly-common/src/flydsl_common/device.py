@@ -43,7 +43,6 @@ __all__ = [
     "fast_exp2",
     "fast_rcp",
     "inverse_scale",
-    "max_nan",
     "maximum_nan",
     "normal_cdf",
     "pdl_launch_dependents",
@@ -99,16 +98,9 @@ def row_offset(row, stride):
 
 
 @flyc.func
-def max_nan(x, axis: fx.constexpr):
-    """fp32 max along ``axis`` that is NaN where any element is NaN, as torch's amax (a max reduction drops
-    NaN on every target: a NaN row would get a finite quantization scale, its NaN coded as finite values)."""
-    m = fx.max(x, axis=axis)
-    return fx.where(fx.max((x != x).to(fx.int32), axis=axis) > 0, float("nan"), m)
-
-
-@flyc.func
 def maximum_nan(a, b):
-    """Elementwise max, NaN where either is NaN (to carry :func:`max_nan` across chunks of a row)."""
+    """Elementwise max, NaN where either is NaN (to carry a row's max |x| across chunks: then
+    :func:`absmax_f32` of the lanes)."""
     return fx.maximum(a, b, propagate_nan=fx.PropagateNan.ALL)
 
 
@@ -116,7 +108,8 @@ def maximum_nan(a, b):
 def absmax_f32(x, axis: fx.constexpr):
     """max |x| along ``axis`` in fp32, NaN where x holds a NaN, in one integer max reduction: |x| has its sign
     bit clear, so its bits order as int32 as the values do, and a NaN's bits (exponent all ones, mantissa not
-    0) sit above +inf's (a float max would drop the NaN; :func:`max_nan` pays a second reduction)."""
+    0) sit above +inf's, where a float max would drop the NaN. Also the merge of partial maxima (values
+    >= 0 or NaN, any NaN's sign cleared by the abs)."""
     bits = fx.abs(x.to(fx.float32)).to(fx.int32, bitcast=True)
     return fx.max(bits, axis=axis).to(fx.float32, bitcast=True)
 

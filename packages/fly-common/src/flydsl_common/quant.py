@@ -35,7 +35,6 @@ from .device import (
     cast_sat_fp8e4m3,
     cast_sat_int8,
     inverse_scale,
-    max_nan,
     maximum_nan,
     quant_scale,
 )
@@ -137,7 +136,7 @@ def _amax_to_scale_kernel(amax_ptr, scale_ptr, M, QMAX: fx.constexpr, BLOCK: fx.
     acc = fx.zeros([BLOCK], dtype=fx.float32)
     for start in range(0, M, BLOCK):
         acc = maximum_nan(acc, fx.load(amax_ptr + start + offs, mask=start + offs < M, other=0.0))
-    fx.store(scale_ptr, quant_scale(max_nan(acc, 0), QMAX))
+    fx.store(scale_ptr, quant_scale(absmax_f32(acc, 0), QMAX))
 
 
 # ------------------------------------------------------------ config choice

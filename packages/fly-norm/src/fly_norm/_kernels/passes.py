@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl_common.device import cast_sat_fp8e4m3, cast_sat_int8, max_nan, maximum_nan, row_offset
+from flydsl_common.device import absmax_f32, cast_sat_fp8e4m3, cast_sat_int8, maximum_nan, row_offset
 
 from .affine import load_weight
 from .pairs import sat_fp8e4m3_pairs, sat_int8_pairs, sum_absmax_f32
@@ -263,7 +263,7 @@ def lane_amax(
                            weight_offset, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_SMOOTH, "evict_last",
                            False)  # fmt: skip
         amax = maximum_nan(amax, fx.abs(fx.where(mask, y, 0.0)))
-    return max_nan(amax, 1)
+    return absmax_f32(amax, 1)
 
 
 @flyc.func

@@ -66,7 +66,6 @@ from flydsl_common.device import (
     cast_sat_fp8e4m3,
     cast_sat_int8,
     inverse_scale,
-    max_nan,
     pdl_launch_dependents,
     pdl_wait,
     quant_scale,
@@ -130,7 +129,7 @@ def _exchange_amax(base, part, p_idx, p_ok, amax, live, PARTS_POW2: fx.constexpr
     A NaN slice makes the row's NaN, as torch's amax (the masked-off slots' zeros would win a plain max)."""
     publish(base + 2 * PARTS_POW2 + part, amax, live)
     amax_p, ok = collect(base + 2 * PARTS_POW2 + p_idx, p_ok, SPIN_LIMIT)
-    return max_nan(amax_p, 0), ok
+    return absmax_f32(amax_p, 0), ok
 
 
 @flyc.func
