@@ -451,8 +451,7 @@ def tune_artifact(
     if not keys:
         raise TuningError(f"no keys to tune {tunable.name} for on {arch}")
     ident = identity(arch)
-    if jobs > 1:
-        precompile(tunable, keys, arch, device, jobs)
+    precompile(tunable, keys, arch, device, jobs)
     failures: list[str] = []
     for key in tqdm(keys, desc=f"{tunable.name} keys", unit="key", disable=None if progress else True):
         try:
@@ -520,11 +519,14 @@ def precompile(tunable: Tunable, keys: Sequence[Mapping[str, Any]], arch: str, d
     import concurrent.futures
     import multiprocessing
 
+    if jobs < 2:
+        return 0
     found = _find_tunable(tunable.name)
+    if found is None or found[1].make_task is None:
+        _log.info("%s: not an installed family's tunable; candidates compile during the search", tunable.name)
+        return 0
     items = [(dict(k), dataclasses.asdict(c)) for k in keys for c in tunable._candidate_list(k, arch)]
-    if found is None or found[1].make_task is None or len(items) < 2 or jobs < 2:
-        if found is None:
-            _log.info("%s: not an installed family's tunable; candidates compile during the search", tunable.name)
+    if len(items) < 2:
         return 0
     jobs = min(jobs, len(items))
     share = math.ceil(len(items) / jobs)
