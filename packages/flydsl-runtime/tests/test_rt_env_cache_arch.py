@@ -108,3 +108,14 @@ def test_checks_name_the_argument():
     assert checks.parse_dtype("in_dtype", "bf16") is torch.bfloat16
     assert checks.check_alignment("x", torch.zeros(4, 8), 16)
     assert not checks.check_alignment("x", torch.zeros(4, 9)[:, :8], 16)
+
+
+def test_from_name_maps_tuning_key_arch_names():
+    """'cpu' is the interpreter; 'sm_90' on a machine without one is the named Hopper description; this
+    process's own arch name is its own Arch."""
+    from flydsl import arch
+
+    assert arch.from_name("cpu") is arch.INTERPRETER
+    here = arch.current()
+    assert arch.from_name(here.name) is here
+    assert arch.from_name("sm_90") is (here if here.name == "sm_90" else arch.SM90)
