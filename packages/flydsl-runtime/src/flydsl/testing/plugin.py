@@ -1,5 +1,5 @@
-"""FlyDSL's pytest plugin: the ``gpu`` marker, the ``device`` fixture and the
-``--require-gpu`` option.
+"""FlyDSL's pytest plugin: the ``gpu`` marker, the ``device`` fixture, the
+``--require-gpu`` option and ``--smallest-cases`` (each test's smallest cases only).
 
 Opt-in: installing FlyDSL registers nothing with pytest, so other projects'
 test runs are unchanged. A test suite loads it from its top-level
@@ -21,6 +21,7 @@ import flydsl  # noqa: F401 - fixes the backend before test modules import trito
 
 from .. import env
 from . import default_device, gpu_available
+from .cases import smallest_cases
 
 
 def pytest_addoption(parser):
@@ -30,6 +31,13 @@ def pytest_addoption(parser):
         action="store_true",
         default=False,
         help="fail the session when no GPU is visible, instead of skipping gpu-marked tests (GPU CI shards)",
+    )
+    group.addoption(
+        "--smallest-cases",
+        action="store_true",
+        default=False,
+        help="of each test's parametrized cases that differ only in numbers, run the smallest (deselect the rest): "
+        "for runs whose cost follows the kernels' work, such as compute-sanitizer's racecheck (flydsl.testing.cases)",
     )
 
 
@@ -58,7 +66,13 @@ def pytest_configure(config):
         )
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the smallest of the cases that will run
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--smallest-cases"):
+        kept, dropped = smallest_cases(items)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     if env.read_external("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
         # Without the caching allocator a capture's allocations are cudaMalloc calls, which a capture refuses; the
         # failed capture leaves the process's CUDA state (its RNG, a pending error) unfit for the tests after it.
