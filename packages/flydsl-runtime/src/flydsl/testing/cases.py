@@ -52,19 +52,19 @@ def case_size_and_shape(params: dict[str, Any]) -> tuple[int, tuple]:
 def smallest_cases(items: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """(kept, dropped) pytest items: each group's smallest case kept (the first collected on a tie), every
     unparametrized item kept; collection order preserved."""
+    params = [_params(item) for item in items]
     best: dict[tuple, tuple[int, int]] = {}
-    for index, item in enumerate(items):
-        params = _params(item)
-        if params is None:
+    for index, (item, p) in enumerate(zip(items, params, strict=True)):
+        if p is None:
             continue
-        size, shape = case_size_and_shape(params)
+        size, shape = case_size_and_shape(p)
         key = (item.nodeid.split("[", 1)[0], shape)
         if key not in best or size < best[key][0]:
             best[key] = (size, index)
     keep = {index for _, index in best.values()}
     kept, dropped = [], []
-    for index, item in enumerate(items):
-        (kept if _params(item) is None or index in keep else dropped).append(item)
+    for index, (item, p) in enumerate(zip(items, params, strict=True)):
+        (kept if p is None or index in keep else dropped).append(item)
     return kept, dropped
 
 
