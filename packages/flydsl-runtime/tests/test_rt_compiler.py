@@ -391,6 +391,35 @@ def test_scratch_is_zero_filled_under_flydsl_zero_scratch(monkeypatch):
     assert fresh_thread_allocator() is flyc._torch_scratch
 
 
+def test_zero_scratch_replaces_an_allocator_torch_compile_installed(monkeypatch):
+    """torch.compile's launchers set a plain torch.empty allocator on every run; under FLYDSL_ZERO_SCRATCH=1
+    the next launch of ours puts the zero-filling one back (unset: the caller's allocator stays)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    def theirs(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    def after_theirs():
+        out = []
+
+        def run():
+            triton.set_allocator(theirs)
+            flyc.ensure_scratch_allocator()
+            out.append(_allocation._allocator.get())
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out[0]
+
+    monkeypatch.setenv("FLYDSL_ZERO_SCRATCH", "1")
+    assert after_theirs() is flyc._torch_zero_scratch
+    monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
+    assert after_theirs() is theirs
+
+
 @pytest.mark.gpu
 def test_driver_signature_names_each_argument():
     """One letter an argument in launch order: pointers, the ints as Triton typed them (i32, or constexpr when

@@ -649,18 +649,26 @@ def _torch_zero_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def ensure_scratch_allocator() -> None:
-    """Install :func:`_torch_scratch` (:func:`_torch_zero_scratch` under ``FLYDSL_ZERO_SCRATCH=1``, read here,
-    once a thread, not a launch) as Triton's scratch allocator in this thread's context if none is set.
+    """Install :func:`_torch_scratch` (:func:`_torch_zero_scratch` under ``FLYDSL_ZERO_SCRATCH=1``) as Triton's
+    scratch allocator in this thread's context if none is set.
 
     Kernels that build tensor descriptors on the device (``fx.make_tensor_descriptor``) need global
     scratch memory for them. Triton keeps its allocator in a context variable, so every thread starts
     without one (autograd runs the backward on threads of its own): launchers of such kernels call this
-    before each launch (a context-variable read once installed). An allocator the caller set is kept.
+    before each launch (a context-variable read once ours is installed; the environment is read only while
+    another allocator is current). An allocator the caller set is kept, except under
+    ``FLYDSL_ZERO_SCRATCH=1``, where the zero-filling one replaces it: torch.compile's launchers install
+    a plain ``torch.empty`` allocator on every run, which would otherwise leave our descriptors in unfilled
+    memory for the rest of the thread (initcheck then reports every descriptor read).
     """
     from triton.runtime import _allocation
 
     current = getattr(_allocation, "_allocator", None)
+    installed = None if current is None else current.get()
+    if installed is _torch_scratch or installed is _torch_zero_scratch:
+        return
     # "none set" is Triton's NullAllocator (one shared instance from 3.6, a fresh default before): by its type
     null_type = getattr(_allocation, "NullAllocator", None)
-    if current is None or null_type is None or isinstance(current.get(), null_type):
-        triton.set_allocator(_torch_zero_scratch if env.get("FLYDSL_ZERO_SCRATCH") else _torch_scratch)
+    zero = env.get("FLYDSL_ZERO_SCRATCH")
+    if current is None or null_type is None or isinstance(installed, null_type) or zero:
+        triton.set_allocator(_torch_zero_scratch if zero else _torch_scratch)

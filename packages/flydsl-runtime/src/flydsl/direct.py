@@ -21,7 +21,8 @@ allocation or a view (a fill, a copy, a reduction), or a kernel launched other t
 to the general path (after a few tries, so that a first call that fills a family's cache is recorded
 again). Kernels whose launch needs Triton's own launcher (profiling scratch, another Triton version) are
 not replayed either; a kernel's global scratch memory (device-side tensor descriptors) is allocated by the
-replay, as Triton's launcher does.
+replay, as Triton's launcher does (under ``FLYDSL_ZERO_SCRATCH=1`` the scratch's zero-fill is such a torch op,
+so calls of those kernels keep the general path, which zero-fills every launch's).
 
 The key is the family's and must determine everything its path reads on the host: every tensor's dtype,
 shape, strides, device and 16-byte alignment (:func:`tensor_key`), every other argument, and the stream

@@ -124,9 +124,9 @@ VARS: dict[str, Var] = {
             _parse_bool,
             lambda: False,
             "1 zero-fills the global scratch memory of kernels that build tensor descriptors on the device "
-            "(one memset a launch; read when a thread's allocator is installed). For compute-sanitizer's "
-            "initcheck, which does not count the descriptor the kernel writes through the tensormap proxy as a "
-            "write; the sanitize sessions set it.",
+            "(one memset a launch; read when a thread's allocator is installed, and replacing one another "
+            "library set). For compute-sanitizer's initcheck, which does not count the descriptor the kernel "
+            "writes through the tensormap proxy as a write; the sanitize sessions set it.",
         ),
         Var(
             "FLYDSL_LOG_LEVEL",
