@@ -154,3 +154,54 @@ class SimGroup:
         off = self.layout.flag_offset(program, src)
         return int(self.buffers[rank][off : off + 8].view(torch.int64))
 
+
+
+class StreamGroup:
+    """``world`` ranks on one GPU: each rank's shared buffer a device allocation of this process and each
+    rank's launches on a stream of its own, so the ranks' kernels run at once and synchronise through the
+    flags as they do across GPUs (system-scope release / acquire, L2 reads of peer data), with no peer
+    mapping. ``programs * world`` must fit the GPU at once (a program waits for its peers' program of the
+    same number); ``spin_limit`` turns a wait that would hang (kernels not running at once, as under
+    compute-sanitizer) into a counted timeout."""
+
+    def __init__(self, world: int, max_size: int = 8 << 20, programs: int = 16, spin_limit: int = 1 << 22):
+        self.world, self.programs, self.spin_limit = world, programs, spin_limit
+        self.layout = BufferLayout.for_max_size(max_size)
+        self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
+        self.ptrs = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device="cuda")
+        self.states = [torch.zeros(STATE_LEN, dtype=torch.int64, device="cuda") for _ in range(world)]
+        self.streams = [torch.cuda.Stream() for _ in range(world)]
+
+    def launch(self, rank, algorithm, x, out, op="sum"):
+        """Rank ``rank``'s whole call (every stage, one kernel) on the current stream, with the parameters
+        :class:`~fly_comm.CustomAllReduce` launches with."""
+        from fly_comm._kernels.allreduce import launch_one_shot, launch_two_shot
+        from fly_comm.allreduce import NUM_WARPS
+
+        block = (16 // x.element_size()) * 32 * NUM_WARPS
+        kw = dict(programs=self.programs, block=block, half_bytes=self.layout.half_bytes, op=op,
+                  spin_limit=self.spin_limit, num_warps=NUM_WARPS)  # fmt: skip
+        if algorithm == "one_shot":
+            launch_one_shot(x, out, self.ptrs, self.states[rank], rank, self.world, **kw)
+        else:
+            launch_two_shot(x, out, self.ptrs, self.states[rank], rank, self.world,
+                            two_shot_slice(x.numel(), self.world), **kw)  # fmt: skip
+
+    def call(self, xs, algorithm, op="sum", outs=None, late=None, late_cycles=100_000_000):
+        """One all-reduce: every rank's kernel on its stream, forked from and joined back into the current
+        stream (so it also captures into a CUDA graph). ``late``: a rank whose stream first sleeps
+        ``late_cycles`` GPU clock cycles."""
+        outs = outs if outs is not None else [torch.full_like(x, float("nan")) for x in xs]
+        here = torch.cuda.current_stream()
+        for r, s in enumerate(self.streams):
+            s.wait_stream(here)
+            with torch.cuda.stream(s):
+                if r == late:
+                    torch.cuda._sleep(late_cycles)
+                self.launch(r, algorithm, xs[r], outs[r], op)
+        for s in self.streams:
+            here.wait_stream(s)
+        return outs
+
+    def timeouts(self) -> list[int]:
+        return [int(s[TIMEOUT_SLOT]) for s in self.states]
