@@ -162,3 +162,48 @@ def wrong_device(rank: int, world: int) -> list[str]:
         except DeviceError as e:
             return [] if "cuda" in str(e) else [f"unexpected message: {e}"]
     return ["a CPU tensor was accepted by a CUDA CustomAllReduce"]
+
+
+def ipc_on_one_gpu(rank: int, world: int) -> list[str]:
+    """Every rank a process on GPU 0 of a gloo group: the buffers registered through CUDA IPC (the handles
+    exchanged, each peer's allocation opened in this process), then calls of both kernels through those
+    mappings. The ranks' kernels share the GPU by time slices, so the waits are bounded (``spin_limit``)
+    and a wait that gave up is reported instead of hanging. (CustomAllReduce itself refuses two ranks on
+    one GPU; this drives its transport and kernels directly.)"""
+    from fly_comm import _transport
+    from fly_comm._kernels.allreduce import launch_one_shot, launch_two_shot
+    from fly_comm.allreduce import NUM_WARPS
+    from fly_comm.layout import STATE_LEN, TIMEOUT_SLOT, BufferLayout, two_shot_slice
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    layout = BufferLayout.for_max_size(1 << 20)
+    reg = _transport.register(layout.total_bytes, dist.group.WORLD, device, rank, world, "ipc")
+    failures: list[str] = []
+    if reg.kind != "ipc" or len(reg.addresses) != world:
+        return [f"registration: kind {reg.kind}, {len(reg.addresses)} addresses"]
+    reg.local.zero_()
+    torch.cuda.synchronize()
+    dist.barrier()  # no rank signals into a buffer before its owner has zeroed it
+    ptrs = torch.tensor(reg.addresses, dtype=torch.int64, device=device)
+    state = torch.zeros(STATE_LEN, dtype=torch.int64, device=device)
+    for k, (algorithm, n) in enumerate([("one_shot", 1000), ("two_shot", 100_003), ("one_shot", 17),
+                                        ("two_shot", 4096), ("one_shot", 65_536)]):  # fmt: skip
+        xs = [inputs(r, n, torch.bfloat16, seed=k) for r in range(world)]
+        x = xs[rank].to(device)
+        out = torch.full_like(x, float("nan"))
+        kw = dict(programs=8, block=8 * 32 * NUM_WARPS, half_bytes=layout.half_bytes, spin_limit=1 << 24,
+                  num_warps=NUM_WARPS)  # fmt: skip
+        if algorithm == "one_shot":
+            launch_one_shot(x, out, ptrs, state, rank, world, **kw)
+        else:
+            launch_two_shot(x, out, ptrs, state, rank, world, two_shot_slice(n, world), **kw)
+        torch.cuda.synchronize()
+        want = ordered_sum(xs).to(torch.bfloat16)
+        if not torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)):
+            failures.append(f"call {k} {algorithm} n={n}: {int((out.cpu() != want).sum())} elements wrong")
+    if int(state[TIMEOUT_SLOT]):
+        failures.append(f"{int(state[TIMEOUT_SLOT])} waits gave up")
+    dist.barrier()  # no peer still reads this rank's buffer when the mappings go
+    reg.release()
+    return failures

@@ -71,17 +71,17 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, outdir: str
         Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_group(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0) -> list:
+def run_group(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0, spawn: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` processes of one process group; return each rank's result.
 
-    gloo groups fork (CPU only: a spawned child re-imports torch, seconds each); NCCL groups spawn (CUDA
-    cannot be used in a forked child), so ``fn`` must be importable (a module-level function here). A rank
-    that raises fails the test with its traceback; a group still running after ``timeout`` seconds (a hang)
-    is killed and fails it too.
+    gloo groups fork (CPU only: a spawned child re-imports torch, seconds each) unless ``spawn``; NCCL
+    groups, and gloo groups whose ranks use CUDA, spawn (CUDA cannot be used in a forked child), so ``fn``
+    must be importable (a module-level function here). A rank that raises fails the test with its
+    traceback; a group still running after ``timeout`` seconds (a hang) is killed and fails it too.
     """
     import torch.multiprocessing as mp
 
-    method = "spawn" if backend == "nccl" else "fork"
+    method = "spawn" if backend == "nccl" or spawn else "fork"
     with tempfile.TemporaryDirectory(prefix="fly-comm-test-") as outdir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, outdir), nprocs=world,
                                  join=False, start_method=method)  # fmt: skip

@@ -2,16 +2,18 @@
 allocation (``StreamGroup``), all ranks' kernels running at once. What this runs that the CPU simulation
 cannot: real concurrency between the ranks' programs, the system-scope release / acquire flags and the
 L2 reads of peer data on the hardware, the vector widths of every dtype, a rank whose kernel starts late, a
-rank one call ahead reusing its data half, and CUDA graph capture of the ranks' launches. What it cannot:
-peer mappings (symmetric memory, CUDA IPC) and NVLink, which need two GPUs (test_comm_gpu.py).
+rank one call ahead reusing its data half, and CUDA graph capture of the ranks' launches; and, with each
+rank a process on the same GPU, the CUDA IPC transport's handles and mappings. What it cannot: symmetric
+memory, mappings between GPUs and NVLink, which need two GPUs (test_comm_gpu.py).
 
 ``overlap``: the ranks' kernels must run at once, which compute-sanitizer's serialized launches prevent."""
 
 from __future__ import annotations
 
+import comm_gpu_workers as w
 import pytest
 import torch
-from comm_helpers import StreamGroup, inputs, ordered_sum
+from comm_helpers import StreamGroup, inputs, ordered_sum, run_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.overlap]
 
@@ -118,3 +120,12 @@ def test_cuda_graph_capture_and_replay():
             torch.cuda.synchronize()
             _check_call(group, cpu, outs)
         del graph
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_mappings_between_processes_on_one_gpu(world):
+    """The CUDA IPC transport for real: each rank a process on GPU 0, its peers' buffers opened from their
+    handles, both kernels reading through those mappings (comm_gpu_workers.ipc_on_one_gpu)."""
+    failures = [f"rank {r}: {m}" for r, msgs in enumerate(run_group(w.ipc_on_one_gpu, world, spawn=True,
+                                                                     timeout=300.0)) for m in msgs]  # fmt: skip
+    assert not failures, "\n".join(failures)
