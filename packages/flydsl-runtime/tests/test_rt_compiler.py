@@ -331,93 +331,58 @@ def test_on_current_device(device):
     assert flyc.on_current_device(t) == (device.type == "cuda")
 
 
-def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
-    """Device-side tensor descriptors need Triton's scratch allocator, kept in a context variable: each
-    thread gets ours on first use, and an allocator the caller installed stays."""
+def _allocator_in_a_fresh_thread(before=None):
+    """Triton's scratch allocator in a new thread (whose context starts with none) after ``before`` (a
+    caller's allocator it installs first, if any) and :func:`flyc.ensure_scratch_allocator`."""
     import threading
 
     from triton.runtime import _allocation
 
-    def in_fresh_thread(fn):
-        out = []
-        t = threading.Thread(target=lambda: out.append(fn()))
-        t.start()
-        t.join()
-        return out[0]
+    out = []
 
-    def install_and_get():
+    def run():
+        if before is not None:
+            triton.set_allocator(before)
         flyc.ensure_scratch_allocator()
-        return _allocation._allocator.get()
+        out.append(_allocation._allocator.get())
 
-    assert in_fresh_thread(install_and_get) is flyc._torch_scratch
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _plain(size, alignment, stream):  # an allocator of the caller's, as torch.compile's launchers install
+    return torch.empty(size, dtype=torch.int8)
+
+
+def test_scratch_allocator_is_installed_per_thread_and_keeps_the_callers():
+    """Device-side tensor descriptors need Triton's scratch allocator, kept in a context variable: each
+    thread gets ours on first use, and an allocator the caller installed stays."""
+    assert _allocator_in_a_fresh_thread() is flyc._torch_scratch
     buf = flyc._torch_scratch(256, 128, None)
     assert buf.numel() == 256 and buf.dtype == torch.int8
-
-    def mine(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8)
-
-    def keep_callers():
-        triton.set_allocator(mine)
-        flyc.ensure_scratch_allocator()
-        return _allocation._allocator.get()
-
-    assert in_fresh_thread(keep_callers) is mine
+    assert _allocator_in_a_fresh_thread(_plain) is _plain
 
 
 def test_scratch_is_zero_filled_under_flydsl_zero_scratch(monkeypatch):
     """FLYDSL_ZERO_SCRATCH=1 (the sanitize sessions' setting for initcheck) installs a zero-filling allocator,
     chosen when a thread's allocator is installed (no environment read a launch); unset, torch.empty."""
-    import threading
-
-    from triton.runtime import _allocation
-
-    def fresh_thread_allocator():
-        out = []
-
-        def install():
-            flyc.ensure_scratch_allocator()
-            out.append(_allocation._allocator.get())
-
-        t = threading.Thread(target=install)
-        t.start()
-        t.join()
-        return out[0]
-
     monkeypatch.setenv("FLYDSL_ZERO_SCRATCH", "1")
-    zeroing = fresh_thread_allocator()
+    zeroing = _allocator_in_a_fresh_thread()
     assert zeroing is flyc._torch_zero_scratch
     assert not zeroing(4096, 128, None).any()
     monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
-    assert fresh_thread_allocator() is flyc._torch_scratch
+    assert _allocator_in_a_fresh_thread() is flyc._torch_scratch
 
 
 def test_zero_scratch_replaces_an_allocator_torch_compile_installed(monkeypatch):
     """torch.compile's launchers set a plain torch.empty allocator on every run; under FLYDSL_ZERO_SCRATCH=1
     the next launch of ours puts the zero-filling one back (unset: the caller's allocator stays)."""
-    import threading
-
-    from triton.runtime import _allocation
-
-    def theirs(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8)
-
-    def after_theirs():
-        out = []
-
-        def run():
-            triton.set_allocator(theirs)
-            flyc.ensure_scratch_allocator()
-            out.append(_allocation._allocator.get())
-
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        return out[0]
-
     monkeypatch.setenv("FLYDSL_ZERO_SCRATCH", "1")
-    assert after_theirs() is flyc._torch_zero_scratch
+    assert _allocator_in_a_fresh_thread(_plain) is flyc._torch_zero_scratch
     monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
-    assert after_theirs() is theirs
+    assert _allocator_in_a_fresh_thread(_plain) is _plain
 
 
 @pytest.mark.gpu
