@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 
+import flydsl.arch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 import flydsl.gexpr as gx
@@ -383,6 +384,41 @@ def test_zero_scratch_replaces_an_allocator_torch_compile_installed(monkeypatch)
     assert _allocator_in_a_fresh_thread(_plain) is flyc._torch_zero_scratch
     monkeypatch.delenv("FLYDSL_ZERO_SCRATCH")
     assert _allocator_in_a_fresh_thread(_plain) is _plain
+
+
+@flyc.kernel
+def _descriptor_double_kernel(x_ptr, out_ptr, M, N, stride_x, stride_o, BM: fx.constexpr, BN: fx.constexpr):
+    x_desc = fx.make_tensor_descriptor(x_ptr, shape=[M, N], strides=[stride_x, 1], block_shape=[BM, BN])
+    o_desc = fx.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_o, 1], block_shape=[BM, BN])
+    m0 = fx.program_id(0) * BM
+    n0 = fx.program_id(1) * BN
+    o_desc.store([m0, n0], x_desc.load([m0, n0]) * 2)
+
+
+def _descriptor_double(x, out):
+    m, n = x.shape
+    flyc.ensure_scratch_allocator()  # the descriptors live in Triton's global scratch
+    flyc.launch(_descriptor_double_kernel, (flyc.cdiv(m, 32), flyc.cdiv(n, 64)), x, out, m, n, x.stride(0),
+                out.stride(0), BM=32, BN=64)  # fmt: skip
+
+
+def test_device_descriptors_load_and_store_tiles_clipped_to_the_shape(device):
+    """Tensor descriptors built on the device (as the TMA kernels build theirs): tiles that overhang the
+    shape load zeros and store only inside it (the poisoned columns past it stay NaN). The second output
+    comes from torch.empty, written by nothing but the descriptor store, so that compute-sanitizer's
+    initcheck (``nox -s sanitize-runtime``) says whether it counts such a store as a write."""
+    m, n = 77, 200  # neither a multiple of the 32 x 64 tile; rows 16-byte aligned, as a descriptor needs
+    x = torch.randn(m, 256, device=device, dtype=torch.float16)[:, :n]
+    arch = flydsl.arch.current(x.device)
+    if not (arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))):
+        pytest.skip(f"device-side tensor descriptors need TMA (sm_90+), not {arch.name}")
+    out_base = empty_poisoned(m, 256, dtype=torch.float16, device=device)
+    _descriptor_double(x, out_base[:, :n])
+    assert torch.equal(out_base[:, :n], x * 2)
+    assert torch.isnan(out_base[:, n:]).all()
+    fresh = torch.empty(m, n, device=device, dtype=torch.float16)
+    _descriptor_double(x, fresh)
+    assert torch.equal(fresh, x * 2)
 
 
 @pytest.mark.gpu
