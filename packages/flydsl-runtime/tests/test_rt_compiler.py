@@ -402,15 +402,17 @@ def _descriptor_double(x, out):
                 out.stride(0), BM=32, BN=64)  # fmt: skip
 
 
-def test_device_descriptors_load_and_store_tiles_clipped_to_the_shape(device):
+@pytest.mark.gpu  # the sanitize sessions run the gpu-marked tests (the interpreter's TMA is covered by fly-gemm's)
+def test_device_descriptors_load_and_store_tiles_clipped_to_the_shape():
     """Tensor descriptors built on the device (as the TMA kernels build theirs): tiles that overhang the
     shape load zeros and store only inside it (the poisoned columns past it stay NaN). The second output
     comes from torch.empty, written by nothing but the descriptor store, so that compute-sanitizer's
     initcheck (``nox -s sanitize-runtime``) says whether it counts such a store as a write."""
     m, n = 77, 200  # neither a multiple of the 32 x 64 tile; rows 16-byte aligned, as a descriptor needs
+    device = torch.device("cuda")
     x = torch.randn(m, 256, device=device, dtype=torch.float16)[:, :n]
     arch = flydsl.arch.current(x.device)
-    if not (arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))):
+    if not (arch.backend == "cuda" and arch.capability >= (9, 0)):
         pytest.skip(f"device-side tensor descriptors need TMA (sm_90+), not {arch.name}")
     out_base = empty_poisoned(m, 256, dtype=torch.float16, device=device)
     _descriptor_double(x, out_base[:, :n])
