@@ -34,8 +34,9 @@ def _layer(t, h, inter, e, k, dtype, seed, device=DEV, ids_dtype=torch.int32):
     w1 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype)
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype)
     logits = torch.randn(t, e, generator=g)
-    x, w1, w2, logits = (v.to(device) for v in (x, w1, w2, logits))
-    w, ids = topk_softmax(logits, k)
+    x, w1, w2 = (v.to(device) for v in (x, w1, w2))
+    # routed where kernels run (a CPU tensor on a GPU machine is refused), then moved to ``device``
+    w, ids = (v.to(device) for v in topk_softmax(logits.to(DEV), k))
     return x, w1, w2, w, ids.to(ids_dtype)
 
 

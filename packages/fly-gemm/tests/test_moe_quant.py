@@ -110,8 +110,9 @@ def _layer(t, h, inter, e, k, dtype, qdtype, block_shape, seed, empty_expert=Tru
     else:
         q1, s1 = quantize_weight(w1, qdtype, block_shape)
         q2, s2 = quantize_weight(w2, qdtype, block_shape)
-    x, w1, w2, q1, s1, q2, s2, logits = (v.to(device) for v in (x, w1, w2, q1, s1, q2, s2, logits))
-    w, ids = topk_softmax(logits, k)
+    x, w1, w2, q1, s1, q2, s2 = (v.to(device) for v in (x, w1, w2, q1, s1, q2, s2))
+    # routed where kernels run (a CPU tensor on a GPU machine is refused), then moved to ``device``
+    w, ids = (v.to(device) for v in topk_softmax(logits.to(DEV), k))
     return x, (w1, w2), (q1, q2, s1, s2), w, ids
 
 
