@@ -90,6 +90,7 @@ def test_calls_that_stay_general(device):
     assert not _plans()
 
 
+@pytest.mark.tma_store  # dW comes from the persistent TMA kernel without split-K: written by TMA stores alone
 def test_training_steps_replay_forward_and_backward(device):
     """linear's forward with grad and its backward's GEMMs, replayed: gradients against fp64 each step."""
     _gemm._REPLAYS.clear()

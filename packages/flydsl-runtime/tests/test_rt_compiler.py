@@ -403,11 +403,13 @@ def _descriptor_double(x, out):
 
 
 @pytest.mark.gpu  # the sanitize sessions run the gpu-marked tests (the interpreter's TMA is covered by fly-gemm's)
+@pytest.mark.tma_store  # `fresh` is written by the descriptor store alone
 def test_device_descriptors_load_and_store_tiles_clipped_to_the_shape():
     """Tensor descriptors built on the device (as the TMA kernels build theirs): tiles that overhang the
     shape load zeros and store only inside it (the poisoned columns past it stay NaN). The second output
-    comes from torch.empty, written by nothing but the descriptor store, so that compute-sanitizer's
-    initcheck (``nox -s sanitize-runtime``) says whether it counts such a store as a write."""
+    comes from torch.empty, written by nothing but the descriptor store: the probe of compute-sanitizer's
+    initcheck, which does not count such a store as a write (on the H200 it reported 3,880 reads of
+    ``fresh``, all in torch's comparison below, while the values matched); hence the ``tma_store`` mark."""
     m, n = 77, 200  # neither a multiple of the 32 x 64 tile; rows 16-byte aligned, as a descriptor needs
     device = torch.device("cuda")
     x = torch.randn(m, 256, device=device, dtype=torch.float16)[:, :n]

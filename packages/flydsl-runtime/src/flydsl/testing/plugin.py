@@ -60,6 +60,11 @@ def pytest_configure(config):
         "PYTORCH_NO_CUDA_MEMORY_CACHING=1, the sanitize sessions' exact-bounds pass, which runs them in a second "
         "pass with the allocator on)",
     )
+    config.addinivalue_line(
+        "markers",
+        "tma_store: reads a tensor that only TMA (tensor-descriptor) stores wrote; compute-sanitizer's initcheck "
+        "does not count those stores as writes and reports every later read, so its sanitize runs deselect it",
+    )
     if config.getoption("--require-gpu") and not gpu_available():
         raise pytest.UsageError(
             "--require-gpu: no GPU is visible to this process (or FLYDSL_INTERPRET=1 forces the interpreter)"
