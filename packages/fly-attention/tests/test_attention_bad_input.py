@@ -26,7 +26,7 @@ from fly_attention import rope_cache as rope_mod
 from fly_attention import scaled_dot_product_attention as sdpa
 from fly_attention.decode_reference import fused_rope_cache_ref, gather_kv_ref, paged_attention_decode_ref
 from flydsl.errors import DeviceError, DTypeError, LayoutError, ShapeError
-from flydsl.testing import assert_rel_close, empty_poisoned, tolerance
+from flydsl.testing import assert_rel_close, default_device, empty_poisoned, tolerance
 
 F16 = torch.float16
 OPS = ["flash_attn", "flash_attn_varlen", "paged_attention_decode", "fused_rope_cache", "sdpa", "builder"]
@@ -151,7 +151,7 @@ def test_dtype(op):
             sdpa(q, q, q.bfloat16())
     else:
         exe = build_flash_attn_func_module(2, 16)
-        q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16, device=default_device())  # a GPU launcher refuses CPU
         with pytest.raises(DTypeError, match=r"^k: expected dtype bf16 \(the builder's\), got fp16"):
             exe(q, q.half(), q, torch.empty_like(q), 1, 4)
 
@@ -259,7 +259,7 @@ def test_shape(op):
             sdpa(q, q, bhsd(1, 4, 2, 16))
     else:
         exe = build_flash_attn_func_module(2, 16)
-        q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16, device=default_device())
         with pytest.raises(ShapeError, match=r"^v: expected \[batch, seqlen, heads, head_dim\] = \[1, 4, 2, 16\]"):
             exe(q, q, q[:, :3], torch.empty_like(q), 1, 4)
 
@@ -376,7 +376,8 @@ def test_empty(op, device):
         assert fused_rope_cache(*a).shape == (0, 4, 32)
         assert torch.equal(a[5], kc0) and torch.equal(a[6], vc0)
     elif op == "sdpa":
-        assert sdpa(bhsd(0, 5, 2, 16), bhsd(0, 5, 2, 16), bhsd(0, 5, 2, 16)).shape == (0, 2, 5, 16)
+        e = bhsd(0, 5, 2, 16, device=device)
+        assert sdpa(e, e, e).shape == (0, 2, 5, 16)
         q, k = bhsd(1, 3, 2, 16, device=device), bhsd(1, 0, 2, 16, device=device)
         out = sdpa(q, k, k)
         assert torch.equal(out.double().cpu(), sdpa_ref(q, k, k))  # torch: zeros

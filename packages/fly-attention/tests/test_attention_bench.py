@@ -249,6 +249,7 @@ def test_backward_check_fails_a_wrong_gradient():
     assert rows["zero_dq"].rel_error > 0.5  # one gradient all wrong: 1 / sqrt(3)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_backward_providers_give_the_gradients_and_a_fresh_step():
     spec = _spec("attn_bwd_bf16")
     t = spec.setup(spec.quick_cases[1], "cpu")
@@ -275,6 +276,7 @@ def test_sdpa_causal_peers_skip_off_square_cases():
 # ------------------------------------------------------------------ varlen
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_varlen_check_fails_zeros_and_the_dense_peer_reads_the_same_tokens():
     spec = _spec("attn_varlen_bf16")
     case = spec.quick_cases[0]
@@ -320,6 +322,7 @@ def _fake_fp8_flash_attn(lose_v_descale=False):
     return flash_attn
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_fp8_provider_runs_the_real_api():
     """The fp8 provider calls flash_attn with the descales and matches the dequantized reference."""
     spec = _spec("attn_fwd_fp8")
@@ -377,6 +380,7 @@ def test_tiny_sweep_through_main_for(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", _NAMES[1:])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_sweep_cases_pass_their_checks_on_the_cpu(name):
     """One CPU_SWEEP shape of each bench (the forward's sweep runs through main_for above): every provider that
     serves it matches the reference (checked as the harness checks, without timing it)."""

@@ -19,6 +19,7 @@ from flydsl.testing import assert_rel_close, tolerance
 @pytest.mark.parametrize("dtype_str,dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 2)])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_launch_against_reference(dtype_str, dtype, hq, hkv, causal):
     b, s, d = 2, 21, 64
     exe = build_flash_attn_func_module(hq, d, causal=causal, dtype_str=dtype_str, num_kv_heads=hkv)
@@ -28,6 +29,7 @@ def test_launch_against_reference(dtype_str, dtype, hq, hkv, causal):
     assert_rel_close(o, flash_attn_ref(q, k, v, causal=causal), tol=tolerance(dtype))
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_4d_buffers_and_a_larger_flat_one():
     """4-D tensors (strided views too) are taken as they are; a flat buffer larger than needed is used from
     its start and the rest left alone."""
@@ -41,6 +43,7 @@ def test_4d_buffers_and_a_larger_flat_one():
     assert torch.isnan(o[-7:]).all()
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_default_num_kv_heads_is_num_heads():
     exe = build_flash_attn_func_module(2, 16)  # bf16, MHA
     q, k, v = rand_qkv(1, 5, 5, 2, 2, 16, dtype=torch.bfloat16)
@@ -51,6 +54,7 @@ def test_default_num_kv_heads_is_num_heads():
         exe(q.view(-1), k[:, :, :1].contiguous().view(-1), v.view(-1), o.view(-1), 1, 5)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_empty_batch():
     exe = build_flash_attn_func_module(2, 16, dtype_str="f16")
     e = torch.empty(0, dtype=torch.float16)
@@ -75,6 +79,7 @@ def test_bad_build_parameters(kwargs, err, match):
         build_flash_attn_func_module(**kwargs)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_bad_buffers_named():
     b, s, hq, hkv, d = 2, 7, 4, 2, 16
     exe = build_flash_attn_func_module(hq, d, dtype_str="bf16", num_kv_heads=hkv)
@@ -140,6 +145,7 @@ def test_fp8_launch_is_flash_attn_fp8(device, out_dtype, causal):
     assert torch.equal(o, flash_attn(q, k, v, causal=causal, out_dtype=out_dtype))
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_fp8_bad_buffers_named():
     b, s, h, d = 1, 5, 2, 32
     exe = build_flash_attn_func_module(h, d, dtype_str="fp8")

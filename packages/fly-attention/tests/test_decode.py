@@ -271,6 +271,7 @@ def test_meta_tensors_give_meta_outputs():
     assert out.device == meta and out.shape == q.shape and out.dtype == q.dtype
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_ops_trace_under_torch_compile_fullgraph():
     torch._dynamo.reset()
     q, kc, vc, table, sl = make_paged([7, 30], 2, 32, 16, hq=4)

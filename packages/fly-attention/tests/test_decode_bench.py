@@ -40,6 +40,7 @@ def test_bytes_models():
 
 
 @pytest.mark.parametrize("name", _NAMES)
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_quick_cases_pass_their_checks(name):
     spec = _spec(name)
     res = run(spec, quick=True, ceilings={}, device="cpu", timer_kwargs={"windows": 1, "target_window_ms": 1.0})
@@ -49,6 +50,7 @@ def test_quick_cases_pass_their_checks(name):
     assert all(r.status in ("ok", "skipped") for r in rows), [(r.provider, r.status, r.error) for r in rows]
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_a_wrong_provider_fails_the_check():
     spec = _spec("attn_decode_bf16")
     wrong = Provider("wrong", lambda t: lambda: db.paged_attention_decode(*t[:5]) * 1.1, is_ours=True)

@@ -119,6 +119,7 @@ def test_meta_tensors_give_meta_outputs():
     assert out.device == meta and out.shape == (7, 8, 128) and lse.shape == (8, 7)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_ops_trace_under_torch_compile_fullgraph():
     """Traced through the custom ops (fake implementations for the shapes) and run: the same result as
     eager."""
@@ -143,6 +144,7 @@ def test_ops_trace_under_torch_compile_fullgraph():
     assert_rel_close(got, flash_attn_varlen_ref(qv, kv, vv, cu, cu, causal=True, softcap=3.0), tol=tolerance(qv.dtype))
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_fake_implementations_agree_with_the_kernels():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -223,6 +225,7 @@ def test_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("shape", [(0, 8, 8), (2, 0, 8), (2, 0, 0)])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_empty_shapes(shape):
     """batch 0, seqlen_q 0 (with and without keys): empty outputs of the right shape, nothing launched."""
     b, sq, sk = shape

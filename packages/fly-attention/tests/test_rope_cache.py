@@ -202,6 +202,7 @@ def test_bad_input_names_the_argument(make_bad, err, msg):
     assert msg in str(info.value)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_meta_and_torch_compile():
     meta = [t.to("meta") for t in make(4, 4, 2, 32, 32, 16)]
     assert fused_rope_cache(*meta).device.type == "meta"

@@ -46,6 +46,7 @@ def fresh_warnings():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sq,sk", [(13, 40), (40, 13), (24, 24), (1, 17), (17, 1)])
 @pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_against_torch(dtype, sq, sk, is_causal):
     """is_causal is torch's top-left triangle whatever the lengths (flash_attn's own causal is bottom-right:
     a missing translation shows as an O(1) error for sq != sk)."""
@@ -54,6 +55,7 @@ def test_against_torch(dtype, sq, sk, is_causal):
     check(q, k, v, is_causal=is_causal)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_causal_top_left_differs_from_bottom_right():
     """The test above can fail: for sq != sk the two alignments give different results."""
     q, k, v = rand(1, 2, 9, 16), rand(1, 2, 20, 16, seed=1), rand(1, 2, 20, 16, seed=2)
@@ -63,6 +65,7 @@ def test_causal_top_left_differs_from_bottom_right():
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 0.0])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_scale(scale):
     q, k, v = rand(1, 2, 19, 64), rand(1, 2, 23, 64, seed=1), rand(1, 2, 23, 64, seed=2)
     check(q, k, v, scale=scale, is_causal=True)
@@ -70,17 +73,20 @@ def test_scale(scale):
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1), (6, 3)])
 @pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_enable_gqa(hq, hkv, is_causal):
     q, k, v = rand(2, hq, 11, 32), rand(2, hkv, 15, 32, seed=1), rand(2, hkv, 15, 32, seed=2)
     check(q, k, v, is_causal=is_causal, enable_gqa=True)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_single_kv_head_broadcasts_without_gqa():
     """torch broadcasts one KV head over the query heads even without enable_gqa."""
     q, k, v = rand(2, 4, 11, 32), rand(2, 1, 15, 32, seed=1), rand(2, 1, 15, 32, seed=2)
     check(q, k, v)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_value_head_dim_differs():
     q, k, v = rand(1, 2, 12, 48), rand(1, 2, 18, 48, seed=1), rand(1, 2, 18, 24, seed=2)
     check(q, k, v, is_causal=True)
@@ -91,12 +97,14 @@ def test_value_head_dim_differs():
     [((7, 16), (11, 16)), ((3, 7, 16), (3, 11, 16)), ((2, 3, 2, 7, 16), (3, 2, 11, 16)), ((4, 7, 16), (1, 11, 16)),
      ((2, 3, 7, 16), (1, 3, 11, 16))],
 )  # fmt: skip
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_ranks_and_broadcast(qs, ks):
     """2-D, 3-D and 5-D inputs, and batch dims that broadcast (missing or of size 1), as torch allows."""
     q, k, v = rand(*qs), rand(*ks, seed=1), rand(*ks, seed=2)
     check(q, k, v, is_causal=True)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_served_through_views_without_copy(monkeypatch):
     """flash_attn reads the caller's [B, H, S, D] storage through .transpose(1, 2) views; the result is the
     transposed view of its output."""
@@ -117,6 +125,7 @@ def test_served_through_views_without_copy(monkeypatch):
     assert seen["kw"]["causal"] is True and out.data_ptr() == seen["out"].data_ptr()
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_empty_and_keyless():
     q = rand(1, 2, 5, 16)
     k = v = rand(1, 2, 0, 16)
@@ -136,6 +145,7 @@ def test_meta_tensors_give_meta_outputs():
     assert out.device == meta and out.shape == (2, 8, 9, 128) and out.dtype == torch.bfloat16
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_traces_under_torch_compile_fullgraph():
     """The translation is plain tensor views around flash_attn's custom op: one graph, eager's result."""
     torch._dynamo.reset()

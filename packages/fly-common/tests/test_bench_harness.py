@@ -685,6 +685,7 @@ def test_common_bench_sweep_shapes():
     assert sweep_cases(q, 11, 60) == sweep_cases(q, 11, 60)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_common_bench_runs_sweep_like_shapes_on_the_interpreter():
     """Odd, small shapes like the sweep's, through the harness against the references (not timed for speed)."""
     shapes = [("per_token", "fp8", 3, 201), ("per_token", "int8", 1, 333), ("per_tensor_dynamic", "int8", 5, 1001),

@@ -76,6 +76,7 @@ def test_empty_source_zero_fills(device):
     copy_padded(torch.empty(0, 3, device=device), torch.empty(0, 5, device=device))  # nothing to write
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_bad_shapes_named():
     with pytest.raises(ShapeError, match="^dst"):
         copy_padded(torch.zeros(4, 8), torch.zeros(4, 7))

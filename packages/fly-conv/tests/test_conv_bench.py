@@ -38,6 +38,7 @@ def test_bench_names_and_peers():
     assert "flydsl.bf16" in {p.name for p in BENCHES[6].providers}  # the fp8 bar: against our own bf16
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_fp8_bench_peers_convolve_the_same_values():
     """conv_fp8's bf16 peers read the dequantized fp8 values exactly (power-of-two scales), and each provider
     (ours in fp8, ours in bf16) matches the fp8 reference."""
@@ -52,6 +53,7 @@ def test_fp8_bench_peers_convolve_the_same_values():
 
 
 @pytest.mark.parametrize("b", BENCHES, ids=lambda b: b.name)
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_quick_case_checks(b):
     case = b.select_cases(quick=True)[0]
     t = b.setup(case, torch.device("cpu"))
@@ -73,6 +75,7 @@ def test_sweeps_are_seeded_and_cover_the_range():
     assert all(c.params["ks"] == 1 for c in BENCHES[2].sweep(random.Random(3), 10))
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_family_registers_bench_and_demo():
     assert FAMILY.bench is not None
     (demo,) = FAMILY.demo_cases()

@@ -79,6 +79,7 @@ def _layer_inputs(shape, cl, w_shape, seed, device):
 
 
 @pytest.mark.parametrize("layer", _LAYERS, ids=lambda c: c[0])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_common_layouts_are_replayable(layer):
     """The forward of every common layout, and the training step's forward body and backward kernels, do
     nothing on the device but allocate, take views and launch flydsl kernels (the channels-last copies, the

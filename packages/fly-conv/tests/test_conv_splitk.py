@@ -217,6 +217,7 @@ def test_candidates_split_an_underfilled_forward():
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_split_host_path_is_replayable(channels_last, monkeypatch):
     """A split forward's device work is allocations, views and flydsl launches: the partial-sum GEMM and the
     reduce pass (the workspace an empty allocation that the GEMM fills), under a given config and under a

@@ -168,6 +168,7 @@ def test_meta_linear_module_and_autograd():
 # ---------------------------------------------------------------- the first call with autograd
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_first_call_with_autograd_does_not_import_dynamo():
     """torch.library.custom_op imports torch._dynamo on an op's first eager call (1.3-3.9 s of a
     FlyLinear's first forward); fly-gemm's op must not. Checked in a fresh process, where nothing has

@@ -119,6 +119,7 @@ def _reference_grads(x, w, b, g, act):
     return [v.grad for v in leaves]
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_linear_steps_fill_every_gradient():
     """Each provider's step: a fresh graph, backward with the case's upstream gradient, and the x, weight and bias
     gradients within bf16 tolerance of the fp64 ones (the leaves share the inputs' storage)."""
@@ -140,6 +141,7 @@ def test_linear_steps_fill_every_gradient():
             assert err < 1e-2, f"{p.name}: gradient error {err:.2e}"
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_host_bench_reference_matches_autograd():
     """The host bench checks its backward rows against fp64 gradients in the order the providers return them."""
     spec = _by_name(benches())["host"]

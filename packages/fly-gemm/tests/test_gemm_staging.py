@@ -200,6 +200,7 @@ def test_gpu_misaligned_shapes(device, m, n, k, dtype):
 
 
 @pytest.mark.parametrize("cfg", [TMA, TILED], ids=["tma", "tiled"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_staged_host_path_only_allocates_and_launches(stage_small, cfg):
     """The copies (operands in, a scratch output back) are launches of flydsl-common's copy kernel, so a
     staged call is allocations, views and launches only: what flydsl.direct replays on a GPU. Kernels are

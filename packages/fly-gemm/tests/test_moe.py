@@ -152,6 +152,7 @@ class _HostOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("t,ids_dtype,on_input", [(1, torch.int32, False), (16, torch.int64, True),
                                                   (300, torch.int32, False)])  # fmt: skip
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_fused_moe_host_path_has_no_sync_and_only_allocates(monkeypatch, t, ids_dtype, on_input):
     """What CUDA graph capture and flydsl.direct's replay of an eager call need: no op reads a tensor's value on
     the host (``.item()``, ``int(t)``, ``nonzero``...: ``aten._local_scalar_dense`` and kin, a sync on a GPU),

@@ -51,6 +51,7 @@ def _op_args(x, w1, w2, w, ids, w1_scale=None, w2_scale=None, block_shape=None, 
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-block"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_opcheck(mode):
     x, w1, w2, w, ids, kw = _operands(mode, seed=1)
     # opcheck's sub-tests: the schema (no input mutated, no output aliasing an input), the fake against the
@@ -67,6 +68,7 @@ def test_opcheck(mode):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-channel", "fp8-block"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_torch_compile_fullgraph_matches_eager_and_reference(mode):
     torch._dynamo.reset()
     x, w1, w2, w, ids, kw = _operands(mode, seed=2)
@@ -98,6 +100,7 @@ def test_meta_tensors_through_the_op():
         torch.ops.fly_gemm.fused_moe(x, w1, w2, w, ids, s1, s1, "silu", False, [32, 32])
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_out_under_torch_compile_is_filled_by_a_copy():
     torch._dynamo.reset()
     x, w1, w2, w, ids, _ = _operands("bf16", seed=3)
@@ -121,6 +124,7 @@ def _raises(match: str):
     return pytest.raises((ArgumentError, torch._dynamo.exc.TorchDynamoException), match=match)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_config_and_bad_input_under_torch_compile_name_the_argument():
     x, w1, w2, w, ids, kw = _operands("fp8-channel", seed=4)
 
@@ -144,6 +148,7 @@ def test_config_and_bad_input_under_torch_compile_name_the_argument():
         call(x, bf16[1], bf16[2], w[:, :1], ids)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_no_gradient_under_torch_compile_as_in_eager():
     torch._dynamo.reset()
     x, w1, w2, w, ids, _ = _operands("bf16", seed=5)

@@ -312,6 +312,7 @@ def test_quant_bad_input_names_the_argument():
     [(FP8, None, 8), (FP8, [128, 128], 8), (INT4, [1, 32], 6)],
     ids=["channel", "block", "int4"],
 )
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_quant_host_path_only_allocates_and_launches(monkeypatch, qdtype, block_shape, kernels):
     """The activation quantization is flyc launches (no torch op computes on the host path): what CUDA graph
     capture needs. Kernels are recorded, not run; the CPU-only read of the ids' values is left out."""

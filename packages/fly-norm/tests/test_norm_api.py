@@ -181,6 +181,7 @@ def test_rms_norm_eps_none_is_the_dtype_epsilon(device):
 # ---------------------------------------------------------------- the first call
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_first_differentiable_call_does_not_import_dynamo():
     """torch wraps a custom op's implementation so that its first call imports torch._dynamo (1.3-2.3 s);
     eager autograd calls must not go through it (a fresh interpreter: nothing imported it before)."""

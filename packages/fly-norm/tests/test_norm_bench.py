@@ -103,6 +103,7 @@ def _inputs(bench_name: str, m: int, n: int):
 
 
 @pytest.mark.parametrize("provider", ["flydsl", "torch"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_step_fills_fresh_weight_and_bias_gradients(provider):
     b, inputs = _inputs("layernorm_bwd", 3, 200)
     _, x, dy, w, bias = inputs
@@ -133,6 +134,7 @@ def test_shapes_too_large_for_the_interpreter_are_skipped_not_failed():
     assert "CPU interpreter" in rows[0].reason
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_host_bench_checks_every_op_and_mode_on_the_cpu(monkeypatch):
     monkeypatch.setattr(norm_bench, "_HOST_SHAPE", (2, 300))  # the interpreter's pace: a smaller, odd row
     host = _by_name()["host"]
@@ -148,6 +150,7 @@ def test_host_bench_checks_every_op_and_mode_on_the_cpu(monkeypatch):
     assert all("host" in r.speedups for r in rows if r.is_ours)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_quick_run_and_tiny_sweep_write_all_three_timings(tmp_path):
     def tiny(rng, count):  # the sweep's generator over a range the interpreter runs in seconds
         shapes = norm_bench.sweep_shapes(rng, count, widths=(256, 700), max_elements=1400)

@@ -110,6 +110,7 @@ def _call(op, x, params):
 
 
 @pytest.mark.parametrize("op,m,n,dtype,first", SHAPES, ids=[f"{s[0]}-{s[1]}x{s[2]}-{s[3]}" for s in SHAPES])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_autograd_bodies_record_a_replayable_plan(recorded, op, m, n, dtype, first):
     dt = _DTYPES[dtype]
     x = torch.randn(m, n, dtype=dt).requires_grad_()

@@ -280,6 +280,7 @@ WIDTHS = [1000, 8192, 8193, 16384, 16385, 32768, 32769, 65535, 65536, 131072, 1 
 @pytest.mark.parametrize("fits", [True, False], ids=["wave_fits", "no_wave"])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_forward_launches_follow_the_route(fake_h200, fits, dtype, aligned):
     launched, waves = fake_h200
     waves[0] = 2 if fits else 0
@@ -310,6 +311,7 @@ def test_forward_launches_follow_the_route(fake_h200, fits, dtype, aligned):
 @pytest.mark.parametrize("fits", [True, False], ids=["wave_fits", "no_wave"])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_backward_launches_follow_the_route(fake_h200, fits, dtype, aligned):
     from flydsl_common.rows import RowConfig
 

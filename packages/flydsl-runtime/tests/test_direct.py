@@ -19,6 +19,9 @@ import triton
 import flydsl.compiler as flyc
 from flydsl import direct
 
+# stand-in kernels and CPU tensors through the launch path: what Triton's interpreter runs
+pytestmark = pytest.mark.interpreter
+
 
 def _floats(ptr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)) if n else np.zeros(0, np.float32)

@@ -62,6 +62,11 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "interpreter: runs kernels on CPU tensors (host-path tests of launchers, benches and torch.compile on the "
+        "CPU): needs Triton's interpreter, so it is skipped where kernels compile for a GPU",
+    )
+    config.addinivalue_line(
+        "markers",
         "tma_store: reads a tensor that only TMA (tensor-descriptor) stores wrote; compute-sanitizer's initcheck "
         "does not count those stores as writes and reports every later read, so its sanitize runs deselect it",
     )
@@ -86,6 +91,11 @@ def pytest_collection_modifyitems(config, items):
             if "graph" in item.keywords:
                 item.add_marker(no_graph)
     if gpu_available():
+        # a launcher compiled for the GPU refuses CPU tensors; these tests' GPU counterparts are gpu-marked
+        cpu_only = pytest.mark.skip(reason="runs kernels on CPU tensors: needs the interpreter (FLYDSL_INTERPRET=1)")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(cpu_only)
         return
     skip = pytest.mark.skip(reason="needs a GPU (kernels run through the interpreter here)")
     for item in items:
