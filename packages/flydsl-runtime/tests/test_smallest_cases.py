@@ -1,4 +1,5 @@
-"""flydsl.testing.cases: which parametrized cases ``--smallest-cases`` keeps."""
+"""flydsl.testing.cases: which parametrized cases ``--smallest-cases`` keeps; and the plugin's skip of
+``interpreter``-marked tests where kernels compile."""
 
 import dataclasses
 from collections import namedtuple
@@ -94,3 +95,38 @@ def test_the_plugin_option_deselects_after_the_marker_expression(tmp_path):
 
     assert len(run()) == 9
     assert run("--smallest-cases", "-m", "not slow") == ["test_modes[a-32]", "test_modes[b-32]", "test_n[1]"]
+
+
+def test_interpreter_marked_tests_are_skipped_where_kernels_compile(tmp_path):
+    """The plugin's ``interpreter`` marker: on a GPU machine (here a stand-in for one) those tests are skipped
+    with the reason, the gpu-marked and unmarked ones run; under the interpreter the gpu-marked one is skipped
+    and the interpreter-marked one runs."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_marks.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.interpreter\n"
+        "def test_host_path():\n"
+        "    pass\n"
+        "@pytest.mark.gpu\n"
+        "def test_on_gpu():\n"
+        "    pass\n"
+        "def test_plain():\n"
+        "    pass\n"
+    )
+
+    def run(gpu: bool):
+        patch = "import flydsl.testing.plugin as p; p.gpu_available = lambda: True\n" if gpu else ""
+        (tmp_path / "conftest.py").write_text(patch)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "flydsl.testing.plugin", "-p", "no:cacheprovider", "-rs", "-v",
+             str(tmp_path)],
+            capture_output=True, text=True, cwd=tmp_path, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        return {line.split("::", 1)[1].split()[0]: line.split()[1] for line in out.stdout.splitlines()
+                if line.startswith("test_marks.py::")}  # fmt: skip
+
+    assert run(gpu=True) == {"test_host_path": "SKIPPED", "test_on_gpu": "PASSED", "test_plain": "PASSED"}
+    assert run(gpu=False) == {"test_host_path": "PASSED", "test_on_gpu": "SKIPPED", "test_plain": "PASSED"}
