@@ -590,19 +590,19 @@ def test_nan_inf_topk_softmax_nan_logit(device, renormalize):
     for k in (2, e):
         w, ids = topk_softmax(logits, k, renormalize)
         wr, idr = topk_softmax_ref(logits, k, renormalize)
-        w, ids = w.cpu(), ids.cpu()
+        w, ids, wr, idr = w.cpu(), ids.cpu(), wr.cpu(), idr.cpu()
         assert torch.isnan(wr[nan_rows]).all() and torch.isnan(w[nan_rows]).all(), w
         _assert_valid_ids(ids, e)
-        assert torch.equal(ids[0], idr[0].cpu())
+        assert torch.equal(ids[0], idr[0])
         assert_rel_close(w[0], wr[0], tol=1e-5)
     for scoring, bias in (("sigmoid", None), ("sigmoid", torch.zeros(e, device=device)), ("softmax", None)):
         w, ids = grouped_topk(logits, 3, 3, 2, correction_bias=bias, scoring=scoring, renormalize=renormalize)
         wr, idr = grouped_topk_ref(logits, 3, 3, 2, correction_bias=bias, scoring=scoring, renormalize=renormalize)
-        w, ids = w.cpu(), ids.cpu()
+        w, ids, wr, idr = w.cpu(), ids.cpu(), wr.cpu(), idr.cpu()
         assert torch.isnan(wr[nan_rows]).any(-1).all()
         assert torch.equal(torch.isnan(w), torch.isnan(wr)), (scoring, bias, w, wr)
         _assert_valid_ids(ids, e)
-        assert torch.equal(ids[0], idr[0].cpu())
+        assert torch.equal(ids[0], idr[0])
         assert_rel_close(w[0], wr[0], tol=1e-5)
 
 

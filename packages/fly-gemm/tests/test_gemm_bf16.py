@@ -52,7 +52,7 @@ def test_gemm_bf16_nan_and_inf_propagate_like_torch(device):
     b[3, 9] = 0.0
     b[7, 11] = float("-inf")  # column 7: -+inf; NaN in row 4 if the signs clash, and where a[:, 11] is 0
     a[6, 11] = 0.0
-    ref = a.double() @ b.double().t()
+    ref = (a.double() @ b.double().t()).cpu()
     assert torch.isnan(ref).any() and torch.isinf(ref).any()
     c = gemm(a, b, out_dtype=torch.float32).cpu().double()
     assert torch.equal(torch.isnan(c), torch.isnan(ref))

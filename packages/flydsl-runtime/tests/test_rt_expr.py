@@ -120,7 +120,8 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, ACC: fx.constexpr, B: fx.constexpr, M: fx.c
 
 
 def _run_dot(a, b, acc=None):
-    c = acc.clone() if acc is not None else torch.full((a.shape[0], a.shape[1], b.shape[2]), float("nan"))
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    c = acc.clone() if acc is not None else torch.full(shape, float("nan"), device=a.device)
     _dot_kernel[(1,)](a, b, c, acc is not None, a.shape[0], a.shape[1], b.shape[2], a.shape[2])
     return c
 

@@ -117,8 +117,8 @@ def test_interpreter_marked_tests_are_skipped_where_kernels_compile(tmp_path):
     )
 
     def run(gpu: bool):
-        patch = "import flydsl.testing.plugin as p; p.gpu_available = lambda: True\n" if gpu else ""
-        (tmp_path / "conftest.py").write_text(patch)
+        # the stand-in answers both ways, so the run is the same on a GPU machine and on a CPU one
+        (tmp_path / "conftest.py").write_text(f"import flydsl.testing.plugin as p; p.gpu_available = lambda: {gpu}\n")
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "flydsl.testing.plugin", "-p", "no:cacheprovider", "-rs", "-v",
              str(tmp_path)],

@@ -42,7 +42,7 @@ from flydsl import direct, env, native
 
 __all__ = [
     "rows_device", "vector_key", "MISSING", "make_plan", "launch", "general_path_only", "grad_enabled",
-    "compiling",
+    "compiling", "install",
     "fast", "ARG_NONE", "ARG_X", "ARG_W", "ARG_B", "ARG_Y", "ARG_M", "ARG_N", "ARG_EPS", "ARG_ZERO", "ARG_R", "ARG_H",
     "ARG_OFFSET",
 ]  # fmt: skip
@@ -136,13 +136,19 @@ def _first_fast(plans: dict, prefix, x, w, b, eps):
     if mod is None:
         fast = _no_fast
         return None
+    install(mod)
+    fast = mod.call
+    return fast(plans, prefix, x, w, b, eps)
+
+
+def install(mod) -> None:
+    """Give eager_native.c (``mod``, loaded once a process) the live objects it reads and its driver launch.
+    Its tests install stand-ins into the same module; they call this afterwards to put these back."""
     import triton  # after flydsl (its backend choice), as everywhere
 
     mod.setup(torch.Tensor, torch.nn.Parameter, _OFF, grad_enabled, _current_device, _current_stream,
               triton.knobs.runtime, torch.empty_like)  # fmt: skip
     mod.driver()  # launches straight through libcuda's cuLaunchKernel where it is found
-    fast = mod.call
-    return fast(plans, prefix, x, w, b, eps)
 
 
 def _no_fast(plans, prefix, x, w, b, eps):
