@@ -328,7 +328,30 @@ def test_block_m():
 @pytest.mark.parametrize("rows", [1, 4, 8, 32, 64])
 def test_default_configs_are_valid(d, kv, rows):
     for arch in (SM90, flydsl.arch.INTERPRETER):
-        assert decode_config_valid(default_decode_config(d, rows, kv, arch), d, rows, kv, arch)
+        for paged, programs in ((False, None), (True, None), (True, 1), (True, arch.sm_count)):
+            cfg = default_decode_config(d, rows, kv, arch, paged=paged, programs=programs)
+            assert decode_config_valid(cfg, d, rows, kv, arch), (cfg, paged, programs)
+
+
+def test_default_tile_follows_the_h200_timings():
+    """Head dim 128 on sm_90 (PERF.md): the paged walk takes 128 keys a step (fp8: always; 16-bit caches:
+    while the grid before splitting is under one program an SM); the dense walk and large grids keep the
+    64-key tile."""
+    small, full = SM90.sm_count - 1, SM90.sm_count
+    bf16, wide, narrow = torch.bfloat16, DecodeConfig(128, 8, 2), DecodeConfig(64, 4, 3)
+
+    def dflt(rows, kv, **kw):
+        return default_decode_config(128, rows, kv, SM90, **kw)
+
+    for rows in (1, 4, 8):
+        assert dflt(rows, bf16, paged=True, programs=small) == wide
+        assert dflt(rows, bf16, paged=True, programs=full) == narrow
+        assert dflt(rows, bf16, paged=False, programs=small) == narrow
+        for programs in (1, full):
+            assert dflt(rows, FP8, paged=True, programs=programs) == DecodeConfig(128, 4, 3)
+        assert dflt(rows, FP8) == narrow
+    assert default_decode_config(80, 4, bf16, SM90, paged=True, programs=small) == wide
+    assert default_decode_config(256, 4, bf16, SM90, paged=True, programs=small).block_n == 32
 
 
 def test_validity_predicate_refuses():

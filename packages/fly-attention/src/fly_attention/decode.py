@@ -150,8 +150,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale, w
 
 
 @functools.lru_cache(maxsize=1024)
-def _config_for(d, rows, kv_dtype, arch) -> DecodeConfig:
-    return default_decode_config(d, rows, kv_dtype, arch)
+def _config_for(d, rows, kv_dtype, arch, paged, programs) -> DecodeConfig:
+    return default_decode_config(d, rows, kv_dtype, arch, paged=paged, programs=programs)
 
 
 # The output's and the workspace's allocation, one name for tests to poison.
@@ -181,18 +181,19 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, num_spli
     heads_kv = k_cache.shape[2]
     rows = (heads_q // heads_kv) * q_len
     arch = flydsl.arch.current(q.device)
+    block_m = decode_block_m(rows)
+    row_blocks = -(-rows // block_m)
     if config is None:
-        cfg = _config_for(d, rows, k_cache.dtype, arch)
+        programs = min(batch * heads_kv * row_blocks, arch.sm_count)  # the default reads no more (few keys cached)
+        cfg = _config_for(d, rows, k_cache.dtype, arch, block_tables is not None, programs)
     elif not decode_config_valid(config, d, rows, k_cache.dtype, arch):
         raise ArgumentError(f"config: expected a valid fly_attention.decode_config.DecodeConfig for head_dim {d}, "
                             f"{rows} rows a KV head, a {dtype_name(k_cache.dtype)} cache on {arch.name}, got "
                             f"{config!r}")  # fmt: skip
     else:
         cfg = config
-    block_m = decode_block_m(rows)
     capacity = block_tables.shape[1] * k_cache.shape[1] if block_tables is not None else k_cache.shape[1]
     if num_splits is None:
-        row_blocks = -(-rows // block_m)
         num_splits = decode_splits(batch, heads_kv, capacity, arch.sm_count, row_blocks=row_blocks,
                                    block_n=cfg.block_n)  # fmt: skip
     num_splits = int(num_splits)

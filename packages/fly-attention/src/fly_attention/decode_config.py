@@ -4,9 +4,9 @@ count (:func:`decode_splits`), all pure functions of shapes, dtypes and an :clas
 
 The decode is bound by reading the KV cache: the work a program does per key is a row of K and a row of
 V, so the knobs are how many keys a program has in flight (``block_n`` x ``num_stages``) and how many
-programs the grid has (batch x KV heads x query-row blocks x splits). Nothing here is measured yet: the
-GPU defaults are the published practice of Triton decode kernels on Hopper (64 keys a step at head dim
-128, 4 warps, 2-3 stages, split-KV to about two programs an SM), to be replaced by the H200's search.
+programs the grid has (batch x KV heads x query-row blocks x splits). The head-dim-128 tiles are the
+H200's sweep winners; other head dims keep the published practice of Triton decode kernels on Hopper
+(16 KB of K and of V a step, 4 warps, 3 stages); split-KV aims at about two programs an SM.
 """
 
 from __future__ import annotations
@@ -71,17 +71,26 @@ def decode_config_valid(cfg: DecodeConfig, head_dim: int, rows: int, kv_dtype: t
     return block_m * (d + b) // (32 * cfg.num_warps) <= _ACC_PER_THREAD
 
 
-def default_decode_config(head_dim: int, rows: int, kv_dtype: torch.dtype, arch: flydsl.arch.Arch) -> DecodeConfig:
-    """The default config (pure: head dim, rows a KV head, the cache's dtype, arch)."""
+def default_decode_config(head_dim: int, rows: int, kv_dtype: torch.dtype, arch: flydsl.arch.Arch, *,
+                          paged: bool = False, programs: int | None = None) -> DecodeConfig:  # fmt: skip
+    """The default config (pure: head dim, rows a KV head, the cache's dtype, arch; whether the cache is
+    paged, and ``programs``, the grid before split-KV: batch x KV heads x query-row blocks, None if unknown).
+    """
     if arch.is_interpreter:  # small tiles: the interpreter executes every element of a tile
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     d = flyc.next_power_of_2(head_dim)
-    # 16 KB of K and 16 KB of V a step at head dim 128 in bf16 (64 keys): the published Triton decode tile.
-    # fp8 keeps 64 keys too: an sm_90 compile (cuobjdump) of 128 fp8 keys, converted to bf16 in registers for
-    # the dots, takes 252-255 registers against 188 for 64 keys (124 in bf16). Not a timing: the H200
-    # search decides.
-    block_n = max(_DOT_MIN, min(128, 8192 // d))
-    cfg = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
+    # 16 KB of K and of V a step (64 keys at head dim 128), 4 warps, 3 stages: the published Triton tile
+    cfg = DecodeConfig(block_n=max(_DOT_MIN, min(128, 8192 // d)), num_warps=4, num_stages=3)
+    if d == 128 and paged:
+        # The H200 (PERF.md; GQA 32/8, 16-token pages): 128 keys a step amortize the page walk. fp8 caches
+        # with 4 warps: 1.03-1.17x at every batch. 16-bit ones with 8 warps and 2 stages (147 KB of shared
+        # memory, one program an SM): 1.06-1.27x while the grid before splitting is under one program an SM
+        # (batch 1-16), 0.80-0.97x at batch 64-256, where two 64-key programs an SM hide each other's loads.
+        # The dense walk has no pages to amortize: 128 keys cost it 2-10% at every batch.
+        if kv_dtype.itemsize == 1:
+            cfg = DecodeConfig(128, 4, 3)
+        elif programs is not None and programs < arch.sm_count:
+            cfg = DecodeConfig(128, 8, 2)
     while not decode_config_valid(cfg, head_dim, rows, kv_dtype, arch) and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     while not decode_config_valid(cfg, head_dim, rows, kv_dtype, arch) and cfg.block_n > _DOT_MIN:
