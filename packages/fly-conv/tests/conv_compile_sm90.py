@@ -18,6 +18,8 @@ epilogue-reduce launch at the default of a layer whose grid is under a wave), in
 
 from __future__ import annotations
 
+import dataclasses
+
 # flydsl (through fly_conv) chooses compiled Triton before triton is imported: triton only inside functions
 import torch
 
@@ -151,10 +153,12 @@ def _direct(dtype, n, c, size, k, cg=1, input_grad=False):
     return _record(launch_direct, *args), cfg, problem
 
 
-def _wgrad(dtype, n, c_in, k_out, size, k):
+def _wgrad(dtype, n, c_in, k_out, size, k, taps=1):
     dy5, x5 = _cl(n, k_out, (size, size), dtype), _cl(n, c_in, (size, size), dtype)
     problem = ConvProblem("wgrad", n * size * size, k_out, c_in, k * k, 1, dtype)
     cfg = default_config(problem, SM90)
+    if taps > 1:  # the tuning space's several-taps tile: 8 warps from a 64 x 256 accumulator
+        cfg = dataclasses.replace(cfg, taps=taps, num_warps=8 if cfg.block_m * cfg.block_n * taps >= 64 * 256 else 4)
     splits = wgrad_splits(cfg, problem, SM90)
     out = torch.empty((splits, k_out, c_in, k * k), dtype=torch.float32, device="meta")
     steps = -(-problem.m // cfg.block_k)
@@ -179,8 +183,9 @@ FP8 = torch.float8_e4m3fn
 # there: narrower groups run the direct kernel), the pointwise GEMM, the input gradient (stride 1: the taps
 # reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
 # checked for spills only), the direct kernel (depthwise, 4 and 8 channels a group, a depthwise input
-# gradient) and the weight gradient (tiled, and depthwise's); the fp8 forward (e4m3 wgmma): the 3x3 default
-# with per-channel weight scales, a strided 3x3 with a per-tensor one, a grouped layer and the pointwise GEMM
+# gradient) and the weight gradient (tiled, over one and four taps a program, and depthwise's); the fp8
+# forward (e4m3 wgmma): the 3x3 default with per-channel weight scales, a strided 3x3 with a per-tensor one, a
+# grouped layer and the pointwise GEMM
 VARIANTS = [
     ("implicit_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1)),
     ("implicit_3x3_s2", lambda: _implicit(BF16, 32, 128, 128, 56, 3, stride=2, pad=1)),
@@ -196,6 +201,7 @@ VARIANTS = [
     ("direct_cg8", lambda: _direct(BF16, 32, 256, 28, 3, cg=8)),
     ("direct_dgrad_7x7", lambda: _direct(BF16, 64, 128, 56, 7, input_grad=True)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
+    ("wgrad_taps4", lambda: _wgrad(BF16, 32, 64, 64, 56, 3, taps=4)),
     ("wgrad_depthwise_7x7", lambda: _depthwise_wgrad(BF16, 32, 384, 28, 7)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),

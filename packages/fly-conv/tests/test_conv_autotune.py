@@ -97,6 +97,12 @@ def test_validity_predicate_refuses():
     assert smem_bytes(ConvConfig(128, 128, 64, num_stages=4), p) == 4 * 256 * 64 * 2
     dw = ConvProblem("direct", 1024, 64, 1, 9, 64, torch.bfloat16)
     assert config_valid(ConvConfig(64, 8, 1), dw, SM90)  # no dot: no minimum
+    wg = ConvProblem("wgrad", 8 * 56 * 56, 64, 64, 9, 1, torch.bfloat16)
+    assert config_valid(ConvConfig(64, 64, 64, taps=4), wg, SM90)  # several taps: the weight gradient only
+    assert smem_bytes(ConvConfig(64, 64, 64, taps=4), wg) == 3 * (64 + 4 * 64) * 64 * 2
+    assert not config_valid(ConvConfig(64, 64, 64, taps=3), wg, SM90)  # a power of two
+    assert not config_valid(ConvConfig(64, 128, 64, taps=4), wg, SM90)  # the dot's N past 256
+    assert not config_valid(ConvConfig(64, 64, 64, taps=2), p, SM90)
     assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
     with pytest.raises(ValueError, match="kind"):
         default_config(ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
@@ -133,7 +139,7 @@ def _fields(line: str) -> dict:
 
 def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
     """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
-    assert len(sm90_lines) == 19 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert len(sm90_lines) == 20 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
     assert all(_fields(line)["WGMMA"] == "1" for line in _tensor_core(sm90_lines)), "\n".join(sm90_lines)
 
 

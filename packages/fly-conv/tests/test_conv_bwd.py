@@ -165,6 +165,28 @@ def test_weight_gradient_split_and_deterministic(device, poisoned, monkeypatch):
     assert torch.equal(first, leaves2[1].grad)
 
 
+@pytest.mark.parametrize("taps", [2, 4, 16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[12], CASES[13]],
+                         ids=["3x3", "stride2-groups2", "k5-dilated", "1d-k7", "3d"])  # fmt: skip
+def test_weight_gradient_several_taps_a_program(device, poisoned, monkeypatch, taps, case):
+    """Programs over several taps (the output-gradient tile loaded once for all of them; the last tap block
+    partly, or at 16 wholly but for 9, past the filter's taps), with the positions split: the same weight
+    gradient."""
+    default = conv_mod.default_config
+
+    def several(problem, arch):
+        cfg = default(problem, arch)
+        if problem.kind != "wgrad":
+            return cfg
+        bn = cfg.block_n
+        while taps * bn > 256 and bn > 16:
+            bn //= 2
+        return dataclasses.replace(cfg, taps=taps, block_n=bn, split_k=2)
+
+    monkeypatch.setattr(conv_mod, "default_config", several)
+    _check(*_grads(case, F16, device), F16)
+
+
 def test_wgrad_splits_fill_the_sms():
     few = ConvProblem("wgrad", 8 * 56 * 56, 64, 64, 9, 1, BF16)  # 9 tiles of 64 x 64: split to fill 132 SMs
     cfg = conv_mod.default_config(few, SM90)

@@ -10,8 +10,9 @@ Three kernel kinds share the config type:
   (fp32 partial sums, added in a fixed order by a second pass that runs the epilogue);
 - ``"direct"``: the direct kernel of depthwise layers and narrow groups (:func:`direct_kernel` routes):
   ``block_m`` positions x ``block_n`` output channels (no dot, so no tensor-core minimum; ``block_k`` unused);
-- ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of one tap,
-  ``block_k`` positions a step, the positions split ``split_k`` ways (partial sums added in a fixed order).
+- ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of each of
+  ``taps`` filter taps, ``block_k`` positions a step, the positions split ``split_k`` ways (partial sums
+  added in a fixed order).
 
 The defaults are the published Hopper practice for 16-bit implicit GEMMs (128-row tiles, 64 channels a
 step where the layer has them, 3-4 pipeline stages, grouped tile order), narrowed to the layer where its
@@ -94,19 +95,21 @@ class ConvConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # wgrad: runs the positions are cut into; forward implicit GEMM: runs of the K steps
+    taps: int = 1  # wgrad: filter taps a program covers (its output-gradient tile is loaded once for all)
 
 
 def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
     """Shared memory of a dot kernel's pipeline: an A and a B tile a stage (0 for the direct kernel)."""
     if problem.kind == "direct":
         return 0
-    return (cfg.block_m + cfg.block_n) * cfg.block_k * problem.dtype.itemsize * cfg.num_stages
+    return (cfg.block_m + cfg.taps * cfg.block_n) * cfg.block_k * problem.dtype.itemsize * cfg.num_stages
 
 
 def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) -> bool:
     """The one validity predicate (default, tuner, tests): power-of-two tiles of at most 256 (at
     least 16 in every dot dimension), a warp count Triton takes, shared memory within the arch's, split-K for
-    the weight gradient and the forward implicit GEMM (not its transposed form, the input gradient)."""
+    the weight gradient and the forward implicit GEMM (not its transposed form, the input gradient), several
+    taps a program (a power of two, their channels a dot's N of at most 256) for the weight gradient only."""
     if problem.kind not in KINDS:
         return False
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
@@ -119,6 +122,10 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.split_k < 1:
         return False
     if cfg.split_k > 1 and not (problem.kind == "wgrad" or (problem.kind == "implicit" and not problem.transposed)):
+        return False
+    if cfg.taps < 1 or cfg.taps & (cfg.taps - 1) or (cfg.taps > 1 and problem.kind != "wgrad"):
+        return False
+    if cfg.taps * cfg.block_n > _MAX_TILE:  # the dot's N: every tap's input channels
         return False
     return smem_bytes(cfg, problem) <= arch.smem_per_block
 
@@ -151,7 +158,8 @@ _WGRAD_MIN_STEPS = 8
 
 def wgrad_splits(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) -> int:
     """Splits of the positions for a weight gradient launched with tile ``cfg`` (pure)."""
-    tiles = flyc.cdiv(problem.n, cfg.block_m) * flyc.cdiv(problem.cg, cfg.block_n) * problem.taps * problem.groups
+    tiles = (flyc.cdiv(problem.n, cfg.block_m) * flyc.cdiv(problem.cg, cfg.block_n)
+             * flyc.cdiv(problem.taps, cfg.taps) * problem.groups)  # fmt: skip
     steps = flyc.cdiv(problem.m, cfg.block_k)
     split = 1
     while tiles * split < _WGRAD_PROGRAMS_PER_SM * arch.sm_count and steps // (2 * split) >= _WGRAD_MIN_STEPS:
@@ -435,7 +443,9 @@ def _direct_candidates(p: ConvProblem) -> list[ConvConfig]:
 def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
     """The default's tile and its halves, two position steps (the one-channel tile: three, and 2 warps too),
     and each with the splits of the positions that fill the SMs (:func:`wgrad_splits`), half and twice that
-    (where the positions allow) and none."""
+    (where the positions allow), and none where filling takes fewer than 4; then the default's tile over 2
+    and 4 taps a program (its channels halved until the dot's N is at most 256; 8 warps from a 64 x 256
+    accumulator, where 4 spill in sm_90 compiles), at the filling split and half of it."""
     base = default_config(p, a)
     steps = (16, 32) if p.dtype.itemsize == 4 else (32, 64)
     warps = (None,)  # None: the tile's own count
@@ -448,7 +458,18 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
                 cfg = ConvConfig(bm, bn, bk, num_warps=nw or (8 if bm * bn >= 128 * 128 else 4), num_stages=3)
                 fill = wgrad_splits(cfg, p, a)
                 more = fill * 2 if flyc.cdiv(p.m, bk) // (fill * 2) >= _WGRAD_MIN_STEPS // 2 else fill
-                out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, 1, max(1, fill // 2), more})]
+                splits = {fill, max(1, fill // 2), more} | ({1} if fill < 4 else set())
+                out += [dataclasses.replace(cfg, split_k=s) for s in sorted(splits)]
+    for taps in (2, 4):
+        if taps >= 2 * p.taps:  # a tap block wholly past the filter's taps
+            break
+        bn = base.block_n
+        while taps * bn > _MAX_TILE and bn > _DOT_MIN:
+            bn //= 2
+        cfg = ConvConfig(base.block_m, bn, steps[-1], num_warps=8 if base.block_m * bn * taps >= 64 * 256 else 4,
+                         num_stages=3, taps=taps)  # fmt: skip
+        fill = wgrad_splits(cfg, p, a)
+        out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, max(1, fill // 2)})]
     return out
 
 

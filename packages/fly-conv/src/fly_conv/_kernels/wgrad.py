@@ -4,9 +4,11 @@ Per group ``g`` and filter tap ``t = (kd, kh, kw)``::
 
     dW[g, n, c, t] = sum_p dY[p, g, n] * X[p's input pixel for tap t, g, c]     p = (batch, od, oh, ow)
 
-A program computes a ``BLOCK_M x BLOCK_N`` tile of (output channel, input channel) for one tap and one group
-(grid axis 1: tap and group), walking its run of positions ``BLOCK_K`` at a time (the input pixels gathered
-as in the forward, masked in the padding). With more than one split (grid axis 2) the positions are cut into
+A program computes a ``BLOCK_M x BLOCK_N`` tile of (output channel, input channel) for ``TAPS`` taps and one
+group (grid axis 1: tap block and group), walking its run of positions ``BLOCK_K`` at a time (the input pixels
+gathered as in the forward, masked in the padding). Its output-gradient tile is loaded once a step for all its
+taps, and its dot's N is ``TAPS x BLOCK_N`` (the input tile holds each tap's channels side by side): one tap
+a program reads the output gradient once a tap. With more than one split (grid axis 2) the positions are cut into
 equal runs, each storing fp32 partial sums to its own slice of a workspace; the host adds the slices in a
 fixed order, so the result never depends on scheduling (no atomics).
 
@@ -32,19 +34,26 @@ _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
 
 
 @flyc.func
-def _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-              sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w):  # fmt: skip
-    """Positions ``rp`` (flat, masked past ``p_end``): their output-gradient rows and, for tap (kd, kh, kw),
-    their input rows and which of them fall inside the input (the padding is a mask)."""
+def _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w):
+    """Positions ``rp`` (flat, masked past ``p_end``): which are real, their output coordinates and their
+    output-gradient rows."""
     p_ok = rp < p_end
     nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
     dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
+    return p_ok, nb, od, oh, ow, dy_row
+
+
+@flyc.func
+def _input_rows(p_ok, nb, od, oh, ow, kd, kh, kw, D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                sx_n, sx_d, sx_h, sx_w):  # fmt: skip
+    """The input rows of positions (``nb, od, oh, ow``) for taps (``kd, kh, kw``; scalars, or a tap axis that
+    broadcasts against the positions'), and which of them fall inside the input (the padding is a mask)."""
     id_ = od * sd - pd + kd * dd
     ih = oh * sh - ph + kh * dh
     iw = ow * sw - pw + kw * dw
     x_ok = p_ok & (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
     x_row = row_offset(nb, sx_n) + row_offset(id_, sx_d) + row_offset(ih, sx_h) + row_offset(iw, sx_w)
-    return p_ok, dy_row, x_ok, x_row
+    return x_ok, x_row
 
 
 # fmt: off
@@ -53,7 +62,7 @@ def _conv_wgrad_kernel(
     dy_ptr, x_ptr, out_ptr,
     P, KG, CG, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
     sdy_n, sdy_d, sdy_h, sdy_w, sdy_c, sx_n, sx_d, sx_h, sx_w, sx_c, so_s, so_k, so_c, so_t,
-    IEEE: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr,
+    IEEE: fx.constexpr, BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, TAPS: fx.constexpr,
 ):
     # fmt: on
     n_tiles = fx.cdiv(CG, BLOCK_N)
@@ -61,12 +70,9 @@ def _conv_wgrad_kernel(
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     taps = KD * KH * KW
+    tap_blocks = fx.cdiv(taps, TAPS)
     gt = fx.program_id(1)
-    g = gt // taps
-    tap = gt % taps
-    kd = tap // (KH * KW)
-    kh = (tap // KW) % KH
-    kw = tap % KW
+    g = gt // tap_blocks
     split = fx.program_id(2)
     rk = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)  # output channels of the group
     rc = pid_n * BLOCK_N + fx.arange(0, BLOCK_N)  # input channels of the group
@@ -74,23 +80,50 @@ def _conv_wgrad_kernel(
     c_ok = rc < CG
     dy_cols = row_offset(g * KG + rk, sdy_c)
     x_cols = row_offset(g * CG + rc, sx_c)
+    if TAPS == 1:  # one tap: scalar coordinates, the B tile one tap's [positions, channels]
+        rt = gt % tap_blocks
+        t_ok = True
+    else:  # TAPS taps: the B tile is [positions, TAPS x channels], tap-major, and the dot's N TAPS x BLOCK_N
+        rt = (gt % tap_blocks) * TAPS + fx.arange(0, TAPS)
+        t_ok = rt < taps
+        rt = fx.where(t_ok, rt, 0)
+    kd = rt // (KH * KW)
+    kh = (rt // KW) % KH
+    kw = rt % KW
     p_begin = split * split_steps * BLOCK_K
     p_end = fx.minimum(P, p_begin + split_steps * BLOCK_K)
-    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    acc = fx.zeros([BLOCK_M, TAPS * BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_K):
         rp = p0 + fx.arange(0, BLOCK_K)
-        p_ok, dy_row, x_ok, x_row = _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw,
-                                              dd, dh, dw, sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w)
+        p_ok, nb, od, oh, ow, dy_row = _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w)
         a = fx.load(dy_ptr + dy_cols[:, None] + dy_row[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & c_ok[None, :], other=0.0)
+        if TAPS == 1:
+            x_ok, x_row = _input_rows(p_ok, nb, od, oh, ow, kd, kh, kw, D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                      sx_n, sx_d, sx_h, sx_w)  # fmt: skip
+            b_off = x_row[:, None] + x_cols[None, :]
+            b_ok = x_ok[:, None] & c_ok[None, :]
+        else:
+            x_ok, x_row = _input_rows(p_ok[:, None], nb[:, None], od[:, None], oh[:, None], ow[:, None], kd[None, :],
+                                      kh[None, :], kw[None, :], D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                      sx_n, sx_d, sx_h, sx_w)  # fmt: skip
+            b_off = x_row[:, :, None] + x_cols[None, None, :]
+            b_ok = (x_ok & t_ok[None, :])[:, :, None] & c_ok[None, None, :]
+        b = fx.load(x_ptr + b_off, mask=b_ok, other=0.0)
+        if TAPS > 1:
+            b = fx.reshape(b, [BLOCK_K, TAPS * BLOCK_N])
         if IEEE:
             acc = fx.dot(a, b, acc, input_precision="ieee")
         else:
             acc = fx.dot(a, b, acc)
 
-    o_ptrs = (out_ptr + row_offset(split, so_s) + row_offset(g * KG + rk, so_k)[:, None]
-              + row_offset(rc, so_c)[None, :] + row_offset(tap, so_t))  # fmt: skip
-    fx.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
+    o_base = out_ptr + row_offset(split, so_s) + row_offset(g * KG + rk, so_k)[:, None]
+    if TAPS == 1:
+        o_ptrs = o_base + row_offset(rc, so_c)[None, :] + row_offset(rt, so_t)
+        fx.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & c_ok[None, :])
+    else:
+        o_ptrs = o_base[:, :, None] + row_offset(rt, so_t)[None, :, None] + row_offset(rc, so_c)[None, None, :]
+        o_ok = k_ok[:, None, None] & t_ok[None, :, None] & c_ok[None, None, :]
+        fx.store(o_ptrs, fx.reshape(acc, [BLOCK_M, TAPS, BLOCK_N]).to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
 @flyc.jit
@@ -109,11 +142,11 @@ def launch_wgrad(dy5, x5, out, geom, groups: int, splits: int, split_steps: int,
     tiles = flyc.cdiv(kg, cfg.block_m) * flyc.cdiv(cg, cfg.block_n)
     # fmt: off
     flyc.launch(
-        _conv_wgrad_kernel, (tiles, kd * kh * kw * groups, splits),
+        _conv_wgrad_kernel, (tiles, flyc.cdiv(kd * kh * kw, cfg.taps) * groups, splits),
         dy5, x5, out,
         nb * od * oh * ow, kg, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
         *dy5.stride(), *x5.stride(), *out.stride(),
-        IEEE=x5.dtype.itemsize == 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        IEEE=x5.dtype.itemsize == 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAPS=cfg.taps,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # fmt: on
@@ -144,8 +177,9 @@ def _conv_depthwise_wgrad_kernel(
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_M):
         rp = p0 + fx.arange(0, BLOCK_M)
-        p_ok, dy_row, x_ok, x_row = _tap_rows(rp, p_end, kd, kh, kw, D, H, W, OD, OH, OW, sd, sh, sw, pd, ph, pw,
-                                              dd, dh, dw, sdy_n, sdy_d, sdy_h, sdy_w, sx_n, sx_d, sx_h, sx_w)
+        p_ok, nb, od, oh, ow, dy_row = _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w)
+        x_ok, x_row = _input_rows(p_ok, nb, od, oh, ow, kd, kh, kw, D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                  sx_n, sx_d, sx_h, sx_w)  # fmt: skip
         a = fx.load(dy_ptr + dy_row[:, None] + dy_cols[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & cx_ok[None, :], other=0.0)
         bb = fx.reshape(fx.broadcast_to(b.to(fx.float32)[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
