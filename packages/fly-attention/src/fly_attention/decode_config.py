@@ -4,9 +4,9 @@ count (:func:`decode_splits`), all pure functions of shapes, dtypes and an :clas
 
 The decode is bound by reading the KV cache: the work a program does per key is a row of K and a row of
 V, so the knobs are how many keys a program has in flight (``block_n`` x ``num_stages``) and how many
-programs the grid has (batch x KV heads x query-row blocks x splits). The head-dim-128 tiles are the
-H200's sweep winners; other head dims keep the published practice of Triton decode kernels on Hopper
-(16 KB of K and of V a step, 4 warps, 3 stages); split-KV aims at about two programs an SM.
+programs the grid has (batch x KV heads x query-row blocks x splits). The paged head-dim-128 tiles come
+from the H200's timings; the rest keep the published practice of Triton decode kernels on Hopper (16 KB of
+K and of V a step, 4 warps, 3 stages); split-KV aims at about two programs an SM.
 """
 
 from __future__ import annotations
