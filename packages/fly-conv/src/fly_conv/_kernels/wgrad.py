@@ -109,8 +109,8 @@ def _conv_wgrad_kernel(
             b_off = x_row[:, :, None] + x_cols[None, None, :]
             b_ok = (x_ok & t_ok[None, :])[:, :, None] & c_ok[None, None, :]
         b = fx.load(x_ptr + b_off, mask=b_ok, other=0.0)
-        if TAPS > 1:
-            b = fx.reshape(b, [BLOCK_K, TAPS * BLOCK_N])
+        if TAPS > 1:  # the loaded values, not the pointers: reshaped pointers lost the async-copy pipeline
+            b = fx.reshape(b, [BLOCK_K, TAPS * BLOCK_N])  # (sm_90 compiles: plain loads into registers)
         if IEEE:
             acc = fx.dot(a, b, acc, input_precision="ieee")
         else:
