@@ -18,8 +18,6 @@ epilogue-reduce launch at the default of a layer whose grid is under a wave), in
 
 from __future__ import annotations
 
-import dataclasses
-
 # flydsl (through fly_conv) chooses compiled Triton before triton is imported: triton only inside functions
 import torch
 
@@ -27,7 +25,14 @@ import flydsl.compiler as flyc
 from fly_conv._kernels.direct import launch_direct
 from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
 from fly_conv._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad
-from fly_conv.autotune import ConvProblem, default_config, depthwise_wgrad_config, smem_bytes, wgrad_splits
+from fly_conv.autotune import (
+    ConvProblem,
+    default_config,
+    depthwise_wgrad_config,
+    smem_bytes,
+    wgrad_over_taps,
+    wgrad_splits,
+)
 from flydsl.arch import SM90
 from flydsl.testing.sm90 import resource_usage
 
@@ -157,8 +162,8 @@ def _wgrad(dtype, n, c_in, k_out, size, k, taps=1):
     dy5, x5 = _cl(n, k_out, (size, size), dtype), _cl(n, c_in, (size, size), dtype)
     problem = ConvProblem("wgrad", n * size * size, k_out, c_in, k * k, 1, dtype)
     cfg = default_config(problem, SM90)
-    if taps > 1:  # the tuning space's several-taps tile: 8 warps from a 64 x 256 accumulator
-        cfg = dataclasses.replace(cfg, taps=taps, num_warps=8 if cfg.block_m * cfg.block_n * taps >= 64 * 256 else 4)
+    if taps > 1:  # the tuning space's several-taps tile
+        cfg = wgrad_over_taps(cfg, taps)
     splits = wgrad_splits(cfg, problem, SM90)
     out = torch.empty((splits, k_out, c_in, k * k), dtype=torch.float32, device="meta")
     steps = -(-problem.m // cfg.block_k)

@@ -16,7 +16,7 @@ from torch import nn
 
 import flydsl.direct
 from fly_conv import FlyConv1d, FlyConv2d, FlyConv3d, conv
-from fly_conv.autotune import ConvProblem, wgrad_splits
+from fly_conv.autotune import ConvProblem, wgrad_over_taps, wgrad_splits
 from flydsl.arch import SM90
 from flydsl.testing import assert_rel_close, tolerance
 from flydsl_common.reference import activation_ref
@@ -178,10 +178,7 @@ def test_weight_gradient_several_taps_a_program(device, poisoned, monkeypatch, t
         cfg = default(problem, arch)
         if problem.kind != "wgrad":
             return cfg
-        bn = cfg.block_n
-        while taps * bn > 256 and bn > 16:
-            bn //= 2
-        return dataclasses.replace(cfg, taps=taps, block_n=bn, split_k=2)
+        return dataclasses.replace(wgrad_over_taps(cfg, taps), split_k=2)
 
     monkeypatch.setattr(conv_mod, "default_config", several)
     _check(*_grads(case, F16, device), F16)

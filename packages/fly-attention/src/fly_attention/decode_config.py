@@ -83,8 +83,8 @@ def default_decode_config(head_dim: int, rows: int, kv_dtype: torch.dtype, arch:
     cfg = DecodeConfig(block_n=max(_DOT_MIN, min(128, 8192 // d)), num_warps=4, num_stages=3)
     if d == 128 and paged:
         # The H200 (PERF.md; GQA 32/8, 16-token pages): 128 keys a step amortize the page walk. fp8 caches
-        # with 4 warps: 1.03-1.17x at every batch. 16-bit ones with 8 warps and 2 stages (147 KB of shared
-        # memory, one program an SM): 1.06-1.27x while the grid before splitting is under one program an SM
+        # with 4 warps: 0.99-1.16x (1.1x typical) at every batch. 16-bit ones with 8 warps and 2 stages (147 KB
+        # of shared memory, one program an SM): 1.04-1.27x while the grid before splitting is under one program an SM
         # (batch 1-16), 0.80-0.97x at batch 64-256, where two 64-key programs an SM hide each other's loads.
         # The dense walk has no pages to amortize: 128 keys cost it 2-10% at every batch.
         if kv_dtype.itemsize == 1:

@@ -46,7 +46,7 @@ from flydsl.testing import tolerance
 
 __all__ = [
     "ConvProblem", "ConvConfig", "KINDS", "DIRECT_MAX_CG", "direct_kernel", "default_config", "config_valid",
-    "smem_bytes", "wgrad_splits", "depthwise_wgrad_config",
+    "smem_bytes", "wgrad_splits", "wgrad_over_taps", "depthwise_wgrad_config",
     "implicit_splits",
     "TUNABLE", "tuning_key", "candidates", "config_for", "key_problem", "clear_memo",
 ]  # fmt: skip
@@ -440,12 +440,22 @@ def _direct_candidates(p: ConvProblem) -> list[ConvConfig]:
     return out
 
 
+def wgrad_over_taps(cfg: ConvConfig, taps: int) -> ConvConfig:
+    """Weight-gradient tile ``cfg`` over ``taps`` taps a program (pure): its input channels halved until the
+    dot's N (taps x channels) is at most 256, and 8 warps from a 64 x 256 accumulator (at 4 the 3x3 64 -> 64
+    layer's tile over 4 taps takes 254 registers in sm_90 compiles, at 8 128)."""
+    bn = cfg.block_n
+    while taps * bn > _MAX_TILE and bn > _DOT_MIN:
+        bn //= 2
+    warps = 8 if cfg.block_m * bn * taps >= 64 * 256 else cfg.num_warps
+    return dataclasses.replace(cfg, block_n=bn, num_warps=warps, taps=taps)
+
+
 def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
     """The default's tile and its halves, two position steps (the one-channel tile: three, and 2 warps too),
     and each with the splits of the positions that fill the SMs (:func:`wgrad_splits`), half and twice that
     (where the positions allow), and none where filling takes fewer than 4; then the default's tile over 2
-    and 4 taps a program (its channels halved until the dot's N is at most 256; 8 warps from a 64 x 256
-    accumulator, where 4 spill in sm_90 compiles), at the filling split and half of it."""
+    and 4 taps a program (:func:`wgrad_over_taps`), at the filling split and half of it."""
     base = default_config(p, a)
     steps = (16, 32) if p.dtype.itemsize == 4 else (32, 64)
     warps = (None,)  # None: the tile's own count
@@ -463,11 +473,7 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
     for taps in (2, 4):
         if taps >= 2 * p.taps:  # a tap block wholly past the filter's taps
             break
-        bn = base.block_n
-        while taps * bn > _MAX_TILE and bn > _DOT_MIN:
-            bn //= 2
-        cfg = ConvConfig(base.block_m, bn, steps[-1], num_warps=8 if base.block_m * bn * taps >= 64 * 256 else 4,
-                         num_stages=3, taps=taps)  # fmt: skip
+        cfg = wgrad_over_taps(base, taps)
         fill = wgrad_splits(cfg, p, a)
         out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, max(1, fill // 2)})]
     return out
