@@ -57,7 +57,17 @@ import torch
 import torch.nn.functional as F
 
 from flydsl.testing import default_device
-from flydsl_common.bench import Bench, Case, Provider, Skip, distinct_cases, log_uniform, main_for, results_dir
+from flydsl_common.bench import (
+    Bench,
+    Case,
+    GradCheck,
+    Provider,
+    Skip,
+    distinct_cases,
+    log_uniform,
+    main_for,
+    results_dir,
+)
 
 from .attention import flash_attn, flash_attn_varlen
 from .reference import flash_attn_ref, flash_attn_varlen_ref
@@ -321,34 +331,6 @@ def attn_grads_ref(q, k, v, dout, causal: bool = False, softmax_scale: float | N
     return dq, dk, dv
 
 
-class _GradCheck:
-    """dq, dk and dv checked in one relative error: each gradient divided by its reference's norm, the three
-    concatenated, so each weighs the same (one gradient all wrong gives ~0.58, all three 1) whatever their
-    scales (dv's norm is several times dq's on random data: a plain concatenation would let a wrong dq pass).
-
-    The harness computes a case's reference before it extracts any provider's output, so ``reference``
-    leaves the norms that ``output`` divides by."""
-
-    def __init__(self) -> None:
-        self.norms: list[float] | None = None
-
-    def reference(self, inputs):
-        q, k, v, dout, causal = inputs
-        grads = attn_grads_ref(q, k, v, dout, causal)
-        self.norms = [float(torch.linalg.vector_norm(g)) or 1.0 for g in grads]
-        return self._join(grads)
-
-    def output(self, grads):
-        if self.norms is None:
-            raise RuntimeError("_GradCheck.output: the case's reference was not computed first")
-        return self._join(grads)
-
-    def _join(self, grads):
-        if len(grads) != 3:
-            raise ValueError(f"expected (dq, dk, dv), got {len(grads)} gradients")
-        return torch.cat([(g.float() / n).flatten() for g, n in zip(grads, self.norms, strict=True)])
-
-
 def _setup_bwd(case: Case, device):
     q, k, v, causal = _setup(case, device)
     p = case.params
@@ -434,7 +416,7 @@ _QUICK_BWD = [_case(1, 32, 32, 2, 2, 64, False), _case(1, 40, 40, 2, 1, 64, True
 
 
 def _bwd_bench(sweep_range: SweepRange) -> Bench:
-    check = _GradCheck()
+    check = GradCheck(lambda t: attn_grads_ref(*t))  # dq, dk, dv, each weighed by its reference's norm
     return Bench(
         name="attn_bwd_bf16",
         cases=_bwd_cases(),

@@ -123,7 +123,7 @@ from .results import (
     ratio_stats,
     summarize,
 )
-from .spec import Bench, Case, CompiledPeer, Provider, Skip
+from .spec import Bench, Case, CompiledPeer, GradCheck, Provider, Skip
 
 __all__ = [
     "COPY_GBPS",
@@ -133,6 +133,7 @@ __all__ = [
     "BenchResult",
     "Case",
     "CompiledPeer",
+    "GradCheck",
     "Provider",
     "Results",
     "Row",

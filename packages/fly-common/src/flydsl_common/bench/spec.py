@@ -4,7 +4,8 @@ A :class:`Bench` names its cases (:class:`Case`), a ``setup`` that builds one
 case's inputs, the :class:`Provider` objects to compare and a bytes/flops
 model; a provider that cannot serve a case raises :class:`Skip`.
 :class:`CompiledPeer` is the ``torch.compile`` peer families add beside torch
-eager. How the harness checks and times a spec: :mod:`flydsl_common.bench.harness`.
+eager; :class:`GradCheck` checks a backward's several gradients as one output. How the harness checks and
+times a spec: :mod:`flydsl_common.bench.harness`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flydsl.errors import ArgumentError
 
 from .results import MATMUL_BF16_TFLOPS, TIMINGS
 
-__all__ = ["Bench", "Case", "CompiledPeer", "Provider", "Skip"]
+__all__ = ["Bench", "Case", "CompiledPeer", "GradCheck", "Provider", "Skip"]
 
 
 class Skip(Exception):
@@ -166,6 +167,36 @@ class Bench:
     def metric(self) -> str:
         """The plotted rate: GB/s for a bytes model, else TFLOP/s."""
         return "GB/s" if self.bytes is not None else "TFLOP/s" if self.flops is not None else "us"
+
+
+class GradCheck:
+    """A backward's gradients checked in one relative error: each divided by its reference's norm and all
+    concatenated, so each weighs the same whatever their scales (one of ``n`` gradients all wrong gives
+    ~``sqrt(1 / n)``; a plain concatenation would let a wrong gradient of small norm pass beside a large one).
+    Pass ``reference`` and ``output`` to the :class:`Bench`; ``grads_ref(inputs)`` returns the reference
+    gradients in the order the providers return theirs.
+
+    The harness computes a case's reference before it extracts any provider's output, so ``reference``
+    leaves the norms that ``output`` divides by."""
+
+    def __init__(self, grads_ref: Callable[[Any], Any]) -> None:
+        self.grads_ref = grads_ref
+        self.norms: list[float] | None = None
+
+    def reference(self, inputs) -> torch.Tensor:
+        grads = self.grads_ref(inputs)
+        self.norms = [float(torch.linalg.vector_norm(g)) or 1.0 for g in grads]
+        return self._join(grads)
+
+    def output(self, grads) -> torch.Tensor:
+        if self.norms is None:
+            raise RuntimeError("GradCheck.output: the case's reference was not computed first")
+        return self._join(grads)
+
+    def _join(self, grads) -> torch.Tensor:
+        if len(grads) != len(self.norms):
+            raise ValueError(f"expected {len(self.norms)} gradients, got {len(grads)}")
+        return torch.cat([(g.float() / n).flatten() for g, n in zip(grads, self.norms, strict=True)])
 
 
 class CompiledPeer:
