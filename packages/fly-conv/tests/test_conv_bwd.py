@@ -184,6 +184,33 @@ def test_weight_gradient_several_taps_a_program(device, poisoned, monkeypatch, t
     _check(*_grads(case, F16, device), F16)
 
 
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (3, 3, 3, 4, (2, 3, 2), 3, 1, 1, 1, 1, "zeros"),  # 12 positions an image: a step crosses images and frames
+        (2, 2, 4, 4, (3, 37), 3, 1, 1, 1, 1, "zeros"),  # rows wider than a step: steps within a row and across
+        (2, 3, 4, 8, (3, 5), 3, 1, 1, 1, 4, "zeros"),  # depthwise (its own kernel), 15 positions an image
+        (3, 2, 2, 2, (3, 2, 3), 3, 2, 1, 1, 1, "zeros"),  # stride 2: 2 x 1 x 2 outputs an image, a step of several
+    ],
+    ids=["3d-across-images", "2d-wide-rows", "depthwise", "3d-stride2"],
+)
+def test_weight_gradient_positions_step_across_rows_images_and_frames(device, poisoned, monkeypatch, case, block):
+    """The weight-gradient kernels decode a step's positions once and then advance their (batch, depth, row,
+    column) by the step's digits with carries: steps that span columns, rows, frames and images, and runs of
+    positions split so a run starts mid-image, give the reference's gradient."""
+    default, depthwise = conv_mod.default_config, conv_mod.depthwise_wgrad_config
+
+    def stepped(problem, arch):
+        cfg = default(problem, arch)
+        return dataclasses.replace(cfg, block_k=block, split_k=2) if problem.kind == "wgrad" else cfg
+
+    monkeypatch.setattr(conv_mod, "default_config", stepped)
+    monkeypatch.setattr(conv_mod, "depthwise_wgrad_config",
+                        lambda p, a: dataclasses.replace(depthwise(p, a), block_m=block, split_k=2))  # fmt: skip
+    _check(*_grads(case, F16, device), F16)
+
+
 def test_wgrad_splits_fill_the_sms():
     few = ConvProblem("wgrad", 8 * 56 * 56, 64, 64, 9, 1, BF16)  # 9 tiles of 64 x 64: split to fill 132 SMs
     cfg = conv_mod.default_config(few, SM90)

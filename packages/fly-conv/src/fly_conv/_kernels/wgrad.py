@@ -34,13 +34,36 @@ _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
 
 
 @flyc.func
-def _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w):
-    """Positions ``rp`` (flat, masked past ``p_end``): which are real, their output coordinates and their
-    output-gradient rows."""
-    p_ok = rp < p_end
-    nb, od, oh, ow = output_coords(fx.where(p_ok, rp, 0), OD, OH, OW)
-    dy_row = row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
-    return p_ok, nb, od, oh, ow, dy_row
+def _positions(rp, BLOCK: fx.constexpr, OD, OH, OW):
+    """The output coordinates of a program's first step of positions ``rp`` (``BLOCK`` of them) and the
+    scalars that advance them one step: ``BLOCK`` as mixed-radix digits of (batch, OD, OH, OW). The loop then moves
+    the coordinates by adds and compares (:func:`_advance`): the per-element integer divisions of a flat
+    position's decode, three a position and step, cost more issue slots than the step's dot."""
+    nb, od, oh, ow = output_coords(rp, OD, OH, OW)
+    q = BLOCK // OW
+    r = q // OH
+    return nb, od, oh, ow, r // OD, r % OD, q % OH, BLOCK % OW
+
+
+@flyc.func
+def _advance(nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w, OD, OH, OW):
+    """Coordinates one step on: each digit plus its increment and the carry from below (each sum is under
+    twice its radix, so one compare makes the carry)."""
+    ow = ow + inc_w
+    cw = ow >= OW
+    ow = fx.where(cw, ow - OW, ow)
+    oh = oh + inc_h + fx.where(cw, 1, 0)
+    ch = oh >= OH
+    oh = fx.where(ch, oh - OH, oh)
+    od = od + inc_d + fx.where(ch, 1, 0)
+    cd = od >= OD
+    od = fx.where(cd, od - OD, od)
+    return nb + inc_n + fx.where(cd, 1, 0), od, oh, ow
+
+
+@flyc.func
+def _dy_rows(nb, od, oh, ow, sdy_n, sdy_d, sdy_h, sdy_w):
+    return row_offset(nb, sdy_n) + row_offset(od, sdy_d) + row_offset(oh, sdy_h) + row_offset(ow, sdy_w)
 
 
 @flyc.func
@@ -92,10 +115,11 @@ def _conv_wgrad_kernel(
     kw = rt % KW
     p_begin = split * split_steps * BLOCK_K
     p_end = fx.minimum(P, p_begin + split_steps * BLOCK_K)
+    nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w = _positions(p_begin + fx.arange(0, BLOCK_K), BLOCK_K, OD, OH, OW)
     acc = fx.zeros([BLOCK_M, TAPS * BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_K):
-        rp = p0 + fx.arange(0, BLOCK_K)
-        p_ok, nb, od, oh, ow, dy_row = _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w)
+        p_ok = p0 + fx.arange(0, BLOCK_K) < p_end
+        dy_row = _dy_rows(nb, od, oh, ow, sdy_n, sdy_d, sdy_h, sdy_w)
         a = fx.load(dy_ptr + dy_cols[:, None] + dy_row[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
         if TAPS == 1:
             x_ok, x_row = _input_rows(p_ok, nb, od, oh, ow, kd, kh, kw, D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
@@ -115,6 +139,7 @@ def _conv_wgrad_kernel(
             acc = fx.dot(a, b, acc, input_precision="ieee")
         else:
             acc = fx.dot(a, b, acc)
+        nb, od, oh, ow = _advance(nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w, OD, OH, OW)
 
     o_base = out_ptr + row_offset(split, so_s) + row_offset(g * KG + rk, so_k)[:, None]
     if TAPS == 1:
@@ -174,16 +199,18 @@ def _conv_depthwise_wgrad_kernel(
     x_cols = row_offset(cx, sx_c)
     p_begin = split * split_steps * BLOCK_M
     p_end = fx.minimum(p_begin + split_steps * BLOCK_M, P)
+    nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w = _positions(p_begin + fx.arange(0, BLOCK_M), BLOCK_M, OD, OH, OW)
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for p0 in range(p_begin, p_end, BLOCK_M):
-        rp = p0 + fx.arange(0, BLOCK_M)
-        p_ok, nb, od, oh, ow, dy_row = _position_rows(rp, p_end, OD, OH, OW, sdy_n, sdy_d, sdy_h, sdy_w)
+        p_ok = p0 + fx.arange(0, BLOCK_M) < p_end
+        dy_row = _dy_rows(nb, od, oh, ow, sdy_n, sdy_d, sdy_h, sdy_w)
         x_ok, x_row = _input_rows(p_ok, nb, od, oh, ow, kd, kh, kw, D, H, W, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                   sx_n, sx_d, sx_h, sx_w)  # fmt: skip
         a = fx.load(dy_ptr + dy_row[:, None] + dy_cols[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         b = fx.load(x_ptr + x_row[:, None] + x_cols[None, :], mask=x_ok[:, None] & cx_ok[None, :], other=0.0)
         bb = fx.reshape(fx.broadcast_to(b.to(fx.float32)[:, :, None], [BLOCK_M, BLOCK_G, KG_P]), [BLOCK_M, BLOCK_N])
         acc += a.to(fx.float32) * bb
+        nb, od, oh, ow = _advance(nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w, OD, OH, OW)
     out = fx.sum(acc, axis=0)
     fx.store(out_ptr + row_offset(split, so_s) + row_offset(rn, so_k) + row_offset(tap, so_t),
              out.to(out_ptr.dtype.element_ty), mask=n_ok)  # fmt: skip
