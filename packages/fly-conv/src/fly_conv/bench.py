@@ -18,8 +18,10 @@ Tuned set (issue 36's speed list), bf16, batch 8-64:
 - ``conv_depthwise``: 3x3 and 7x7 depthwise layers (MobileNet / ConvNeXt), a bytes model (input, weight and
   output once) against the device copy bandwidth;
 - ``conv_grouped``: ResNeXt-style grouped 3x3 layers (4-64 channels a group);
-- ``conv_train``: one training step (forward, backward into x, weight and bias) of 3x3 and 1x1 layers,
-  ``step_us`` against torch (cuDNN's dgrad and wgrad) and torch.compile; flops 3x the forward's;
+- ``conv_train``: the backward of 3x3, 1x1 and depthwise layers against torch's (cuDNN's dgrad and wgrad):
+  ``gpu_us`` and ``call_us`` the backward alone (the forward's graph built once, ``torch.autograd.grad`` of a
+  fixed output gradient into x, the weight and the bias, flops 2x the forward's), ``step_us`` a training step
+  (new leaves, forward, ``backward``) as timed; each gradient checked against fp64 autograd;
 - ``conv_fp8``: the fp8 e4m3 forward (x per-tensor, weight per-output-channel scales, bf16 out) of 3x3 and
   1x1 layers, against our bf16 forward (``flydsl.bf16``) and cuDNN bf16 on the dequantized inputs.
 
@@ -33,14 +35,24 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from flydsl.testing import default_device
-from flydsl_common.bench import Bench, Case, CompiledPeer, Provider, Skip, log_uniform, main_for, results_dir
+from flydsl_common.bench import (
+    Bench,
+    Case,
+    CompiledPeer,
+    GradCheck,
+    Provider,
+    Skip,
+    log_uniform,
+    main_for,
+    results_dir,
+)
 
 from .conv import conv
 from .reference import conv_ref
@@ -87,8 +99,9 @@ def nbytes(case: Case) -> int:
     return 2 * (x + w + p["K"] + p["N"] * p["K"] * math.prod(out))
 
 
-def _train_flops(case: Case) -> int:
-    return 3 * flops(case)
+def _bwd_flops(case: Case) -> int:
+    """The input and the weight gradients, each the forward's flops (the bias gradient's sum is not counted)."""
+    return 2 * flops(case)
 
 
 # ------------------------------------------------------------------------------ tuned set
@@ -275,6 +288,30 @@ def _train_step(forward: Callable) -> Callable:
     return make
 
 
+def _backward(forward: Callable) -> Callable:
+    """The backward alone: the forward's graph built once, then the gradients of a fixed output gradient into
+    x, the weight and the bias each call (the graph kept, ``retain_graph``)."""
+
+    def make(t):
+        x, w, b, dy, kw = t
+        leaves = [v.detach().requires_grad_(True) for v in (x, w, b)]
+        y = forward(*leaves, **kw)
+        return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
+
+    return make
+
+
+def _grads_ref(t):
+    """dx, dweight and dbias in float64 through torch's autograd of its own convolution."""
+    x, w, b, dy, kw = t
+    leaves = [v.detach().double().requires_grad_(True) for v in (x, w, b)]
+    return torch.autograd.grad(_TORCH_CONV[w.dim() - 2](*leaves, **kw), leaves, dy.double())
+
+
+def _torch_conv_kw(x, w, b, **kw):
+    return _TORCH_CONV[w.dim() - 2](x, w, b, **kw)
+
+
 def _bench(name, cases, providers, description, sweep, *, bytes_model=None, flops_model=flops, timings=("gpu", "call"),
            x_param="C"):  # fmt: skip
     return Bench(
@@ -307,9 +344,10 @@ def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
     bench has a sweep of its own (10 shapes a bench by default)."""
     r = sweep_range
     train_peers = [
-        Provider("flydsl", _ours, is_ours=True, step=_train_step(conv)),
-        Provider("cudnn", _cudnn, step=_train_step(lambda x, w, b, **kw: _TORCH_CONV[w.dim() - 2](x, w, b, **kw))),
+        Provider("flydsl", _backward(conv), is_ours=True, step=_train_step(conv)),
+        Provider("cudnn", _backward(_torch_conv_kw), step=_train_step(_torch_conv_kw)),
     ]
+    grads = GradCheck(_grads_ref)
 
     def train_sweep(rng, count):
         return _train_cases(_sweep(r, "dense")(rng, count))
@@ -326,9 +364,10 @@ def benches(sweep_range: SweepRange = GPU_SWEEP) -> list[Bench]:
                _sweep(r, "depthwise"), bytes_model=nbytes),
         _bench("conv_grouped", _GROUPED, _FWD_PEERS, "grouped 3x3 (ResNeXt-style, 4-64 channels a group)",
                _sweep(r, "grouped")),
-        _bench("conv_train", _TRAIN, train_peers, "training step: forward, backward into x, "
-               "weight and bias; 3x the forward's flops", train_sweep, flops_model=_train_flops,
-               timings=("gpu", "step")),
+        replace(_bench("conv_train", _TRAIN, train_peers, "backward into x, weight and bias (gpu, call: the "
+                       "backward alone, 2x the forward's flops); step: forward and backward on new leaves",
+                       train_sweep, flops_model=_bwd_flops, timings=("gpu", "call", "step")),
+                reference=grads.reference, output=grads.output),
         _fp8_bench(r),
     ]  # fmt: skip
 
