@@ -309,6 +309,13 @@ def test_splits_fill_the_gpu_at_small_batch_only():
     assert decode_splits(0, 8, 100, 132) == 1 and decode_splits(1, 8, 0, 132) == 1
 
 
+def test_splits_fill_the_last_wave():
+    """GQA 32/8 on 132 SMs: the counts the H200 ran fastest at 16K-128K keys (a grid of 256 programs, not the
+    232 / 224 of an 85% rule)."""
+    assert [decode_splits(b, 8, 131072, 132) for b in (1, 2, 4)] == [32, 16, 8]
+    assert decode_splits(4, 8, 16384, 132) == 8 and decode_splits(16, 8, 4096, 132) == 2
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 16, 33, 64, 256])
 @pytest.mark.parametrize("seqlen", [1, 300, 4096, 131072])
 def test_splits_bounds(batch, seqlen):
