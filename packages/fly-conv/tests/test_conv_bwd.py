@@ -16,6 +16,7 @@ from torch import nn
 
 import flydsl.direct
 from fly_conv import FlyConv1d, FlyConv2d, FlyConv3d, conv
+from fly_conv._kernels.layout import launch_sum_splits
 from fly_conv.autotune import ConvProblem, wgrad_over_taps, wgrad_splits
 from flydsl.arch import SM90
 from flydsl.testing import assert_rel_close, tolerance
@@ -209,6 +210,21 @@ def test_weight_gradient_positions_step_across_rows_images_and_frames(device, po
     monkeypatch.setattr(conv_mod, "depthwise_wgrad_config",
                         lambda p, a: dataclasses.replace(depthwise(p, a), block_m=block, split_k=2))  # fmt: skip
     _check(*_grads(case, F16, device), F16)
+
+
+@pytest.mark.parametrize("splits", [1, 15, 16, 17, 40])
+def test_split_sums_cover_every_split_and_column(device, splits):
+    """The weight gradient's split sum: blocks of splits a load (the last one partial) and column blocks past
+    the end masked; close to the fp64 sum, bit-identical on a second run, nothing written past ``n``."""
+    n = 300  # columns: two full blocks of 128 and a partial one
+    parts = torch.randn(splits, n, generator=torch.Generator().manual_seed(splits)).to(device)
+    out = torch.full((n + 7,), float("nan"), dtype=BF16, device=device)
+    launch_sum_splits(parts, out[:n])
+    assert_rel_close(out[:n], parts.double().sum(0), tol=tolerance(BF16))
+    assert out[n:].isnan().all()
+    again = torch.empty(n, dtype=BF16, device=device)
+    launch_sum_splits(parts, again)
+    assert torch.equal(out[:n], again)
 
 
 def test_wgrad_splits_fill_the_sms():

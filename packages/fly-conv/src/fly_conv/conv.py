@@ -410,7 +410,7 @@ def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups, config=None
     parts = _empty((splits, k_out, cg, taps), torch.float32, grad.device)
     launch(parts, splits, split_steps)
     dw = _empty(w_size, grad.dtype, grad.device)
-    launch_sum_splits(parts.view(splits, -1), dw.view(-1))  # added in split order: deterministic
+    launch_sum_splits(parts.view(splits, -1), dw.view(-1))  # a fixed order: deterministic
     return dw
 
 
