@@ -10,7 +10,8 @@ Triton's launcher specializes them (ints equal to 1 as constants, ints and point
 ``ok <name> <shared bytes> REG:n STACK:n WGMMA:<0|1> WGMMA_E4M3:<0|1> CP_ASYNC:<0|1> PIPELINE:<bytes>`` (STACK >
 0 is a spill; WGMMA_E4M3: a ``wgmma.mma_async`` on e4m3 operands, the fp8 path's tensor-core dot;
 CP_ASYNC: the K loop's loads are asynchronous copies; PIPELINE: ``autotune.smem_bytes`` of the config, its
-A and B tiles times num_stages, which shared memory reaches only when the loop is multi-buffered) or
+A and B tiles times num_stages, which shared memory reaches only when the loop is multi-buffered; TMA: the
+tensor-descriptor loads in the PTX, the loop's and those its prologue issues ahead) or
 ``FAIL <name> <error>``.
 
 ``--split`` compiles the split-K forward instead (:data:`SPLIT_VARIANTS`: the partial-sum launch and the
@@ -18,13 +19,15 @@ epilogue-reduce launch at the default of a layer whose grid is under a wave), in
 
 from __future__ import annotations
 
+import dataclasses
+
 # flydsl (through fly_conv) chooses compiled Triton before triton is imported: triton only inside functions
 import torch
 
 import flydsl.compiler as flyc
 from fly_conv._kernels.direct import launch_direct
 from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
-from fly_conv._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad
+from fly_conv._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad, launch_wgrad_rows
 from fly_conv.autotune import (
     ConvProblem,
     default_config,
@@ -158,16 +161,22 @@ def _direct(dtype, n, c, size, k, cg=1, input_grad=False):
     return _record(launch_direct, *args), cfg, problem
 
 
-def _wgrad(dtype, n, c_in, k_out, size, k, taps=1):
+def _wgrad(dtype, n, c_in, k_out, size, k, taps=1, rows=False):
+    """The weight gradient of a 'same' 2D layer at its default tile; ``taps``: the tuning space's several-taps
+    tile; ``rows``: the row-block kernel (``tma``) at the default tile."""
     dy5, x5 = _cl(n, k_out, (size, size), dtype), _cl(n, c_in, (size, size), dtype)
     problem = ConvProblem("wgrad", n * size * size, k_out, c_in, k * k, 1, dtype)
     cfg = default_config(problem, SM90)
-    if taps > 1:  # the tuning space's several-taps tile
+    if taps > 1:
         cfg = wgrad_over_taps(cfg, taps)
+    if rows:
+        cfg = dataclasses.replace(cfg, tma=True)
     splits = wgrad_splits(cfg, problem, SM90)
     out = torch.empty((splits, k_out, c_in, k * k), dtype=torch.float32, device="meta")
     steps = -(-problem.m // cfg.block_k)
     geom = _geom(k, 1, k // 2)
+    if rows:
+        return _record(launch_wgrad_rows, dy5, x5, out, geom, splits, -(-steps // splits), cfg), cfg, problem
     return _record(launch_wgrad, dy5, x5, out, geom, 1, splits, -(-steps // splits), cfg), cfg, problem
 
 
@@ -207,6 +216,7 @@ VARIANTS = [
     ("direct_dgrad_7x7", lambda: _direct(BF16, 64, 128, 56, 7, input_grad=True)),
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
     ("wgrad_taps4", lambda: _wgrad(BF16, 32, 64, 64, 56, 3, taps=4)),
+    ("wgrad_rows", lambda: _wgrad(BF16, 32, 64, 64, 56, 3, rows=True)),
     ("wgrad_depthwise_7x7", lambda: _depthwise_wgrad(BF16, 32, 384, 28, 7)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),
@@ -235,6 +245,7 @@ if __name__ == "__main__":
             e4m3 = re.search(r"wgmma\.mma_async\S*e4m3", ptx) is not None
             print("ok", name, k.metadata.shared, resource_usage(k), f"WGMMA:{int('wgmma' in ptx)}",
                   f"WGMMA_E4M3:{int(e4m3)}", f"CP_ASYNC:{int('cp.async' in ptx)}",
-                  f"PIPELINE:{smem_bytes(cfg, problem)}", flush=True)  # fmt: skip
+                  f"PIPELINE:{smem_bytes(cfg, problem)}", f"TMA:{ptx.count('cp.async.bulk.tensor')}",
+                  flush=True)  # fmt: skip
         except Exception as e:  # report every variant, then let the test name the failures
             print("FAIL", name, type(e).__name__, str(e).strip().splitlines()[-1][:300], flush=True)

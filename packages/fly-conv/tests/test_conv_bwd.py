@@ -212,6 +212,59 @@ def test_weight_gradient_positions_step_across_rows_images_and_frames(device, po
     _check(*_grads(case, F16, device), F16)
 
 
+ROWS_CASES = [
+    (2, 2, 8, 16, (7, 6), 3, 1, 1, 1, 1, "zeros"),  # 3x3 'same': shifts before the first row, wrapped rows
+    (2, 2, 16, 8, (5, 9), 1, 1, 0, 1, 1, "zeros"),  # 1x1: no shift, no padding
+    (3, 2, 8, 8, (3, 4, 5), 3, 1, 1, 1, 1, "zeros"),  # 3x3x3 'same': frames
+    (2, 1, 8, 8, (9, 8), 3, 1, 2, 2, 1, "zeros"),  # dilation 2, padding 2
+    (1, 2, 16, 8, (23,), 7, 1, 3, 1, 1, "zeros"),  # 1D, k 7
+]
+
+
+def _rows_configs(monkeypatch, split: int, block_k: int = 16) -> list:
+    """Every weight gradient on the row-block kernel's config (``split`` runs, ``block_k`` positions a step);
+    returns the list the row-block launches append to."""
+    default, real = conv_mod.default_config, conv_mod.launch_wgrad_rows
+    launches = []
+
+    def rows(problem, arch):
+        cfg = default(problem, arch)
+        return dataclasses.replace(cfg, tma=True, split_k=split, block_k=block_k) if problem.kind == "wgrad" else cfg
+
+    def counted(*args, **kw):
+        launches.append(args[3])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(conv_mod, "default_config", rows)
+    monkeypatch.setattr(conv_mod, "launch_wgrad_rows", counted)
+    return launches
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("case", ROWS_CASES, ids=["3x3", "1x1", "3d", "dilated", "1d-k7"])
+def test_weight_gradient_row_blocks(device, poisoned, monkeypatch, case, split):
+    """The row-block kernel (operands as blocks of rows by tensor descriptors, a tap's input rows one shift
+    away, the padding's wrapped rows cancelled by zeroed output-gradient columns): the reference's gradients,
+    with the positions split so runs start mid-image."""
+    launches = _rows_configs(monkeypatch, split)
+    _check(*_grads(case, F16, device, channels_last=True), F16)
+    assert launches, "the row-block kernel did not run"
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [((2, 1, 8, 8, (9, 8), 3, 2, 1, 1, 1, "zeros"), "stride 2"), ((2, 1, 8, 8, (9, 8), 3, 1, 0, 1, 1, "zeros"),
+     "a smaller output"), ((2, 1, 8, 8, (9, 8), 3, 1, 1, 1, 2, "zeros"), "groups"),
+     ((2, 1, 6, 8, (9, 8), 3, 1, 1, 1, 1, "zeros"), "6 channels")],
+    ids=lambda v: v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_weight_gradient_row_blocks_fall_back(device, poisoned, monkeypatch, case, why):
+    """Layers the row-block kernel does not serve keep the gathering kernel under a ``tma`` config."""
+    launches = _rows_configs(monkeypatch, 2)
+    _check(*_grads(case, F16, device, channels_last=True), F16)
+    assert not launches, why
+
+
 @pytest.mark.parametrize("splits", [1, 15, 16, 17, 40])
 def test_split_sums_cover_every_split_and_column(device, splits):
     """The weight gradient's split sum: blocks of splits a load (the last one partial) and column blocks past
@@ -319,3 +372,16 @@ def test_module_activation(device):
 )  # fmt: skip
 def test_gradients_gpu(case, device, poisoned):
     _check(*_grads(case, BF16, device, channels_last=True), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [(2, 8, 64, 64, (56, 56), 3, 1, 1, 1, 1, "zeros"), (2, 8, 256, 64, (28, 28), 1, 1, 0, 1, 1, "zeros"),
+     (2, 8, 256, 256, (14, 14), 3, 1, 1, 1, 1, "zeros"), (3, 2, 32, 32, (8, 16, 16), 3, 1, 1, 1, 1, "zeros")],
+)  # fmt: skip
+@pytest.mark.parametrize("block_k", [32, 64])
+def test_weight_gradient_row_blocks_gpu(case, block_k, device, poisoned, monkeypatch):
+    launches = _rows_configs(monkeypatch, 4, block_k)
+    _check(*_grads(case, BF16, device, channels_last=True), BF16)
+    assert launches

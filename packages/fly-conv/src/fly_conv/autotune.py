@@ -12,7 +12,8 @@ Three kernel kinds share the config type:
   ``block_m`` positions x ``block_n`` output channels (no dot, so no tensor-core minimum; ``block_k`` unused);
 - ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of each of
   ``taps`` filter taps, ``block_k`` positions a step, the positions split ``split_k`` ways (partial sums
-  added in a fixed order).
+  added in a fixed order); ``tma``: where the layer allows (stride 1, output the input's size, one group),
+  the row-block kernel, whose operands are plain blocks of rows that tensor descriptors load.
 
 The defaults are the published Hopper practice for 16-bit implicit GEMMs (128-row tiles, 64 channels a
 step where the layer has them, 3-4 pipeline stages, grouped tile order), narrowed to the layer where its
@@ -96,6 +97,7 @@ class ConvConfig:
     num_stages: int = 3
     split_k: int = 1  # wgrad: runs the positions are cut into; forward implicit GEMM: runs of the K steps
     taps: int = 1  # wgrad: filter taps a program covers (its output-gradient tile is loaded once for all)
+    tma: bool = False  # wgrad: row blocks by tensor descriptors where the layer allows (rows_kernel_applies)
 
 
 def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
@@ -127,7 +129,14 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False
     if cfg.taps * cfg.block_n > _MAX_TILE:  # the dot's N: every tap's input channels
         return False
+    if cfg.tma and not (problem.kind == "wgrad" and cfg.taps == 1 and problem.dtype.itemsize == 2 and _has_tma(arch)):
+        return False
     return smem_bytes(cfg, problem) <= arch.smem_per_block
+
+
+def _has_tma(arch: flydsl.arch.Arch) -> bool:
+    """Tensor-descriptor loads: a GPU with TMA (sm_90+) or the interpreter (which runs them)."""
+    return arch.is_interpreter or (arch.backend == "cuda" and (arch.capability or (0,)) >= (9, 0))
 
 
 # The direct kernel serves grouped layers of at most this many input channels a group: there an implicit
@@ -454,8 +463,9 @@ def wgrad_over_taps(cfg: ConvConfig, taps: int) -> ConvConfig:
 def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
     """The default's tile and its halves, two position steps (the one-channel tile: three, and 2 warps too),
     and each with the splits of the positions that fill the SMs (:func:`wgrad_splits`), half and twice that
-    (where the positions allow), and none where filling takes fewer than 4; then the default's tile over 2
-    and 4 taps a program (:func:`wgrad_over_taps`), at the filling split and half of it."""
+    (where the positions allow), and none where filling takes fewer than 4; then, for one group of 16-bit
+    channels, the default's tile on the row-block kernel (``tma``) at both steps; then the default's tile over
+    2 and 4 taps a program (:func:`wgrad_over_taps`); these two at the filling split and half of it."""
     base = default_config(p, a)
     steps = (16, 32) if p.dtype.itemsize == 4 else (32, 64)
     warps = (None,)  # None: the tile's own count
@@ -470,6 +480,11 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
                 more = fill * 2 if flyc.cdiv(p.m, bk) // (fill * 2) >= _WGRAD_MIN_STEPS // 2 else fill
                 splits = {fill, max(1, fill // 2), more} | ({1} if fill < 4 else set())
                 out += [dataclasses.replace(cfg, split_k=s) for s in sorted(splits)]
+    if p.groups == 1 and p.dtype.itemsize == 2:  # the row-block kernel (the key's layer is 'same', stride 1)
+        for bk in steps:
+            cfg = dataclasses.replace(base, block_k=bk, tma=True)
+            fill = wgrad_splits(cfg, p, a)
+            out += [dataclasses.replace(cfg, split_k=s) for s in sorted({fill, max(1, fill // 2)})]
     for taps in (2, 4):
         if taps >= 2 * p.taps:  # a tap block wholly past the filter's taps
             break

@@ -30,7 +30,7 @@ from flydsl_common.reference import torch_activation
 from ._kernels.direct import launch_direct
 from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
 from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
-from ._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad
+from ._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad, launch_wgrad_rows, rows_kernel_applies
 from .autotune import (
     ConvConfig,
     ConvProblem,
@@ -396,9 +396,14 @@ def _conv_weight_grad(grad, x, w_size, stride, lo, dilation, groups, config=None
     else:
         cfg = _config(problem, arch, config)
         step = cfg.block_k
+        rows = cfg.tma and rows_kernel_applies(g5, x5, geom, groups)  # else the gathering kernel, any layer
 
         def launch(out, splits, split_steps):
-            launch_wgrad(g5, x5, out.view(splits, k_out, cg, taps), geom, groups, splits, split_steps, cfg)
+            view = out.view(splits, k_out, cg, taps)
+            if rows:
+                launch_wgrad_rows(g5, x5, view, geom, splits, split_steps, cfg)
+            else:
+                launch_wgrad(g5, x5, view, geom, groups, splits, split_steps, cfg)
 
     steps = -(-positions // step)
     split_steps = -(-steps // cfg.split_k)

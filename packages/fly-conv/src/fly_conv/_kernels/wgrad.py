@@ -27,7 +27,7 @@ from flydsl_common.device import row_offset
 from .direct import group_columns
 from .implicit_gemm import output_coords
 
-__all__ = ["launch_wgrad", "launch_depthwise_wgrad"]
+__all__ = ["launch_wgrad", "launch_wgrad_rows", "launch_depthwise_wgrad", "rows_kernel_applies"]
 
 _RUNTIME_SIZES = ["P", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw",
                   "dd", "dh", "dw", "split_steps"]  # fmt: skip
@@ -172,6 +172,97 @@ def launch_wgrad(dy5, x5, out, geom, groups: int, splits: int, split_steps: int,
         nb * od * oh * ow, kg, cg, d, h, w, od, oh, ow, kd, kh, kw, sd, sh, sw, pd, ph, pw, dd, dh, dw, split_steps,
         *dy5.stride(), *x5.stride(), *out.stride(),
         IEEE=x5.dtype.itemsize == 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAPS=cfg.taps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # fmt: on
+
+
+# Stride 1 with the output the input's size (the 'same' layers): the input pixel of output position p for tap
+# t is input row p + shift_t of the flattened [positions, C] matrix, one shift a tap, for every p whose tap
+# lands inside the image; the rest (the padding) read a wrapped row, which the output-gradient tile's zeroed
+# columns cancel. So both operands are plain row blocks that tensor descriptors load (TMA on sm_90: no
+# per-element address or mask; rows before the first and past the last are zero-filled by the hardware), and
+# only a mask a position is computed, from coordinates stepped by digits.
+_ROWS_SIZES = ["P", "D", "H", "W", "KD", "KH", "KW", "pd", "ph", "pw", "dd", "dh", "dw", "split_steps"]
+
+
+# fmt: off
+@flyc.kernel(do_not_specialize=_ROWS_SIZES)
+def _conv_wgrad_rows_kernel(
+    dy_ptr, x_ptr, out_ptr,
+    P, K_OUT, C, D, H, W, KD, KH, KW, pd, ph, pw, dd, dh, dw, split_steps, so_s, so_k, so_c, so_t,
+    BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr,
+):
+    # fmt: on
+    n_tiles = fx.cdiv(C, BLOCK_N)
+    pid = fx.program_id(0)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    tap = fx.program_id(1)
+    split = fx.program_id(2)
+    off_d = (tap // (KH * KW)) * dd - pd  # the tap's input offset a dim
+    off_h = ((tap // KW) % KH) * dh - ph
+    off_w = (tap % KW) * dw - pw
+    shift = (off_d * H + off_h) * W + off_w
+    dy_desc = fx.make_tensor_descriptor(dy_ptr, shape=[P, K_OUT], strides=[K_OUT, 1], block_shape=[BLOCK_K, BLOCK_M])
+    x_desc = fx.make_tensor_descriptor(x_ptr, shape=[P, C], strides=[C, 1], block_shape=[BLOCK_K, BLOCK_N])
+    p_begin = split * split_steps * BLOCK_K
+    p_end = fx.minimum(P, p_begin + split_steps * BLOCK_K)
+    nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w = _positions(p_begin + fx.arange(0, BLOCK_K), BLOCK_K, D, H, W)
+    acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
+    for p0 in range(p_begin, p_end, BLOCK_K):
+        a = dy_desc.load([p0, pid_m * BLOCK_M])  # [positions, output channels]
+        b = x_desc.load([p0 + shift, pid_n * BLOCK_N])  # [positions, input channels], the tap's rows
+        ok = (p0 + fx.arange(0, BLOCK_K) < p_end) & (od + off_d >= 0) & (od + off_d < D) & (oh + off_h >= 0)
+        ok = ok & (oh + off_h < H) & (ow + off_w >= 0) & (ow + off_w < W)
+        a = fx.where(ok[:, None], a, fx.zeros_like(a))
+        acc = fx.dot(fx.trans(a), b, acc)
+        nb, od, oh, ow = _advance(nb, od, oh, ow, inc_n, inc_d, inc_h, inc_w, D, H, W)
+
+    rk = pid_m * BLOCK_M + fx.arange(0, BLOCK_M)
+    rc = pid_n * BLOCK_N + fx.arange(0, BLOCK_N)
+    o_ptrs = (out_ptr + row_offset(split, so_s) + row_offset(rk, so_k)[:, None] + row_offset(rc, so_c)[None, :]
+              + row_offset(tap, so_t))  # fmt: skip
+    fx.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rk < K_OUT)[:, None] & (rc < C)[None, :])
+
+
+def rows_kernel_applies(dy5, x5, geom, groups: int) -> bool:
+    """Whether :func:`launch_wgrad_rows` serves this weight gradient: stride 1, the output the input's size,
+    one group, 16-bit operands, both ``[N, D, H, W, C]`` views dense (rows of C, then positions), channel
+    counts a multiple of 8 (a row 16-byte aligned, as a tensor descriptor needs)."""
+    (_, stride, _, _) = geom
+    return (all(s == 1 for s in stride) and groups == 1 and tuple(dy5.shape[1:4]) == tuple(x5.shape[1:4])
+            and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype and _dense(x5) and _dense(dy5)
+            and x5.shape[4] % 8 == 0 and dy5.shape[4] % 8 == 0
+            and x5.data_ptr() % 16 == 0 and dy5.data_ptr() % 16 == 0)  # fmt: skip
+
+
+def _dense(t) -> bool:
+    """Rows of the last dim, back to back, then each dim over the ones after it (dims of size 1 any stride)."""
+    step = 1
+    for n, st in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if n != 1 and st != step:
+            return False
+        step *= n
+    return True
+
+
+@flyc.jit
+def launch_wgrad_rows(dy5, x5, out, geom, splits: int, split_steps: int, cfg, stream=None):
+    """Launch the row-block weight-gradient kernel (where :func:`rows_kernel_applies`). ``dy5`` / ``x5``:
+    ``[N, D, H, W, K_out]`` / ``[N, D, H, W, C_in]`` dense; ``out``: ``[splits, K_out, C_in, taps]`` (any
+    strides; fp32 partial sums when ``splits > 1``, else the weight gradient in its dtype); ``geom``:
+    (kernel, stride, padding, dilation). Split ``s`` reduces positions ``[s * split_steps * block_k, ...)``."""
+    nb, d, h, w, k_out = dy5.shape
+    c = x5.shape[4]
+    (kd, kh, kw), _, (pd, ph, pw), (dd, dh, dw) = geom
+    tiles = flyc.cdiv(k_out, cfg.block_m) * flyc.cdiv(c, cfg.block_n)
+    # fmt: off
+    flyc.launch(
+        _conv_wgrad_rows_kernel, (tiles, kd * kh * kw, splits),
+        dy5, x5, out,
+        nb * d * h * w, k_out, c, d, h, w, kd, kh, kw, pd, ph, pw, dd, dh, dw, split_steps, *out.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # fmt: on
