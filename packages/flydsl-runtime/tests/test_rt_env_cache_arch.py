@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -79,6 +80,13 @@ def test_arch_of_cpu_is_the_interpreter():
     a = arch.current("cpu")
     assert a is arch.INTERPRETER and a.is_interpreter and a.name == "cpu"
     assert arch.SM90.is_hopper and arch.SM90.name == "sm_90"
+
+
+def test_tma_is_sm90_and_later_or_the_interpreter():
+    assert arch.INTERPRETER.has_tma and arch.SM90.has_tma
+    assert dataclasses.replace(arch.SM90, capability=(10, 0)).has_tma
+    assert not dataclasses.replace(arch.SM90, capability=(8, 9)).has_tma
+    assert not dataclasses.replace(arch.SM90, backend="hip", capability=None).has_tma
 
 
 @pytest.mark.gpu

@@ -87,9 +87,7 @@ def _tma_valid(cfg: AttnConfig, head_dim: int, head_dim_v: int, dtype: torch.dty
         return not cfg.tma_store
     if dtype not in _TMA_DTYPES or head_dim % _TMA_ELEMS or head_dim_v % _TMA_ELEMS:
         return False
-    if arch.is_interpreter:
-        return True
-    return arch.backend == "cuda" and (arch.capability or (0,)) >= (9, 0)
+    return arch.has_tma
 
 
 def _launchable(blocks: tuple, num_warps: int, num_stages: int, head_dim: int, head_dim_v: int) -> bool:

@@ -129,14 +129,9 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False
     if cfg.taps * cfg.block_n > _MAX_TILE:  # the dot's N: every tap's input channels
         return False
-    if cfg.tma and not (problem.kind == "wgrad" and cfg.taps == 1 and problem.dtype.itemsize == 2 and _has_tma(arch)):
+    if cfg.tma and not (problem.kind == "wgrad" and cfg.taps == 1 and problem.dtype.itemsize == 2 and arch.has_tma):
         return False
     return smem_bytes(cfg, problem) <= arch.smem_per_block
-
-
-def _has_tma(arch: flydsl.arch.Arch) -> bool:
-    """Tensor-descriptor loads: a GPU with TMA (sm_90+) or the interpreter (which runs them)."""
-    return arch.is_interpreter or (arch.backend == "cuda" and (arch.capability or (0,)) >= (9, 0))
 
 
 # The direct kernel serves grouped layers of at most this many input channels a group: there an implicit

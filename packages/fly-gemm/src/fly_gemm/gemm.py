@@ -29,7 +29,7 @@ from flydsl_common.reference import torch_activation
 
 from . import _staging
 from ._kernels.gemv import launch_gemv
-from ._kernels.persistent import launch_persistent, tma_capable, tma_operand_a
+from ._kernels.persistent import launch_persistent, tma_operand_a
 from ._kernels.tiled import launch_tiled
 from .autotune import GemmConfig, config_for, config_valid
 from .prepack import B_LAYOUTS, PackedWeight
@@ -143,7 +143,7 @@ def _gemm(a, b, bias, activation, out_dtype, scale_a, scale_b, out, b_layout, co
         (launch_gemv.__wrapped__ if direct else launch_gemv)(a, b_nk, out, bias, sa, sb, act, cfg)
         return out
     c = out
-    staging = _staging.plan(a, b_nk, out, cfg.tma and tma_capable(arch))
+    staging = _staging.plan(a, b_nk, out, cfg.tma and arch.has_tma)
     if staging is not None:  # aligned copies of what the kernels would read slowly (see _staging)
         a, b_nk, c = _staging.stage_operands(staging, a, b_nk, out)
         if staging.copy_b:

@@ -39,6 +39,12 @@ class Arch:
     def is_interpreter(self) -> bool:
         return self.backend == "interpreter"
 
+    @property
+    def has_tma(self) -> bool:
+        """Tensor-descriptor loads and stores run here: a CUDA GPU with the tensor memory accelerator (sm_90+),
+        or the interpreter, which executes them."""
+        return self.is_interpreter or (self.backend == "cuda" and (self.capability or (0,)) >= (9, 0))
+
 
 # The interpreter executes kernels on the CPU. Its sizes are nominal (those of
 # a Hopper SM, so configurations chosen for it are also valid GPU configs).

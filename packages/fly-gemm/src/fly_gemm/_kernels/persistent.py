@@ -37,7 +37,7 @@ import flydsl.expr as fx
 from .epilogue import epilogue, epilogue_meta
 from .splitk import split_launch, store_split
 
-__all__ = ["tma_capable", "tma_rows", "tma_operand_a", "launch_persistent"]
+__all__ = ["tma_rows", "tma_operand_a", "launch_persistent"]
 
 
 # fmt: off
@@ -140,18 +140,12 @@ def tma_rows(t: torch.Tensor, whole_rows: bool = True) -> bool:
     )  # fmt: skip
 
 
-def tma_capable(arch: flydsl.arch.Arch) -> bool:
-    """Whether ``arch`` runs the TMA kernel: a CUDA GPU with tensor-memory access (sm_90+), or the
-    interpreter."""
-    return arch.is_interpreter or (arch.backend == "cuda" and arch.capability >= (9, 0))
-
-
 def tma_operand_a(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, c_scratch: bool = False):
     """``(a's storage, a_km)`` when the persistent TMA kernel may take these operands, else None: a CUDA GPU
     with tensor-memory access (sm_90+) or the interpreter; K > 0; ``b`` (as given, ``[N, K]`` or
     ``[K, N]``) and ``c`` :func:`tma_rows` (``c_scratch``: c is a buffer of ours, see ``whole_rows``);
     ``a`` too, or its transpose (a ``[K, M]`` row-major storage: ``a_km``)."""
-    if not tma_capable(flydsl.arch.current(a.device)):
+    if not flydsl.arch.current(a.device).has_tma:
         return None
     if a.shape[1] == 0 or not (tma_rows(b) and tma_rows(c, whole_rows=not c_scratch)):
         return None
