@@ -238,8 +238,7 @@ def _ours(t):
 
 def _cudnn(t):
     x, w, b, _, kw = t
-    fn = _TORCH_CONV[w.dim() - 2]
-    return lambda: fn(x, w, b, **kw)
+    return lambda: _torch_conv_kw(x, w, b, **kw)
 
 
 def _torch_conv(x, w, b, stride: int, padding: int, groups: int):
@@ -272,10 +271,15 @@ def _reference(t):
     return conv_ref(x, w, b, **kw)
 
 
+def _leaves(t, dtype=None) -> list[torch.Tensor]:
+    """New leaves x, weight and bias of a case's inputs (``dtype``: converted first), gradients required."""
+    return [(v if dtype is None else v.to(dtype)).detach().requires_grad_(True) for v in t[:3]]
+
+
 def _train_step(forward: Callable) -> Callable:
     def make(t):
-        x, w, b, dy, kw = t
-        leaves = [v.detach().requires_grad_(True) for v in (x, w, b)]
+        _, _, _, dy, kw = t
+        leaves = _leaves(t)
 
         def step() -> None:
             for v in leaves:
@@ -293,8 +297,8 @@ def _backward(forward: Callable) -> Callable:
     x, the weight and the bias each call (the graph kept, ``retain_graph``)."""
 
     def make(t):
-        x, w, b, dy, kw = t
-        leaves = [v.detach().requires_grad_(True) for v in (x, w, b)]
+        _, _, _, dy, kw = t
+        leaves = _leaves(t)
         y = forward(*leaves, **kw)
         return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
@@ -303,9 +307,9 @@ def _backward(forward: Callable) -> Callable:
 
 def _grads_ref(t):
     """dx, dweight and dbias in float64 through torch's autograd of its own convolution."""
-    x, w, b, dy, kw = t
-    leaves = [v.detach().double().requires_grad_(True) for v in (x, w, b)]
-    return torch.autograd.grad(_TORCH_CONV[w.dim() - 2](*leaves, **kw), leaves, dy.double())
+    _, _, _, dy, kw = t
+    leaves = _leaves(t, torch.float64)
+    return torch.autograd.grad(_torch_conv_kw(*leaves, **kw), leaves, dy.double())
 
 
 def _torch_conv_kw(x, w, b, **kw):

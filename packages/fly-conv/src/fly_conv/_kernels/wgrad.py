@@ -232,19 +232,9 @@ def rows_kernel_applies(dy5, x5, geom, groups: int) -> bool:
     counts a multiple of 8 (a row 16-byte aligned, as a tensor descriptor needs)."""
     (_, stride, _, _) = geom
     return (all(s == 1 for s in stride) and groups == 1 and tuple(dy5.shape[1:4]) == tuple(x5.shape[1:4])
-            and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype and _dense(x5) and _dense(dy5)
+            and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype and x5.is_contiguous() and dy5.is_contiguous()
             and x5.shape[4] % 8 == 0 and dy5.shape[4] % 8 == 0
             and x5.data_ptr() % 16 == 0 and dy5.data_ptr() % 16 == 0)  # fmt: skip
-
-
-def _dense(t) -> bool:
-    """Rows of the last dim, back to back, then each dim over the ones after it (dims of size 1 any stride)."""
-    step = 1
-    for n, st in zip(reversed(t.shape), reversed(t.stride()), strict=True):
-        if n != 1 and st != step:
-            return False
-        step *= n
-    return True
 
 
 @flyc.jit
