@@ -9,7 +9,8 @@ numbers go to PERF.md):
    same body launched with plain Triton, through ``flyc.launch`` (lean, bare
    and inside ``@flyc.jit``), and against ``torch.add`` on one
    element (enqueue time only: batches short enough never to fill the launch
-   queue, synchronised between batches);
+   queue, synchronised between batches); and ``call_us`` of the same routes,
+   one call at a time with the GPU drained before it, timed to its end;
 2. cold compile time (empty cache) and the first call of a fresh process with
    a warm cache;
 3. the runtime's timer against ``triton.testing.do_bench`` on a memory-bound
@@ -94,7 +95,24 @@ def host_us_per_call(fn, args, batch=200, batches=40) -> float:
     return statistics.median(per_call)
 
 
-def measure_overhead() -> dict:
+def call_us_per_call(fn, args, calls=400) -> float:
+    """Median time of one call at a time, host included: the GPU drained before each call and timed to the end
+    of its work (what every family bench reports as ``call_us``)."""
+    for _ in range(20):
+        fn(*args)
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(per_call)
+
+
+def measure_launches(per_call) -> dict:
+    """``per_call(fn, args)`` of each launch route of the 1-element kernel and of torch's eager add, the
+    routes interleaved and repeated."""
     x = torch.randn(1, device="cuda")
     y = torch.empty_like(x)
     a, b, c = torch.randn(1, device="cuda"), torch.randn(1, device="cuda"), torch.empty(1, device="cuda")
@@ -109,7 +127,7 @@ def measure_overhead() -> dict:
             ("flydsl_jit_lean", fly_lean_launch, (x, y)),
             ("torch_add", lambda p, q, r: torch.add(p, q, out=r), (a, b, c)),
         ]:
-            rows.setdefault(name, []).append(host_us_per_call(fn, args))
+            rows.setdefault(name, []).append(per_call(fn, args))
     out = {k: statistics.median(v) for k, v in rows.items()}
     out["flydsl_minus_raw_us"] = out["flydsl_jit"] - out["triton_raw"]
     out["lean_minus_raw_us"] = out["lean"] - out["triton_raw"]
@@ -256,7 +274,8 @@ def main(argv=None) -> int:
         "triton": triton.__version__,
         "flydsl": flydsl.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host_overhead_us": measure_overhead(),
+        "host_overhead_us": measure_launches(host_us_per_call),
+        "call_us": measure_launches(call_us_per_call),
         "launcher_breakdown_us": launcher_breakdown(),
         "compile": measure_compile(),
         "timer_vs_do_bench": measure_timer(),
@@ -268,6 +287,7 @@ def main(argv=None) -> int:
     path = out / f"runtime-{slug}.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["host_overhead_us"], indent=1))
+    print(json.dumps(result["call_us"], indent=1))
     print(json.dumps(result["launcher_breakdown_us"], indent=1))
     print(json.dumps(result["compile"], indent=1))
     print(f"{'n':>12} {'timer us':>10} {'repeat':>10} {'do_bench':>10} {'ratio':>7} {'GB/s':>8}")
