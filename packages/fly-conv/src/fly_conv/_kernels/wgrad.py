@@ -247,6 +247,7 @@ def launch_wgrad_rows(dy5, x5, out, geom, splits: int, split_steps: int, cfg, st
     c = x5.shape[4]
     (kd, kh, kw), _, (pd, ph, pw), (dd, dh, dw) = geom
     tiles = flyc.cdiv(k_out, cfg.block_m) * flyc.cdiv(c, cfg.block_n)
+    flyc.ensure_scratch_allocator()  # the device-side descriptors live in Triton's scratch memory
     # fmt: off
     flyc.launch(
         _conv_wgrad_rows_kernel, (tiles, kd * kh * kw, splits),
