@@ -280,6 +280,42 @@ def test_split_sums_cover_every_split_and_column(device, splits):
     assert torch.equal(out[:n], again)
 
 
+@pytest.mark.parametrize(
+    "shape, layout, channels",
+    [((2, 7, 5), "nc", 3), ((3, 1000, 1), "nc", 65), ((1, 17, 19), "last", 1000), ((4, 9, 61), "last", 64),
+     ((2, 5, 6, 7), "sliced", 17), ((1, 1, 1), "last", 1)],
+    ids=["1d-nc-3", "1d-nc-65-splits", "2d-last-1000", "2d-last-64-splits", "3d-sliced-17", "one-row"],
+)  # fmt: skip
+def test_bias_gradient_channel_sum(device, poisoned, shape, layout, channels):
+    """The bias gradient's channel sum: row runs that cross batch boundaries and split boundaries (the
+    ``splits`` cases hold over 256 rows), channels-last, NC* and a channel slice of a wider tensor; close to
+    the fp64 sum, bit-identical on a second run."""
+    nb, *spatial = shape
+    wide = channels + 3 if layout == "sliced" else channels
+    full = rand(nb, wide, *spatial, dtype=BF16, device=device)
+    if layout == "last":
+        full = full.movedim(1, -1).contiguous().movedim(-1, 1)
+    g = full[:, 1 : channels + 1] if layout == "sliced" else full
+    db = conv_mod._conv_bias_grad(g, BF16)
+    assert db.shape == (channels,) and db.dtype == BF16
+    assert_rel_close(db, g.double().sum([0, *range(2, g.dim())]), tol=tolerance(BF16))
+    assert torch.equal(db, conv_mod._conv_bias_grad(g, BF16))
+    empty = conv_mod._conv_bias_grad(g[:0], F16)
+    assert empty.shape == (channels,) and not empty.any()
+
+
+def test_channel_sum_splits():
+    """Row runs of whole row blocks, at least 256 rows, every split holding rows, ~512 programs."""
+    from fly_conv._kernels.layout import channel_sum_splits
+
+    for rows, channels in [(1, 1), (255, 3), (257, 3), (100352, 64), (100352, 1000), (7 * 10**6, 64)]:
+        splits, per = channel_sum_splits(rows, channels)
+        assert per % 64 == 0 and per >= 256
+        assert (splits - 1) * per < rows <= splits * per
+        assert splits * -(-channels // 64) <= 512 or per == 256
+    assert channel_sum_splits(100352, 64) == (392, 256)
+
+
 def test_wgrad_splits_fill_the_sms():
     few = ConvProblem("wgrad", 8 * 56 * 56, 64, 64, 9, 1, BF16)  # 9 tiles of 64 x 64: split to fill 132 SMs
     cfg = conv_mod.default_config(few, SM90)

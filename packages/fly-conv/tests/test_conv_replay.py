@@ -81,7 +81,7 @@ def _layer_inputs(shape, cl, w_shape, seed, device):
 @pytest.mark.parametrize("layer", _LAYERS, ids=lambda c: c[0])
 @pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_common_layouts_are_replayable(layer):
-    """The forward of every common layout, and the training step's forward body and backward kernels, do
+    """The forward of every common layout, and the training step's forward body and backward kernels (the bias gradient's too), do
     nothing on the device but allocate, take views and launch flydsl kernels (the channels-last copies, the
     weight packs and the split sum are kernels): the calls flydsl.direct replays on a GPU."""
     _, shape, cl, w_shape, kw = layer
@@ -104,8 +104,9 @@ def test_common_layouts_are_replayable(layer):
         _channels_last(rand(*y_shape, dtype=BF16, device="cpu")),
     ):
         foreign, launches = host_work(conv_mod._eager_grads, g, x, w, stride, pad, dil, groups, True,
-                                         True, cl)  # fmt: skip
+                                         True, BF16, cl)  # fmt: skip
         assert not foreign, foreign
+        assert "_channel_sum_kernel" in launches and "_sum_splits_kernel" in launches  # the bias gradient
         # the input gradient: the direct kernel's at stride 1 with narrow groups, else the implicit GEMM's
         direct = all(v == 1 for v in stride) and direct_kernel(w_shape[0], w_shape[1] * groups, groups, BF16)
         depthwise = groups > 1 and w_shape[1] == 1

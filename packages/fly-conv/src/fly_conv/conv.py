@@ -29,7 +29,7 @@ from flydsl_common.reference import torch_activation
 
 from ._kernels.direct import launch_direct
 from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
-from ._kernels.layout import MAX_BATCH, launch_sum_splits, launch_transpose
+from ._kernels.layout import MAX_BATCH, channel_sum_splits, launch_channel_sum, launch_sum_splits, launch_transpose
 from ._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad, launch_wgrad_rows, rows_kernel_applies
 from .autotune import (
     ConvConfig,
@@ -500,39 +500,58 @@ def _backward(ctx, grad):
             (g,) = torch.autograd.grad(torch_activation(z, ctx.activation), z, grad.float())
         g = g.to(x.dtype)
     need_dx, need_dw = ctx.needs_input_grad[:2]
+    db_dtype = bias.dtype if bias is not None and ctx.needs_input_grad[2] else None
     if ctx.eager:  # replayed where it can be (flydsl.direct), else the body itself
-        dx, dw = _BWD_REPLAYS.eager(_eager_grads, g, x, weight, stride, lo, dilation, groups, need_dx, need_dw,
-                                    ctx.x_channels_last)  # fmt: skip
-    else:
-        dx = dw = None
+        dx, dw, db = _BWD_REPLAYS.eager(_eager_grads, g, x, weight, stride, lo, dilation, groups, need_dx, need_dw,
+                                        db_dtype, ctx.x_channels_last)  # fmt: skip
+    else:  # traced: the ops, and the bias gradient as torch's sum (the compiler fuses it)
+        dx = dw = db = None
         if need_dx:
             dx = torch.ops.fly_conv.conv_input_grad(g, weight, list(x.shape), stride, lo, dilation, groups,
                                                     ctx.x_channels_last)  # fmt: skip
         if need_dw:
             dw = torch.ops.fly_conv.conv_weight_grad(g, x, list(weight.shape), stride, lo, dilation, groups)
-    db = None
-    if bias is not None and ctx.needs_input_grad[2]:
-        dims = [0, *range(2, g.dim())]
-        db = g.sum(dims, dtype=torch.float32).to(bias.dtype)
+        if db_dtype is not None:
+            db = g.sum([0, *range(2, g.dim())], dtype=torch.float32).to(db_dtype)
     return dx, dw, db, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fly_conv::conv", _backward, setup_context=_setup_context, lib=_LIB)
 
 
-def _eager_grads(g, x, weight, stride, lo, dilation, groups, need_dx: bool, need_dw: bool, x_channels_last: bool):
-    """(dx or None, dweight or None): the eager backward's kernels, one body so that one replay serves both."""
+def _eager_grads(g, x, weight, stride, lo, dilation, groups, need_dx: bool, need_dw: bool, db_dtype,
+                 x_channels_last: bool):  # fmt: skip
+    """(dx, dweight, dbias; each None where not needed, dbias where ``db_dtype`` names its dtype): the eager
+    backward's kernels, one body so that one replay serves them all."""
     if need_dx and need_dw and g.numel() and x.numel():  # one channels-last copy of g (if any) for both kernels
         rank = weight.dim() - 2
         g = _channels_last(g, rank).movedim(-1, 1)
         for _ in range(3 - rank):
             g = g.squeeze(2)
-    dx = dw = None
+    dx = dw = db = None
     if need_dx:
         dx = _conv_input_grad(g, weight, tuple(x.shape), stride, lo, dilation, groups, x_channels_last)
     if need_dw:
         dw = _conv_weight_grad(g, x, tuple(weight.shape), stride, lo, dilation, groups)
-    return dx, dw
+    if db_dtype is not None:
+        db = _conv_bias_grad(g, db_dtype)
+    return dx, dw, db
+
+
+def _conv_bias_grad(g, dtype: torch.dtype):
+    """dL/dbias: the output gradient ``[N, C, *positions]`` (any strides) summed over batch and positions per
+    channel, in fp32, in a fixed order (row runs, then their split sum), cast once to ``dtype``."""
+    nb, channels = g.shape[:2]
+    if g.device.type == "meta":
+        return torch.empty(channels, dtype=dtype, device=g.device)
+    if g.numel() == 0:
+        return torch.zeros(channels, dtype=dtype, device=g.device)
+    g3 = g.flatten(2).transpose(1, 2)  # [N, positions, C]: a view where the positions collapse (copied if not)
+    splits, _ = channel_sum_splits(g3.shape[0] * g3.shape[1], channels)
+    parts = _empty((splits, channels), torch.float32, g.device)
+    db = _empty((channels,), dtype, g.device)
+    launch_channel_sum(g3, parts, db)
+    return db
 
 
 # Eager calls of a kind seen before replay the first one's launches and allocations (flydsl.direct): no

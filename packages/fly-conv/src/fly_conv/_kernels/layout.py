@@ -1,5 +1,5 @@
-"""The host path's data movement as kernels: a batched transpose (layouts) and the weight gradient's
-split sum.
+"""The host path's data movement as kernels: a batched transpose (layouts), the weight gradient's split sum
+and the bias gradient's channel sum.
 
 Both replace torch ops of the host code (``.contiguous()`` of a permuted view, ``sum(0).to(dtype)``) so
 that a call's whole device work is allocations and flydsl launches, which :mod:`flydsl.direct` can replay:
@@ -11,6 +11,9 @@ that a call's whole device work is allocations and flydsl launches, which :mod:`
   (:func:`flydsl_common.copy.copy_padded`) into the destination's transposed view.
 - :func:`launch_sum_splits`: the weight gradient's fp32 partial sums added in split order (fixed: the result
   never depends on scheduling) and cast once to the gradient's dtype.
+- :func:`launch_channel_sum`: the bias gradient, the output gradient summed over batch and positions per
+  channel (fp32 partial sums of row runs, then the split sum). torch's sum over the non-channel dims of a
+  channels-last tensor took ~30 us for 12.8 MB on the H200 (under a tenth of the copy rate).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import flydsl.expr as fx
 from flydsl_common.copy import MAX_BATCH, copy_padded
 from flydsl_common.device import row_offset
 
-__all__ = ["launch_transpose", "launch_sum_splits", "MAX_BATCH"]
+__all__ = ["launch_transpose", "launch_sum_splits", "launch_channel_sum", "MAX_BATCH"]
 
 
 def launch_transpose(src, dst, stream=None):
@@ -60,3 +63,57 @@ def launch_sum_splits(parts, out, stream=None):
     block, splits_block = _SUM_MANY if splits >= _SUM_MANY[1] else _SUM_FEW
     flyc.launch(_sum_splits_kernel, (flyc.cdiv(n, block),), parts, out, n, splits, parts.stride(0),
                 BLOCK=block, SPLITS_BLOCK=splits_block, num_warps=4)  # fmt: skip
+
+
+@flyc.kernel(do_not_specialize=["rows", "positions", "channels", "rows_per_split"])
+def _channel_sum_kernel(g_ptr, parts_ptr, rows, positions, channels, rows_per_split, s_n, s_p, s_c, s_split,
+                        BLOCK_R: fx.constexpr, BLOCK_C: fx.constexpr):  # fmt: skip
+    # rows: batch x positions (row r is (r // positions, r % positions)); one program a column block and split
+    cols = fx.program_id(0) * BLOCK_C + fx.arange(0, BLOCK_C)
+    split = fx.program_id(1)
+    r_begin = split * rows_per_split
+    r_end = fx.minimum(r_begin + rows_per_split, rows)
+    col_ok = cols < channels
+    col_off = row_offset(cols, s_c)
+    acc = fx.zeros([BLOCK_R, BLOCK_C], dtype=fx.float32)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        r = r0 + fx.arange(0, BLOCK_R)
+        n = r // positions
+        off = row_offset(n, s_n) + row_offset(r - n * positions, s_p)
+        tile = fx.load(g_ptr + off[:, None] + col_off[None, :], mask=(r < r_end)[:, None] & col_ok[None, :],
+                       other=0.0)  # fmt: skip
+        acc += tile.to(fx.float32)
+    fx.store(parts_ptr + row_offset(split, s_split) + cols, fx.sum(acc, axis=0), mask=col_ok)
+
+
+# (rows, channels) of a load; programs aimed at: several a SM on any GPU, so the loads of a memory-bound pass
+# overlap; rows a split at least a few loads' worth, so the partial sums stay a small fraction of the bytes.
+_CSUM_BLOCK = (64, 64)
+_CSUM_PROGRAMS = 512
+_CSUM_MIN_ROWS = 256
+
+
+def channel_sum_splits(rows: int, channels: int) -> tuple[int, int]:
+    """(splits, rows a split) of :func:`launch_channel_sum` for ``rows`` (batch x positions) x ``channels``:
+    rows a split a multiple of the row block and at least :data:`_CSUM_MIN_ROWS`, about
+    :data:`_CSUM_PROGRAMS` programs over the column blocks, every split holding rows."""
+    block_r, block_c = _CSUM_BLOCK
+    col_blocks = -(-channels // block_c)
+    want = max(1, _CSUM_PROGRAMS // col_blocks)
+    per_split = max(_CSUM_MIN_ROWS, -(-rows // want))
+    per_split = -(-per_split // block_r) * block_r
+    return -(-rows // per_split), per_split
+
+
+@flyc.jit
+def launch_channel_sum(g3, parts, out, stream=None):
+    """``out[c] = g3.sum((0, 1))[c]`` in ``out``'s dtype, in a fixed order: ``g3`` ``[N, positions, C]``
+    (any strides; rows past 2^31 elements fine), ``parts`` ``[splits, C]`` fp32 with ``splits`` from
+    :func:`channel_sum_splits` (contiguous rows), ``out`` ``[C]`` contiguous. At least one row."""
+    nb, positions, channels = g3.shape
+    splits, per_split = channel_sum_splits(nb * positions, channels)
+    block_r, block_c = _CSUM_BLOCK
+    flyc.launch(_channel_sum_kernel, (flyc.cdiv(channels, block_c), splits), g3, parts, nb * positions, positions,
+                channels, per_split, *g3.stride(), parts.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=4)  # fmt: skip
+    launch_sum_splits(parts, out, stream=stream)
