@@ -81,9 +81,10 @@ def _layer_inputs(shape, cl, w_shape, seed, device):
 @pytest.mark.parametrize("layer", _LAYERS, ids=lambda c: c[0])
 @pytest.mark.interpreter  # CPU tensors through the kernels' launchers
 def test_common_layouts_are_replayable(layer):
-    """The forward of every common layout, and the training step's forward body and backward kernels (the bias gradient's too), do
-    nothing on the device but allocate, take views and launch flydsl kernels (the channels-last copies, the
-    weight packs and the split sum are kernels): the calls flydsl.direct replays on a GPU."""
+    """The forward of every common layout, and the training step's forward body and backward kernels (the
+    bias gradient's too), do nothing on the device but allocate, take views and launch flydsl kernels (the
+    channels-last copies, the weight packs and the split sums are kernels): the calls flydsl.direct replays
+    on a GPU."""
     _, shape, cl, w_shape, kw = layer
     x, w, b = _layer_inputs(shape, cl, w_shape, 0, "cpu")
     foreign, launches = host_work(conv, x, w, b, **kw)
