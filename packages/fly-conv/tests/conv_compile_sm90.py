@@ -27,6 +27,7 @@ import torch
 import flydsl.compiler as flyc
 from fly_conv._kernels.direct import launch_direct
 from fly_conv._kernels.implicit_gemm import k_splits, launch_implicit_gemm, launch_split_epilogue
+from fly_conv._kernels.rows_gemm import launch_rows_gemm
 from fly_conv._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad, launch_wgrad_rows
 from fly_conv.autotune import (
     ConvProblem,
@@ -118,11 +119,12 @@ def _out(size: int, k: int, stride: int, pad: int) -> int:
 
 
 def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=True, act=1, transposed=False,
-              w_scale=None, split_reduce=False):  # fmt: skip
+              w_scale=None, split_reduce=False, rows=None):  # fmt: skip
     """The implicit GEMM of a 2D layer (forward, or its input gradient with ``transposed``). fp8 ``dtype``: the
     scaled forward, bf16 output and bias, x's scale per tensor, the weight's ``w_scale`` (``"tensor"`` or
     ``"channel"``). A default with split-K records its partial-sum launch, or with ``split_reduce`` its
-    epilogue-reduce launch."""
+    epilogue-reduce launch. ``rows``: a ``(block_m, block_n, block_k, warps, stages)`` tile of the row-block
+    kernel (``tma``; a 'same' stride-1 layer)."""
     fp8 = dtype == torch.float8_e4m3fn
     osz = _out(size, k, stride, pad)
     taps = k * k
@@ -141,6 +143,11 @@ def _implicit(dtype, n, c_in, k_out, size, k, stride=1, pad=0, groups=1, bias=Tr
         scales = (torch.empty((1,), dtype=torch.float32, device="meta"), ws)
     cfg = default_config(problem, SM90)
     geom = _geom(k, stride, pad)
+    if rows is not None:
+        bm, bn, bk, w, s = rows
+        cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=1,
+                                  tma=True)  # fmt: skip
+        return _record(launch_rows_gemm, x5, w2, y5, b, geom, act, transposed, cfg), cfg, problem
     if split_reduce or cfg.split_k > 1:  # split-K: the partial sums into a workspace, or the reduce pass
         assert cfg.split_k > 1, cfg
         parts = torch.empty((k_splits(x5, geom, groups, cfg)[0], *y5.shape), dtype=torch.float32, device="meta")
@@ -197,7 +204,8 @@ FP8 = torch.float8_e4m3fn
 # there: narrower groups run the direct kernel), the pointwise GEMM, the input gradient (stride 1: the taps
 # reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
 # checked for spills only), the direct kernel (depthwise, 4 and 8 channels a group, a depthwise input
-# gradient) and the weight gradient (tiled, over one and four taps a program, and depthwise's); the fp8
+# gradient) and the weight gradient (tiled, over one and four taps a program, and depthwise's); the row-block
+# forward (128 x 128 and 128 x 256 tiles, 3x3 256 -> 256) and input gradient (3x3 64 -> 64); the fp8
 # forward (e4m3 wgmma): the 3x3 default with per-channel weight scales, a strided 3x3 with a per-tensor one, a
 # grouped layer and the pointwise GEMM
 VARIANTS = [
@@ -217,6 +225,10 @@ VARIANTS = [
     ("wgrad", lambda: _wgrad(BF16, 32, 64, 64, 56, 3)),
     ("wgrad_taps4", lambda: _wgrad(BF16, 32, 64, 64, 56, 3, taps=4)),
     ("wgrad_rows", lambda: _wgrad(BF16, 32, 64, 64, 56, 3, rows=True)),
+    ("rows_3x3", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1, rows=(128, 128, 64, 8, 4))),
+    ("rows_3x3_256", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1, rows=(128, 256, 64, 8, 3))),
+    ("rows_dgrad", lambda: _implicit(BF16, 32, 64, 64, 56, 3, pad=1, bias=False, act=0, transposed=True,
+                                     rows=(128, 64, 64, 4, 4))),
     ("wgrad_depthwise_7x7", lambda: _depthwise_wgrad(BF16, 32, 384, 28, 7)),
     ("implicit_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel")),
     ("implicit_3x3_s2_fp8", lambda: _implicit(FP8, 32, 128, 128, 56, 3, stride=2, pad=1, w_scale="tensor")),

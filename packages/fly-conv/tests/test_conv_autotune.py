@@ -105,15 +105,24 @@ def test_validity_predicate_refuses():
     assert not config_valid(ConvConfig(64, 64, 64, taps=3), wg, SM90)  # a power of two
     assert not config_valid(ConvConfig(64, 128, 64, taps=4), wg, SM90)  # the dot's N past 256
     assert not config_valid(ConvConfig(64, 64, 64, taps=2), p, SM90)
-    rows = ConvConfig(64, 64, 64, tma=True)  # the row-block kernel: 16-bit weight gradients with TMA, one tap
+    rows = ConvConfig(64, 64, 64, tma=True)  # the row-block kernels: 16-bit, TMA, one tap, the forward unsplit
     assert config_valid(rows, wg, SM90) and config_valid(rows, wg, INTERPRETER)
-    assert not config_valid(rows, p, SM90)
+    assert config_valid(rows, p, SM90) and config_valid(rows, dataclasses.replace(p, transposed=True), SM90)
+    assert not config_valid(dataclasses.replace(rows, split_k=2), p, SM90)
+    assert not config_valid(rows, ConvProblem("direct", 1024, 64, 1, 9, 64, torch.bfloat16), SM90)
     assert not config_valid(rows, dataclasses.replace(wg, dtype=torch.float32), SM90)
     assert not config_valid(dataclasses.replace(rows, taps=2), wg, SM90)
     assert not config_valid(rows, wg, dataclasses.replace(SM90, capability=(8, 0)))  # no TMA before sm_90
     layer = dataclasses.replace(wg, kernel=(3, 3), stride=(1, 1), dilation=(1, 1))
     assert any(c.tma for c in candidates(tuning_key(layer), "sm_90"))  # in the weight gradient's tuning space
     assert not any(c.tma for c in candidates(tuning_key(dataclasses.replace(layer, groups=2)), "sm_90"))
+    fwd = ConvProblem("implicit", 32 * 56 * 56, 64, 64, 9, 1, torch.bfloat16, (3, 3), (1, 1), (1, 1))
+    for prob in (fwd, dataclasses.replace(fwd, transposed=True)):  # the row-block forward and input gradient
+        cands = candidates(tuning_key(prob), "sm_90")
+        n_rows = sum(c.tma for c in cands)  # first in line, unsplit
+        assert n_rows >= 2 and all(c.tma and c.split_k == 1 for c in cands[:n_rows]), cands
+    strided = dataclasses.replace(fwd, stride=(2, 2))
+    assert not any(c.tma for c in candidates(tuning_key(strided), "sm_90"))
     assert not config_valid(ConvConfig(64, 64, 32), ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
     with pytest.raises(ValueError, match="kind"):
         default_config(ConvProblem("bad", 1, 1, 1, 1, 1, torch.bfloat16), SM90)
@@ -150,7 +159,7 @@ def _fields(line: str) -> dict:
 
 def test_kernels_compile_for_sm90_with_wgmma(sm90_lines):
     """Triton's compiler takes every kernel variant at its sm_90 default; the dot kernels' tl.dot is wgmma."""
-    assert len(sm90_lines) == 21 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
+    assert len(sm90_lines) == 24 and all(line.startswith("ok") for line in sm90_lines), "\n".join(sm90_lines)
     assert all(_fields(line)["WGMMA"] == "1" for line in _tensor_core(sm90_lines)), "\n".join(sm90_lines)
 
 
@@ -174,7 +183,7 @@ def test_dot_kernels_k_loop_is_pipelined_on_sm90(sm90_lines):
     for line in _tensor_core(sm90_lines):
         f = _fields(line)
         shared = int(line.split()[2])
-        if " wgrad_rows " in line:  # tensor descriptors: both tiles' loads a step, two steps issued ahead
+        if " wgrad_rows " in line or " rows_" in line:  # tensor descriptors: both tiles a step, steps ahead
             assert int(f["TMA"]) >= 6, "\n".join(sm90_lines)
             continue
         assert f["CP_ASYNC"] == "1" and shared >= int(f["PIPELINE"]) > 0, "\n".join(sm90_lines)

@@ -212,6 +212,12 @@ def test_weight_gradient_positions_step_across_rows_images_and_frames(device, po
     _check(*_grads(case, F16, device), F16)
 
 
+# layers the row-block kernels do not serve, and why
+ROWS_FALLBACKS = [
+    ((2, 1, 8, 8, (9, 8), 3, 2, 1, 1, 1, "zeros"), "stride 2"), ((2, 1, 8, 8, (9, 8), 3, 1, 0, 1, 1, "zeros"),
+     "a smaller output"), ((2, 1, 8, 8, (9, 8), 3, 1, 1, 1, 2, "zeros"), "groups"),
+    ((2, 1, 6, 8, (9, 8), 3, 1, 1, 1, 1, "zeros"), "6 channels"),
+]  # fmt: skip
 ROWS_CASES = [
     (2, 2, 8, 16, (7, 6), 3, 1, 1, 1, 1, "zeros"),  # 3x3 'same': shifts before the first row, wrapped rows
     (2, 2, 16, 8, (5, 9), 1, 1, 0, 1, 1, "zeros"),  # 1x1: no shift, no padding
@@ -221,23 +227,28 @@ ROWS_CASES = [
 ]
 
 
-def _rows_configs(monkeypatch, split: int, block_k: int = 16) -> list:
-    """Every weight gradient on the row-block kernel's config (``split`` runs, ``block_k`` positions a step);
-    returns the list the row-block launches append to."""
-    default, real = conv_mod.default_config, conv_mod.launch_wgrad_rows
+def _rows_patched(monkeypatch, kind: str, launcher: str, recorded: int, **changes) -> list:
+    """Every ``kind`` launch on a row-block config (the default's tile with ``tma`` and ``changes``); returns
+    the list that argument ``recorded`` of each call of fly_conv.conv's ``launcher`` is appended to."""
+    default, real = conv_mod.default_config, getattr(conv_mod, launcher)
     launches = []
 
     def rows(problem, arch):
         cfg = default(problem, arch)
-        return dataclasses.replace(cfg, tma=True, split_k=split, block_k=block_k) if problem.kind == "wgrad" else cfg
+        return dataclasses.replace(cfg, tma=True, **changes) if problem.kind == kind else cfg
 
     def counted(*args, **kw):
-        launches.append(args[3])
+        launches.append(args[recorded])
         return real(*args, **kw)
 
     monkeypatch.setattr(conv_mod, "default_config", rows)
-    monkeypatch.setattr(conv_mod, "launch_wgrad_rows", counted)
+    monkeypatch.setattr(conv_mod, launcher, counted)
     return launches
+
+
+def _rows_configs(monkeypatch, split: int, block_k: int = 16) -> list:
+    """Every weight gradient on the row-block kernel's config (``split`` runs, ``block_k`` positions a step)."""
+    return _rows_patched(monkeypatch, "wgrad", "launch_wgrad_rows", 3, split_k=split, block_k=block_k)
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -251,13 +262,36 @@ def test_weight_gradient_row_blocks(device, poisoned, monkeypatch, case, split):
     assert launches, "the row-block kernel did not run"
 
 
+def _rows_gemm_configs(monkeypatch) -> list:
+    """Every implicit GEMM (forward and input gradient) on the row-block kernel's config, unsplit; the list
+    holds each row-block launch's ``transposed`` flag."""
+    return _rows_patched(monkeypatch, "implicit", "launch_rows_gemm", 6, split_k=1)
+
+
 @pytest.mark.parametrize(
-    "case, why",
-    [((2, 1, 8, 8, (9, 8), 3, 2, 1, 1, 1, "zeros"), "stride 2"), ((2, 1, 8, 8, (9, 8), 3, 1, 0, 1, 1, "zeros"),
-     "a smaller output"), ((2, 1, 8, 8, (9, 8), 3, 1, 1, 1, 2, "zeros"), "groups"),
-     ((2, 1, 6, 8, (9, 8), 3, 1, 1, 1, 1, "zeros"), "6 channels")],
-    ids=lambda v: v if isinstance(v, str) else "",
+    "case, activation",
+    [*((c, None) for c in ROWS_CASES), ((2, 2, 24, 40, (7, 6), 3, 1, 1, 1, 1, "zeros"), "silu")],
+    ids=["3x3", "1x1", "3d", "dilated", "1d-k7", "24-to-40-silu"],
 )  # fmt: skip
+def test_rows_gemm_forward_and_input_gradient(device, poisoned, monkeypatch, case, activation):
+    """The row-block forward and input gradient (a tap's rows one shift away, loaded as blocks by tensor
+    descriptors; the padding's wrapped rows zeroed): the reference's output and gradients, both launches on
+    the row-block kernel. 24 channels into 40: channel steps past a tap's channels (A's zero-filled columns
+    against the next tap's weights) and a partial column tile, with bias and activation in the epilogue."""
+    launches = _rows_gemm_configs(monkeypatch)
+    _check(*_grads(case, F16, device, activation=activation, channels_last=True), F16)
+    assert False in launches and True in launches, launches
+
+
+@pytest.mark.parametrize("case, why", ROWS_FALLBACKS, ids=lambda v: v if isinstance(v, str) else "")
+def test_rows_gemm_falls_back(device, poisoned, monkeypatch, case, why):
+    """Layers the row-block forward does not serve keep the gathering kernel under a ``tma`` config."""
+    launches = _rows_gemm_configs(monkeypatch)
+    _check(*_grads(case, F16, device, channels_last=True), F16)
+    assert False not in launches, why
+
+
+@pytest.mark.parametrize("case, why", ROWS_FALLBACKS, ids=lambda v: v if isinstance(v, str) else "")
 def test_weight_gradient_row_blocks_fall_back(device, poisoned, monkeypatch, case, why):
     """Layers the row-block kernel does not serve keep the gathering kernel under a ``tma`` config."""
     launches = _rows_configs(monkeypatch, 2)
@@ -421,3 +455,19 @@ def test_weight_gradient_row_blocks_gpu(case, block_k, device, poisoned, monkeyp
     launches = _rows_configs(monkeypatch, 4, block_k)
     _check(*_grads(case, BF16, device, channels_last=True), BF16)
     assert launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case, activation",
+    [((2, 8, 64, 64, (56, 56), 3, 1, 1, 1, 1, "zeros"), None), ((2, 8, 256, 64, (28, 28), 1, 1, 0, 1, 1, "zeros"),
+      "relu"), ((2, 8, 256, 256, (14, 14), 3, 1, 1, 1, 1, "zeros"), "silu"),
+     ((3, 2, 32, 32, (8, 16, 16), 3, 1, 1, 1, 1, "zeros"), None), ((1, 4, 96, 136, (257,), 7, 1, 3, 1, 1, "zeros"),
+      None)],
+    ids=["3x3-c64", "1x1-relu", "3x3-c256-silu", "3d", "1d-k7-c96-k136"],
+)  # fmt: skip
+def test_rows_gemm_gpu(case, activation, device, poisoned, monkeypatch):
+    """The row-block forward and input gradient at the sizes of the tuned layers, on the defaults' tiles."""
+    launches = _rows_gemm_configs(monkeypatch)
+    _check(*_grads(case, BF16, device, activation=activation, channels_last=True), BF16)
+    assert False in launches and True in launches, launches

@@ -206,7 +206,7 @@ def test_default_does_not_split_a_full_grid_or_few_steps():
 def test_candidates_split_an_underfilled_forward():
     layer = ConvProblem("implicit", 32 * 7 * 7, 512, 512, 9, 1, BF16, (3, 3), (1, 1), (1, 1))
     cands = candidates(tuning_key(layer), "sm_90")
-    assert {c.split_k for c in cands} >= {1, 2, 4} and len(cands) <= 30
+    assert {c.split_k for c in cands} >= {1, 2, 4} and len([c for c in cands if not c.tma]) <= 30  # rows: on top
     big = dataclasses.replace(layer, m=32 * 56 * 56, n=64, cg=64)
     assert all(c.split_k == 1 for c in candidates(tuning_key(big), "sm_90"))
     dgrad = dataclasses.replace(layer, transposed=True)

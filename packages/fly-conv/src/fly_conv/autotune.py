@@ -12,8 +12,12 @@ Three kernel kinds share the config type:
   ``block_m`` positions x ``block_n`` output channels (no dot, so no tensor-core minimum; ``block_k`` unused);
 - ``"wgrad"``: the weight gradient: ``block_m`` output channels x ``block_n`` input channels of each of
   ``taps`` filter taps, ``block_k`` positions a step, the positions split ``split_k`` ways (partial sums
-  added in a fixed order); ``tma``: where the layer allows (stride 1, output the input's size, one group),
-  the row-block kernel, whose operands are plain blocks of rows that tensor descriptors load.
+  added in a fixed order).
+
+``tma`` (the implicit GEMM unsplit, and the weight gradient; 16-bit, a GPU with tensor descriptors): where
+the layer allows (stride 1, output the input's size, one group), the row-block kernels, whose operands are
+plain blocks of rows that tensor descriptors load (:mod:`fly_conv._kernels.rows_gemm`, and the weight
+gradient's in :mod:`fly_conv._kernels.wgrad`); other layers keep the gathering kernels under such a config.
 
 The defaults are the published Hopper practice for 16-bit implicit GEMMs (128-row tiles, 64 channels a
 step where the layer has them, 3-4 pipeline stages, grouped tile order), narrowed to the layer where its
@@ -97,7 +101,7 @@ class ConvConfig:
     num_stages: int = 3
     split_k: int = 1  # wgrad: runs the positions are cut into; forward implicit GEMM: runs of the K steps
     taps: int = 1  # wgrad: filter taps a program covers (its output-gradient tile is loaded once for all)
-    tma: bool = False  # wgrad: row blocks by tensor descriptors where the layer allows (rows_kernel_applies)
+    tma: bool = False  # implicit (unsplit) and wgrad: row blocks by tensor descriptors where the layer allows
 
 
 def smem_bytes(cfg: ConvConfig, problem: ConvProblem) -> int:
@@ -111,7 +115,8 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     """The one validity predicate (default, tuner, tests): power-of-two tiles of at most 256 (at
     least 16 in every dot dimension), a warp count Triton takes, shared memory within the arch's, split-K for
     the weight gradient and the forward implicit GEMM (not its transposed form, the input gradient), several
-    taps a program (a power of two, their channels a dot's N of at most 256) for the weight gradient only."""
+    taps a program (a power of two, their channels a dot's N of at most 256) for the weight gradient only,
+    ``tma`` for 16-bit weight gradients and unsplit implicit GEMMs on a GPU with tensor descriptors."""
     if problem.kind not in KINDS:
         return False
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
@@ -129,8 +134,9 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False
     if cfg.taps * cfg.block_n > _MAX_TILE:  # the dot's N: every tap's input channels
         return False
-    if cfg.tma and not (problem.kind == "wgrad" and cfg.taps == 1 and problem.dtype.itemsize == 2 and arch.has_tma):
-        return False
+    if cfg.tma and not (problem.dtype.itemsize == 2 and arch.has_tma and cfg.taps == 1
+                        and (problem.kind == "wgrad" or (problem.kind == "implicit" and cfg.split_k == 1))):
+        return False  # fmt: skip
     return smem_bytes(cfg, problem) <= arch.smem_per_block
 
 
@@ -433,6 +439,25 @@ def _implicit_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig
     return out
 
 
+_MAX_ROWS_CANDIDATES = 5
+
+
+def _rows_candidates(p: ConvProblem) -> list[ConvConfig]:
+    """The row-block kernel's configs (``tma``) of a stride-1 16-bit implicit GEMM of one group (the key's
+    layer is 'same'), at most :data:`_MAX_ROWS_CANDIDATES`: the long K step at the tiles the gathering kernel's
+    searches chose most (128 x 128, 128 x 256, 64 x 128; columns up to the output channels), 3 and 4 stages (3
+    for 128 x 256: shared memory). None for other layers."""
+    if p.kind != "implicit" or p.groups != 1 or p.dtype.itemsize != 2 or any(s != 1 for s in p.stride):
+        return []
+    n_cap, bk = _pow2_in(p.n, 16, _MAX_TILE), _pow2_in(p.cg, 16, 64)
+    out = []
+    for bm, bn in ((128, 128), (128, 256), (64, 128)):
+        bn = min(bn, n_cap)
+        for s in (3,) if bm * bn >= 128 * 256 else (3, 4):
+            out.append(ConvConfig(bm, bn, bk, group_m=8, num_warps=_warps(bm * bn)[-1], num_stages=s, tma=True))
+    return out
+
+
 def _direct_candidates(p: ConvProblem) -> list[ConvConfig]:
     """Channel tiles of 8-128 (up to the output channels) against 2048-8192 outputs a program, 4 or 8 warps."""
     n_cap = _pow2_in(p.n, 1, 128)
@@ -490,7 +515,9 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
 
 
 def candidates(key, arch: str) -> list[ConvConfig]:
-    """A bounded space per key (at most 30 configs, each valid for the key's problem on ``arch``)."""
+    """A bounded space per key (each valid for the key's problem on ``arch``): at most 30 configs of the
+    key's kernel, and for stride-1 16-bit implicit GEMMs of one group the row-block kernel's (at most 5 more,
+    first in line: :func:`_rows_candidates`)."""
     p, a = key_problem(key), flydsl.arch.from_name(arch)
     if a.is_interpreter:  # the interpreter executes every element of a tile: the default and one other
         if p.kind == "direct":
@@ -503,7 +530,9 @@ def candidates(key, arch: str) -> list[ConvConfig]:
     elif p.kind == "wgrad":
         out = _wgrad_candidates(p, a)
     else:
-        out = _implicit_candidates(p, a)
+        gathering = [c for c in dict.fromkeys(_implicit_candidates(p, a)) if config_valid(c, p, a)]
+        out = _rows_candidates(p) + gathering[:_MAX_CANDIDATES]
+        return [c for c in dict.fromkeys(out) if config_valid(c, p, a)]
     return [c for c in dict.fromkeys(out) if config_valid(c, p, a)][:_MAX_CANDIDATES]
 
 
@@ -650,7 +679,7 @@ def _make_tunable():
         candidates=candidates,
         is_valid=_valid,
         artifact_dir=Path(__file__).parent / "artifacts",
-        max_candidates=_MAX_CANDIDATES + 1,  # the default and the candidates
+        max_candidates=_MAX_CANDIDATES + _MAX_ROWS_CANDIDATES + 1,  # the default and the candidates
         tune_keys=_tune_keys,
         make_task=_make_task,
     )

@@ -30,6 +30,7 @@ from flydsl_common.reference import torch_activation
 from ._kernels.direct import launch_direct
 from ._kernels.implicit_gemm import geom_pointwise, k_splits, launch_implicit_gemm, launch_split_epilogue
 from ._kernels.layout import MAX_BATCH, channel_sum_splits, launch_channel_sum, launch_sum_splits, launch_transpose
+from ._kernels.rows_gemm import launch_rows_gemm, rows_gemm_applies
 from ._kernels.wgrad import launch_depthwise_wgrad, launch_wgrad, launch_wgrad_rows, rows_kernel_applies
 from .autotune import (
     ConvConfig,
@@ -308,6 +309,9 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
                           dilation)  # fmt: skip
     cfg = _config(problem, arch, config)
     splits = k_splits(x5, geom, groups, cfg)[0] if cfg.split_k > 1 else 1
+    if cfg.tma and rows_gemm_applies(x5, w2, y5, geom, groups):  # else the gathering kernel, any layer
+        launch_rows_gemm(x5, w2, y5, bias, geom, act, False, cfg)
+        return y
     if splits == 1:
         launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, cfg, x_scale, w_scale)
         return y
@@ -366,7 +370,11 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
         return dx
     problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype, kernel, stride, dilation,
                           transposed=True)  # fmt: skip
-    launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, _config(problem, arch, config))
+    cfg = _config(problem, arch, config)
+    if cfg.tma and rows_gemm_applies(g5, wd, dx5, geom, groups):  # else the gathering kernel, any layer
+        launch_rows_gemm(g5, wd, dx5, None, geom, 0, True, cfg)
+    else:
+        launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, cfg)
     return dx
 
 

@@ -69,6 +69,17 @@ def output_coords(rm, OD, OH, OW):
 
 
 @flyc.func
+def k_step(kk, c_blocks, khw, KW, BLOCK_K: fx.constexpr):
+    """(tap, first channel, kd, kh, kw) of step ``kk`` of a flat K loop over (tap, channel block): scalar work,
+    ``c_blocks`` channel blocks a tap, ``khw`` = KH * KW."""
+    tap = kk // c_blocks
+    kd = tap // khw
+    r = tap - kd * khw
+    kh = r // KW
+    return tap, (kk - tap * c_blocks) * BLOCK_K, kd, kh, r - kh * KW
+
+
+@flyc.func
 def _hint(v, VEC: fx.constexpr, idx: fx.constexpr):
     """``v`` in the offset type, declared a multiple of ``VEC`` (the host checked that it is): what lets the
     compiler prove a gather's 16-byte alignment (vector loads, async copies) where Triton's own
@@ -162,12 +173,7 @@ def _conv_implicit_kernel(
         # One flat loop over (tap, channel block): the software pipeline runs across taps (a layer of 64
         # channels has one block a tap); the tap's decomposition is scalar work.
         for kk in range(k_lo, k_hi):
-            tap = kk // c_blocks
-            c0 = (kk - tap * c_blocks) * BLOCK_K
-            kd = tap // khw
-            r = tap - kd * khw
-            kh = r // KW
-            kw = r - kh * KW
+            tap, c0, kd, kh, kw = k_step(kk, c_blocks, khw, KW, BLOCK_K)
             if TRANSPOSED and not UNIT_STRIDE:
                 # the input gradient of a strided convolution: tap k reaches the forward output
                 # (i + pad - k * dil) / stride where that is a non-negative whole number
@@ -211,7 +217,7 @@ def _conv_implicit_kernel(
     else:
         # the epilogue decodes its rows again rather than keep them live through the K loop
         nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
-        out = _epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
+        out = conv_epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
         y_row = (fx.cast(nb, idx) * sy_n + fx.cast(od, idx) * sy_d + fx.cast(oh, idx) * sy_h
                  + fx.cast(ow, idx) * sy_w)  # fmt: skip
         y_ptrs = y_ptr + y_row[:, None] + (fx.cast(co, idx) * sy_c)[None, :]
@@ -219,7 +225,7 @@ def _conv_implicit_kernel(
 
 
 @flyc.func
-def _epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
+def conv_epilogue(out, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: fx.constexpr, ACT: fx.constexpr,
               X_SCALE: fx.constexpr, W_SCALE: fx.constexpr):  # fmt: skip
     """The fp32 tile ``out`` (columns: output channels ``co``) dequantized, biased and activated."""
     if X_SCALE:  # fp8: x's per-tensor dequantization scale
@@ -257,7 +263,7 @@ def _conv_split_epilogue_kernel(
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for s in range(0, splits):
         acc += fx.load(p_ptrs + row_offset(s, s_split), mask=mask, other=0.0)
-    out = _epilogue(acc, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
+    out = conv_epilogue(acc, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
     nb, od, oh, ow = output_coords(fx.where(m_ok, rm, 0), OD, OH, OW)
     y_row = row_offset(nb, sy_n) + row_offset(od, sy_d) + row_offset(oh, sy_h) + row_offset(ow, sy_w)
     fx.store(y_ptr + y_row[:, None] + row_offset(co, sy_c)[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
