@@ -85,12 +85,15 @@ _TMA_ALIGN = 16  # bytes: a descriptor's base address and every stride but the l
 
 def rows_gemm_applies(x5, w2, y5, geom, groups: int) -> bool:
     """Whether :func:`launch_rows_gemm` serves this launch: stride 1, the output the input's size, one group,
-    16-bit operands, ``x5`` ``[N, D, H, W, C]`` dense (rows of C, then positions), the packed weight's rows
-    contiguous, channel counts and the weight's row stride multiples of 16 bytes, 16-byte aligned bases (what a
-    tensor descriptor needs: a misaligned one reads wrong data without an error)."""
+    fewer than 2^31 positions (less a margin for a tap's shift past the end), 16-bit operands, ``x5`` ``[N, D,
+    H, W, C]`` dense (rows of C, then positions), the packed weight's rows contiguous, channel counts and the
+    weight's row stride multiples of 16 bytes, 16-byte aligned bases (what a tensor descriptor needs: a
+    misaligned one reads wrong data without an error)."""
     (_, stride, _, _) = geom
     size = x5.element_size()
+    rows = x5.numel() // max(1, x5.shape[4])  # a descriptor's dims and the kernel's row index are int32
     return (all(s == 1 for s in stride) and groups == 1 and tuple(y5.shape[1:4]) == tuple(x5.shape[1:4])
+            and rows < 2**31 - 2**20
             and size == 2 and w2.dtype == x5.dtype and x5.is_contiguous() and w2.stride(1) == 1
             and (x5.shape[4] * size) % _TMA_ALIGN == 0 and (w2.stride(0) * size) % _TMA_ALIGN == 0
             and x5.data_ptr() % _TMA_ALIGN == 0 and w2.data_ptr() % _TMA_ALIGN == 0)  # fmt: skip

@@ -228,10 +228,13 @@ def _conv_wgrad_rows_kernel(
 
 def rows_kernel_applies(dy5, x5, geom, groups: int) -> bool:
     """Whether :func:`launch_wgrad_rows` serves this weight gradient: stride 1, the output the input's size,
-    one group, 16-bit operands, both ``[N, D, H, W, C]`` views dense (rows of C, then positions), channel
-    counts a multiple of 8 (a row 16-byte aligned, as a tensor descriptor needs)."""
+    fewer than 2^31 positions (less a margin for a tap's shift), one group, 16-bit operands, both ``[N, D, H,
+    W, C]`` views dense (rows of C, then positions), channel counts a multiple of 8 (a row 16-byte aligned, as
+    a tensor descriptor needs)."""
     (_, stride, _, _) = geom
+    rows = x5.numel() // max(1, x5.shape[4])  # a descriptor's dims and the kernel's row index are int32
     return (all(s == 1 for s in stride) and groups == 1 and tuple(dy5.shape[1:4]) == tuple(x5.shape[1:4])
+            and rows < 2**31 - 2**20
             and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype and x5.is_contiguous() and dy5.is_contiguous()
             and x5.shape[4] % 8 == 0 and dy5.shape[4] % 8 == 0
             and x5.data_ptr() % 16 == 0 and dy5.data_ptr() % 16 == 0)  # fmt: skip
