@@ -266,7 +266,7 @@ def test_the_family_registers_the_moe_tunable():
     from fly_gemm._family import FAMILY
     from flydsl.families import discover
 
-    assert [t.name for t in FAMILY.tunables()] == ["gemm", "moe"]
+    assert [t.name for t in FAMILY.tunables()] == ["gemm", "moe", "grouped_gemm"]
     assert "moe" in [t.name for t in discover()["gemm"].tunables()]
     assert MOE_TUNABLE.make_task is not None and MOE_TUNABLE.config_type is MoeConfig
 

@@ -29,9 +29,10 @@ def _gemm_case(device) -> DemoRun:
 
 def _tunables():
     from .autotune import TUNABLE
+    from .grouped_gemm import GROUPED_TUNABLE
     from .moe_config import MOE_TUNABLE
 
-    return [TUNABLE, MOE_TUNABLE]
+    return [TUNABLE, MOE_TUNABLE, GROUPED_TUNABLE]
 
 
 def _demo_cases():

@@ -26,19 +26,25 @@ costs no synchronization) offsets that decrease, are negative or pass M raise.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import flydsl.arch
-from flydsl.checks import check_same_device, check_tensor, describe, dtype_name
+import flydsl.compiler as flyc
+from flydsl import env
+from flydsl.autotune import SearchTask, Tunable
+from flydsl.checks import check_same_device, check_tensor, describe, dtype_name, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
+from flydsl.testing import tolerance
 
 from ._kernels.grouped_gemm import launch_group_table, launch_grouped_gemm, launch_grouped_wgrad
 
 __all__ = [
     "grouped_gemm", "GroupedGemmConfig", "grouped_gemm_config_valid", "default_grouped_gemm_config",
-    "GROUPED_DTYPES",
+    "GROUPED_DTYPES", "GROUPED_TUNABLE", "grouped_tuning_key", "grouped_candidates", "grouped_config_for",
 ]  # fmt: skip
 
 GROUPED_DTYPES = (torch.bfloat16, torch.float16)
@@ -119,6 +125,144 @@ def default_grouped_gemm_config(
     return cfg
 
 
+# ------------------------------------------------------------------ tuning adopter
+#
+# Key: {"kind": "fwd" (the product, b's K contiguous), "dgrad" (the same kernel over b's transposed view: dA of
+# the backward), "wgrad" (dB); "rows": the rows a group, rounded up to a power of two (capped); "groups";
+# "n" and "k" as the launch sees them (dgrad: the forward's K and N); "dtype"} and the arch. The rows are
+# bucketed (the routing varies step to step), the rest exact (a model has one of each).
+
+_ROWS_CAP = 16384  # rows a group past which every tile of the space is full: more rows only add waves
+# the training shapes searched: the MoE models' routed rows at the grouped_gemm bench's token counts, both
+# projections, the three launches of a training step
+GROUPED_TUNE_TOKENS = (4096, 16384)
+_MAX_GROUPED_CANDIDATES = 30
+
+
+def grouped_tuning_key(kind: str, m_total: int, groups: int, n: int, k: int, in_dtype: torch.dtype) -> dict:
+    """The bucketed key of one grouped GEMM launch (``kind`` "fwd", "dgrad" or "wgrad"; ``n``, ``k`` the
+    launch's, see the comment above)."""
+    if kind not in ("fwd", "dgrad", "wgrad"):
+        raise ArgumentError(f"kind: expected 'fwd', 'dgrad' or 'wgrad', got {kind!r}")
+    rows = min(flyc.next_power_of_2(max(1, -(-m_total // max(1, groups)))), _ROWS_CAP)
+    return {"kind": kind, "rows": rows, "groups": groups, "n": n, "k": k, "dtype": dtype_name(in_dtype)}
+
+
+def _key_args(key) -> tuple[str, int, int, int, int, torch.dtype]:
+    """(kind, m_total, groups, n, k, dtype) of a key's representative launch: every group ``rows`` rows."""
+    g = int(key["groups"])
+    return key["kind"], int(key["rows"]) * g, g, int(key["n"]), int(key["k"]), parse_dtype("dtype", key["dtype"])
+
+
+def _grouped_default(key, arch: str) -> GroupedGemmConfig:
+    kind, m, g, n, k, dtype = _key_args(key)
+    return default_grouped_gemm_config(m, g, n, k, dtype, flydsl.arch.from_name(arch), wgrad=kind == "wgrad")
+
+
+def _grouped_valid(cfg, key, arch: str) -> bool:
+    return isinstance(cfg, GroupedGemmConfig) and grouped_gemm_config_valid(
+        cfg, _key_args(key)[5], flydsl.arch.from_name(arch))  # fmt: skip
+
+
+def grouped_candidates(key, arch: str) -> list[GroupedGemmConfig]:
+    """A bounded space per key (at most 30, each valid for the key on ``arch``): tiles of 64 / 128 x 64-256
+    (the product's rows x columns; dB's N x K), steps of 32 and 64, 3 and 4 stages, 4 warps up to 64 x 64, 8
+    from 128 x 128, both between; for groups of at most 32 rows the 32-row tile too. The interpreter: the
+    default and a 16 x 16 tile."""
+    a = flydsl.arch.from_name(arch)
+    default = _grouped_default(key, arch)
+    if a.is_interpreter:
+        out = [default, GroupedGemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1)]
+    else:
+        rows = (32, 64, 128) if key["kind"] != "wgrad" and int(key["rows"]) <= 32 else (64, 128)
+        out = [default]
+        for bm, bn, bk, stages in itertools.product(rows, (64, 128, 256), (64, 32), (4, 3)):
+            area = bm * bn
+            for w in (4,) if area <= 64 * 64 else (8,) if area >= 128 * 128 else (4, 8):
+                out.append(GroupedGemmConfig(bm, bn, bk, group_m=8, num_warps=w, num_stages=stages))
+    return [c for c in dict.fromkeys(out) if _grouped_valid(c, key, arch)][:_MAX_GROUPED_CANDIDATES]
+
+
+def _grouped_tune_keys(arch: str) -> list[dict]:
+    from .moe_config import MOE_TUNE_MODELS  # the MoE models; moe_config imports nothing of this module
+
+    keys = []
+    for e, topk, h, inter in MOE_TUNE_MODELS.values():
+        for t in GROUPED_TUNE_TOKENS:
+            m = t * topk
+            for n, k in ((2 * inter, h), (h, inter)):  # gate/up, down
+                keys += [grouped_tuning_key("fwd", m, e, n, k, torch.bfloat16),
+                         grouped_tuning_key("dgrad", m, e, k, n, torch.bfloat16),
+                         grouped_tuning_key("wgrad", m, e, n, k, torch.bfloat16)]  # fmt: skip
+    return list({tuple(sorted(k.items())): k for k in keys}.values())
+
+
+def _grouped_make_task(key, device) -> SearchTask:
+    """One launch of the key's kind on random unit-scale operands, every group ``rows`` rows, checked against
+    the fp32 loop over groups."""
+    from .reference import grouped_gemm_ref
+
+    kind, m, g, n, k, dtype = _key_args(key)
+    gen = torch.Generator(device=device).manual_seed(0)
+    offsets = (torch.arange(1, g + 1, dtype=torch.int32) * (m // g)).to(device)
+    if kind == "wgrad":  # dB[g] = grad_g^T @ a_g: [G, n, k]
+        grad = torch.randn(m, n, device=device, generator=gen).to(dtype)
+        a = (torch.randn(m, k, device=device, generator=gen) * (m // g) ** -0.5).to(dtype)
+
+        def reference():
+            parts = [grad[i * (m // g) : (i + 1) * (m // g)].float().t() @ a[i * (m // g) : (i + 1) * (m // g)].float()
+                     for i in range(g)]  # fmt: skip
+            return torch.stack(parts)
+
+        return SearchTask(run=lambda cfg: _grouped_wgrad(grad, a, offsets, dtype, config=cfg), reference=reference,
+                          rtol=tolerance(dtype))  # fmt: skip
+    a = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    if kind == "fwd":
+        b = (torch.randn(g, n, k, device=device, generator=gen) * k**-0.5).to(dtype)
+    else:  # dgrad: b^T of the forward's [G, N, K] weight, a view
+        b = (torch.randn(g, k, n, device=device, generator=gen) * k**-0.5).to(dtype).transpose(1, 2)
+    return SearchTask(run=lambda cfg: _grouped_gemm(a, b, offsets, dtype, config=cfg),
+                      reference=lambda: grouped_gemm_ref(a, b, offsets), rtol=tolerance(dtype))  # fmt: skip
+
+
+GROUPED_TUNABLE = Tunable(
+    name="grouped_gemm",
+    config_type=GroupedGemmConfig,
+    default=_grouped_default,
+    candidates=grouped_candidates,
+    is_valid=_grouped_valid,
+    artifact_dir=Path(__file__).parent / "artifacts",
+    max_candidates=_MAX_GROUPED_CANDIDATES + 1,  # the default, when the space lacks it
+    tune_keys=_grouped_tune_keys,
+    make_task=_grouped_make_task,
+)
+# (kind, rows bucket, groups, n, k, dtype, device) -> config: one dict lookup a call once resolved
+_FAST: dict = {}
+
+
+def grouped_config_for(kind: str, m_total: int, groups: int, n: int, k: int, in_dtype: torch.dtype,
+                       device) -> GroupedGemmConfig:  # fmt: skip
+    """The config of a grouped GEMM launch: searched winner, shipped artifact or the default (``FLYDSL_AUTOTUNE=1``
+    searches once per key, on random operands of the key's shape)."""
+    key = grouped_tuning_key(kind, m_total, groups, n, k, in_dtype)
+    search = bool(env.get("FLYDSL_AUTOTUNE"))
+    fast_key = (*key.values(), device)
+    if not search:
+        cfg = _FAST.get(fast_key)
+        if cfg is not None:
+            return cfg
+    cfg = GROUPED_TUNABLE.select(key, flydsl.arch.name(device), task=lambda: _grouped_make_task(key, device))
+    if not search:
+        _FAST[fast_key] = cfg
+    return cfg
+
+
+def clear_grouped_memo() -> None:
+    """Forget every resolved grouped GEMM config of this process (tests; after tuning)."""
+    _FAST.clear()
+    GROUPED_TUNABLE.clear_memo()
+
+
 # ------------------------------------------------------------------ checks
 
 
@@ -184,7 +328,10 @@ def _grouped_gemm(a, b, offsets, out_dtype, config=None):
         return out
     _check_offset_values(offsets, m)
     arch = flydsl.arch.current(a.device)
-    cfg = default_grouped_gemm_config(m, groups, n, k, a.dtype, arch) if config is None else config
+    if config is None:  # b's K contiguous: the product; its transposed view: the backward's dA
+        cfg = grouped_config_for("fwd" if b.stride(2) == 1 else "dgrad", m, groups, n, k, a.dtype, a.device)
+    else:
+        cfg = config
     if not isinstance(cfg, GroupedGemmConfig) or not grouped_gemm_config_valid(cfg, a.dtype, arch):
         raise ArgumentError(f"config: {cfg!r} is not a valid GroupedGemmConfig for {dtype_name(a.dtype)} on "
                             f"{arch.name}")  # fmt: skip
@@ -213,7 +360,7 @@ def _grouped_wgrad(grad, a, offsets, out_dtype, config=None):
         return d
     _check_offset_values(offsets, m)
     arch = flydsl.arch.current(a.device)
-    cfg = default_grouped_gemm_config(m, groups, n, k, a.dtype, arch, wgrad=True) if config is None else config
+    cfg = grouped_config_for("wgrad", m, groups, n, k, a.dtype, a.device) if config is None else config
     if not isinstance(cfg, GroupedGemmConfig) or not grouped_gemm_config_valid(cfg, a.dtype, arch):
         raise ArgumentError(f"config: {cfg!r} is not a valid GroupedGemmConfig for {dtype_name(a.dtype)} on "
                             f"{arch.name}")  # fmt: skip
