@@ -9,6 +9,8 @@ interpreter at small shapes; ``gpu`` tests add ResNet-like layers.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from conv_helpers import rand, weight
@@ -145,6 +147,27 @@ def test_fp8_given_config(device, poisoned):
         conv(x, w, **_geometry(CASES[1]), x_scale=xs, w_scale=ws, config=ConvConfig(16, 16, 16, num_stages=1))
 
 
+@pytest.mark.parametrize("scale", ["tensor", "channel"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[8], (2, 1, 48, 40, (7, 6), 3, 1, 2, 2, 1)],
+                         ids=["3x3", "1x1", "3d", "48-to-40-dilated"])  # fmt: skip
+def test_fp8_row_block_forward(case, scale, device, poisoned, monkeypatch):
+    """The row-block forward on fp8 operands (a tap's input rows one shift away, loaded as blocks; the
+    padding's wrapped rows zeroed) with the dequantization scales in its epilogue, under a ``tma`` config:
+    the dequantized reference's output, and the row-block kernel ran. 48 channels: a ragged channel step."""
+    conv_mod = importlib.import_module("fly_conv.conv")  # the module: the package's ``conv`` is the function
+    real, launches = conv_mod.launch_rows_gemm, []
+    monkeypatch.setattr(conv_mod, "launch_rows_gemm", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    x, w = _fp8_inputs(case, device)
+    x = x.movedim(1, -1).contiguous().movedim(-1, 1)  # channels-last: the kernel's rows
+    xs, ws = _scales(scale, w.shape[0], device)
+    b = rand(w.shape[0], dtype=F32, device=device, seed=2)
+    cfg = ConvConfig(16, 16, 32, num_stages=1, tma=True)
+    y = conv(x, w, b, **_geometry(case), x_scale=xs, w_scale=ws, activation="silu", config=cfg)
+    ref = conv_ref(x, w, b, **_geometry(case), x_scale=xs, w_scale=ws, activation="silu")
+    assert_rel_close(y, ref, tol=tolerance(BF16))
+    assert launches
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
@@ -241,3 +264,17 @@ def test_fp8_gpu_layers(layer, scale, device, poisoned):
     assert_rel_close(y, conv_ref(x, w, b, **kw), tol=tolerance(BF16))
     y2 = conv(x, w, b, **kw)  # a second call of the kind: the replay
     assert torch.equal(y2, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [GPU_LAYERS[0], GPU_LAYERS[2]], ids=["3x3-c64", "1x1-c256-k1024"])
+def test_fp8_row_block_gpu_layers(layer, device, poisoned):
+    """The row-block fp8 forward at ResNet sizes on a tile of the tuning space (128 x 128, K steps of 128)."""
+    n, c, k, size, ks, stride, groups = layer
+    x = rand(n, c, size, size, dtype=F32, device=device).to(memory_format=torch.channels_last).to(F8)
+    w = weight(k, c, (ks, ks), dtype=F32, device=device).mul(4).to(F8)
+    xs, ws = _scales("channel", k, device)
+    kw = dict(padding=ks // 2, activation="relu", x_scale=xs, w_scale=ws)
+    cfg = ConvConfig(128, 128, 128, num_warps=8, num_stages=3, tma=True)
+    y = conv(x, w, None, **kw, config=cfg)
+    assert_rel_close(y, conv_ref(x, w, None, **kw), tol=tolerance(BF16))

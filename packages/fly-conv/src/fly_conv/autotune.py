@@ -116,7 +116,8 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
     least 16 in every dot dimension), a warp count Triton takes, shared memory within the arch's, split-K for
     the weight gradient and the forward implicit GEMM (not its transposed form, the input gradient), several
     taps a program (a power of two, their channels a dot's N of at most 256) for the weight gradient only,
-    ``tma`` for 16-bit weight gradients and unsplit implicit GEMMs on a GPU with tensor descriptors."""
+    ``tma`` for 16-bit weight gradients and unsplit implicit GEMMs (16-bit, or the fp8 forward) on a GPU with
+    tensor descriptors."""
     if problem.kind not in KINDS:
         return False
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
@@ -134,7 +135,8 @@ def config_valid(cfg: ConvConfig, problem: ConvProblem, arch: flydsl.arch.Arch) 
         return False
     if cfg.taps * cfg.block_n > _MAX_TILE:  # the dot's N: every tap's input channels
         return False
-    if cfg.tma and not (problem.dtype.itemsize == 2 and arch.has_tma and cfg.taps == 1
+    rows_fp8 = problem.dtype.itemsize == 1 and problem.kind == "implicit" and not problem.transposed
+    if cfg.tma and not ((problem.dtype.itemsize == 2 or rows_fp8) and arch.has_tma and cfg.taps == 1
                         and (problem.kind == "wgrad" or (problem.kind == "implicit" and cfg.split_k == 1))):
         return False  # fmt: skip
     return smem_bytes(cfg, problem) <= arch.smem_per_block
@@ -443,13 +445,17 @@ _MAX_ROWS_CANDIDATES = 5
 
 
 def _rows_candidates(p: ConvProblem) -> list[ConvConfig]:
-    """The row-block kernel's configs (``tma``) of a stride-1 16-bit implicit GEMM of one group (the key's
-    layer is 'same'), at most :data:`_MAX_ROWS_CANDIDATES`: the long K step at the tiles the gathering kernel's
-    searches chose most (128 x 128, 128 x 256, 64 x 128; columns up to the output channels), 3 and 4 stages (3
-    for 128 x 256: shared memory). None for other layers."""
-    if p.kind != "implicit" or p.groups != 1 or p.dtype.itemsize != 2 or any(s != 1 for s in p.stride):
+    """The row-block kernel's configs (``tma``) of a stride-1 implicit GEMM of one group in 16 bits, or an fp8
+    forward (the key's layer is 'same'), at most :data:`_MAX_ROWS_CANDIDATES`: the long K step (64 channels;
+    fp8 128) at the tiles the gathering kernel's searches chose most (128 x 128, 128 x 256, 64 x 128; columns
+    up to the output channels), 3 and 4 stages (3 for 128 x 256: shared memory). None for other layers."""
+    fp8 = p.dtype.itemsize == 1
+    if p.kind != "implicit" or p.groups != 1 or any(s != 1 for s in p.stride) or (fp8 and p.transposed):
         return []
-    n_cap, bk = _pow2_in(p.n, 16, _MAX_TILE), _pow2_in(p.cg, 16, 64)
+    if p.dtype.itemsize == 4:
+        return []
+    n_cap = _pow2_in(p.n, 16, _MAX_TILE)
+    bk = _pow2_in(p.cg, _DOT_MIN_K_8BIT, 128) if fp8 else _pow2_in(p.cg, 16, 64)
     out = []
     for bm, bn in ((128, 128), (128, 256), (64, 128)):
         bn = min(bn, n_cap)
@@ -516,8 +522,8 @@ def _wgrad_candidates(p: ConvProblem, a: flydsl.arch.Arch) -> list[ConvConfig]:
 
 def candidates(key, arch: str) -> list[ConvConfig]:
     """A bounded space per key (each valid for the key's problem on ``arch``): at most 30 configs of the
-    key's kernel, and for stride-1 16-bit implicit GEMMs of one group the row-block kernel's (at most 5 more,
-    first in line: :func:`_rows_candidates`)."""
+    key's kernel, and for stride-1 implicit GEMMs of one group (16-bit, fp8 forward) the row-block kernel's
+    (at most 5 more, first in line: :func:`_rows_candidates`)."""
     p, a = key_problem(key), flydsl.arch.from_name(arch)
     if a.is_interpreter:  # the interpreter executes every element of a tile: the default and one other
         if p.kind == "direct":

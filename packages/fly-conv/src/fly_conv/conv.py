@@ -310,7 +310,7 @@ def _conv_forward(x, weight, bias, stride, lo, hi, dilation, groups, act, channe
     cfg = _config(problem, arch, config)
     splits = k_splits(x5, geom, groups, cfg)[0] if cfg.split_k > 1 else 1
     if cfg.tma and rows_gemm_applies(x5, w2, y5, geom, groups):  # else the gathering kernel, any layer
-        launch_rows_gemm(x5, w2, y5, bias, geom, act, False, cfg)
+        launch_rows_gemm(x5, w2, y5, bias, geom, act, False, cfg, x_scale, w_scale)
         return y
     if splits == 1:
         launch_implicit_gemm(x5, w2, y5, bias, geom, act, False, groups, cfg, x_scale, w_scale)
@@ -371,7 +371,7 @@ def _conv_input_grad(grad, weight, x_size, stride, lo, dilation, groups, channel
     problem = ConvProblem("implicit", dx5.numel() // c_in, cg, kg, taps, groups, grad.dtype, kernel, stride, dilation,
                           transposed=True)  # fmt: skip
     cfg = _config(problem, arch, config)
-    if cfg.tma and rows_gemm_applies(g5, wd, dx5, geom, groups):  # else the gathering kernel, any layer
+    if cfg.tma and rows_gemm_applies(g5, wd, dx5, geom, groups, transposed=True):  # else the gathering kernel
         launch_rows_gemm(g5, wd, dx5, None, geom, 0, True, cfg)
     else:
         launch_implicit_gemm(g5, wd, dx5, None, geom, 0, True, groups, cfg)

@@ -13,9 +13,10 @@ The weight, packed ``[N_OUT, (kd, kh, kw, c)]``, is a row block too; a K step pa
 next tap's weights against A's zero-filled columns (the descriptor's shape ends at C), so it adds nothing.
 
 The same K loop as the implicit GEMM (one flat loop over taps x channel blocks, software-pipelined by
-``num_stages`` descriptor loads) and the same epilogue (bias and activation in fp32, one downcast, the store
-through the output's strides). The host routes here only where :func:`rows_kernel_applies` holds and the
-config asks for it (``ConvConfig.tma``); everything else runs :mod:`.implicit_gemm`.
+``num_stages`` descriptor loads) and the same epilogue (the fp8 forward's dequantization scales, bias and
+activation in fp32, one downcast, the store through the output's strides). The host routes here only where
+:func:`rows_gemm_applies` holds and the config asks for it (``ConvConfig.tma``); everything else runs
+:mod:`.implicit_gemm`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ _RUNTIME_SIZES = ["M", "D", "H", "W", "KD", "KH", "KW", "pd", "ph", "pw", "dd", 
 # fmt: off
 @flyc.kernel(do_not_specialize=_RUNTIME_SIZES)
 def _conv_rows_kernel(
-    x_ptr, w_ptr, y_ptr, bias_ptr,
+    x_ptr, w_ptr, y_ptr, bias_ptr, xs_ptr, ws_ptr,
     M, N_OUT, C, D, H, W, KD, KH, KW, pd, ph, pw, dd, dh, dw, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c,
     HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
+    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0,
 ):
     # fmt: on
     pid_m, pid_n = fx.grouped_tile(fx.program_id(0), fx.cdiv(M, BLOCK_M), fx.cdiv(N_OUT, BLOCK_N), GROUP_M)
@@ -74,7 +76,7 @@ def _conv_rows_kernel(
 
     co = n0 + fx.arange(0, BLOCK_N)
     n_ok = co < N_OUT
-    out = conv_epilogue(acc, co, n_ok, bias_ptr, None, None, HAS_BIAS, ACT, False, 0)
+    out = conv_epilogue(acc, co, n_ok, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS, ACT, X_SCALE, W_SCALE)
     y_row = row_offset(nb, sy_n) + row_offset(od, sy_d) + row_offset(oh, sy_h) + row_offset(ow, sy_w)
     fx.store(y_ptr + y_row[:, None] + row_offset(co, sy_c)[None, :], out.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
@@ -83,28 +85,31 @@ def _conv_rows_kernel(
 _TMA_ALIGN = 16  # bytes: a descriptor's base address and every stride but the last
 
 
-def rows_gemm_applies(x5, w2, y5, geom, groups: int) -> bool:
-    """Whether :func:`launch_rows_gemm` serves this launch: stride 1, the output the input's size, one group,
-    fewer than 2^31 positions (less a margin for a tap's shift past the end), 16-bit operands, ``x5`` ``[N, D,
-    H, W, C]`` dense (rows of C, then positions), the packed weight's rows contiguous, channel counts and the
-    weight's row stride multiples of 16 bytes, 16-byte aligned bases (what a tensor descriptor needs: a
-    misaligned one reads wrong data without an error)."""
+def rows_gemm_applies(x5, w2, y5, geom, groups: int, transposed: bool = False) -> bool:
+    """Whether :func:`launch_rows_gemm` serves this launch: stride 1, the output the input's size, one group, fewer
+    than 2^31 positions (less a margin for a tap's shift past the end), 16-bit operands or the fp8 forward's
+    (e4m3, not transposed), ``x5`` ``[N, D, H, W, C]`` dense (rows of C, then positions), the packed weight's
+    rows contiguous, channel counts and the weight's row stride multiples of 16 bytes, 16-byte aligned bases
+    (what a tensor descriptor needs: a misaligned one reads wrong data without an error)."""
     (_, stride, _, _) = geom
     size = x5.element_size()
     rows = x5.numel() // max(1, x5.shape[4])  # a descriptor's dims and the kernel's row index are int32
     return (all(s == 1 for s in stride) and groups == 1 and tuple(y5.shape[1:4]) == tuple(x5.shape[1:4])
             and rows < 2**31 - 2**20
-            and size == 2 and w2.dtype == x5.dtype and x5.is_contiguous() and w2.stride(1) == 1
+            and (size == 2 or (size == 1 and not transposed)) and w2.dtype == x5.dtype and x5.is_contiguous()
+            and w2.stride(1) == 1
             and (x5.shape[4] * size) % _TMA_ALIGN == 0 and (w2.stride(0) * size) % _TMA_ALIGN == 0
             and x5.data_ptr() % _TMA_ALIGN == 0 and w2.data_ptr() % _TMA_ALIGN == 0)  # fmt: skip
 
 
 @flyc.jit
-def launch_rows_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, cfg, stream=None):
+def launch_rows_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, cfg, x_scale=None, w_scale=None,
+                     stream=None):  # fmt: skip
     """Launch the row-block kernel (where :func:`rows_gemm_applies`): ``x5`` ``[N, D, H, W, C]`` dense (the
     forward's input, or the input gradient's output gradient), ``w2`` the packed weight ``[N_OUT, taps * C]``
     (rows contiguous), ``y5`` ``[N, D, H, W, N_OUT]`` (any strides), ``bias`` ``[N_OUT]`` or None; ``geom`` the
-    forward's (kernel, stride, padding, dilation); ``cfg`` a ``ConvConfig`` (its tile; ``split_k`` 1)."""
+    forward's (kernel, stride, padding, dilation); ``cfg`` a ``ConvConfig`` (its tile; ``split_k`` 1). fp8:
+    ``x_scale`` / ``w_scale`` as :func:`.implicit_gemm.launch_implicit_gemm` takes them."""
     nb, d, h, w, c = x5.shape
     n_out = y5.shape[4]
     (kd, kh, kw), _, (pd, ph, pw), (dd, dh, dw) = geom
@@ -114,9 +119,10 @@ def launch_rows_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, cfg, st
     # fmt: off
     flyc.launch(
         _conv_rows_kernel, (tiles,),
-        x5, w2, y5, bias,
+        x5, w2, y5, bias, x_scale, w_scale,
         m, n_out, c, d, h, w, kd, kh, kw, pd, ph, pw, dd, dh, dw, w2.stride(0), *y5.stride(),
-        HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed,
+        HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed, X_SCALE=x_scale is not None,
+        W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
