@@ -205,7 +205,8 @@ FP8 = torch.float8_e4m3fn
 # reversed; stride 2: the division path), fp16 with gelu, fp32 (the full-precision dot: no tensor cores,
 # checked for spills only), the direct kernel (depthwise, 4 and 8 channels a group, a depthwise input
 # gradient) and the weight gradient (tiled, over one and four taps a program, and depthwise's); the row-block
-# forward (128 x 128 and 128 x 256 tiles, 3x3 256 -> 256; fp8 too) and input gradient (3x3 64 -> 64); the fp8
+# forward (128 x 128 and 128 x 256 tiles, 3x3 256 -> 256; fp8 too; 1x1 256 -> 64) and input gradient (3x3
+# 64 -> 64); the fp8
 # forward (e4m3 wgmma): the 3x3 default with per-channel weight scales, a strided 3x3 with a per-tensor one, a
 # grouped layer and the pointwise GEMM
 VARIANTS = [
@@ -229,6 +230,7 @@ VARIANTS = [
     ("rows_3x3_256", lambda: _implicit(BF16, 32, 256, 256, 56, 3, pad=1, rows=(128, 256, 64, 8, 3))),
     ("rows_dgrad", lambda: _implicit(BF16, 32, 64, 64, 56, 3, pad=1, bias=False, act=0, transposed=True,
                                      rows=(128, 64, 64, 4, 4))),
+    ("rows_1x1", lambda: _implicit(BF16, 32, 256, 64, 56, 1, bias=False, act=0, rows=(128, 64, 64, 8, 4))),
     ("rows_3x3_fp8", lambda: _implicit(FP8, 32, 256, 256, 56, 3, pad=1, w_scale="channel",
                                        rows=(128, 128, 128, 8, 4))),
     ("wgrad_depthwise_7x7", lambda: _depthwise_wgrad(BF16, 32, 384, 28, 7)),

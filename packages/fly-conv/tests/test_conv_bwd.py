@@ -270,14 +270,16 @@ def _rows_gemm_configs(monkeypatch) -> list:
 
 @pytest.mark.parametrize(
     "case, activation",
-    [*((c, None) for c in ROWS_CASES), ((2, 2, 24, 40, (7, 6), 3, 1, 1, 1, 1, "zeros"), "silu")],
-    ids=["3x3", "1x1", "3d", "dilated", "1d-k7", "24-to-40-silu"],
+    [*((c, None) for c in ROWS_CASES), ((2, 2, 24, 40, (7, 6), 3, 1, 1, 1, 1, "zeros"), "silu"),
+     ((2, 2, 40, 24, (5, 7), 1, 1, 0, 1, 1, "zeros"), "relu")],
+    ids=["3x3", "1x1", "3d", "dilated", "1d-k7", "24-to-40-silu", "1x1-40-to-24-relu"],
 )  # fmt: skip
 def test_rows_gemm_forward_and_input_gradient(device, poisoned, monkeypatch, case, activation):
     """The row-block forward and input gradient (a tap's rows one shift away, loaded as blocks by tensor
     descriptors; the padding's wrapped rows zeroed): the reference's output and gradients, both launches on
     the row-block kernel. 24 channels into 40: channel steps past a tap's channels (A's zero-filled columns
-    against the next tap's weights) and a partial column tile, with bias and activation in the epilogue."""
+    against the next tap's weights) and a partial column tile, with bias and activation in the epilogue; 1x1
+    from 40 channels to 24: the pointwise loop's channel steps, a ragged last one, in both directions."""
     launches = _rows_gemm_configs(monkeypatch)
     _check(*_grads(case, F16, device, activation=activation, channels_last=True), F16)
     assert False in launches and True in launches, launches

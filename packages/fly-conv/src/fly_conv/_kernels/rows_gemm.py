@@ -25,7 +25,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl_common.device import row_offset
 
-from .implicit_gemm import conv_epilogue, k_step, output_coords
+from .implicit_gemm import conv_epilogue, geom_pointwise, k_step, output_coords
 
 __all__ = ["launch_rows_gemm", "rows_gemm_applies"]
 
@@ -39,7 +39,7 @@ def _conv_rows_kernel(
     M, N_OUT, C, D, H, W, KD, KH, KW, pd, ph, pw, dd, dh, dw, s_wn, sy_n, sy_d, sy_h, sy_w, sy_c,
     HAS_BIAS: fx.constexpr, ACT: fx.constexpr, TRANSPOSED: fx.constexpr,
     BLOCK_M: fx.constexpr, BLOCK_N: fx.constexpr, BLOCK_K: fx.constexpr, GROUP_M: fx.constexpr,
-    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0,
+    X_SCALE: fx.constexpr = False, W_SCALE: fx.constexpr = 0, POINTWISE: fx.constexpr = False,
 ):
     # fmt: on
     pid_m, pid_n = fx.grouped_tile(fx.program_id(0), fx.cdiv(M, BLOCK_M), fx.cdiv(N_OUT, BLOCK_N), GROUP_M)
@@ -56,22 +56,26 @@ def _conv_rows_kernel(
     c_blocks = fx.cdiv(C, BLOCK_K)
     acc = fx.zeros([BLOCK_M, BLOCK_N], dtype=fx.float32)
     for kk in range(0, taps * c_blocks):
-        tap, c0, kd, kh, kw = k_step(kk, c_blocks, khw, KW, BLOCK_K)
-        if TRANSPOSED:  # the input gradient reads position i + padding - k * dilation
-            off_d = pd - kd * dd
-            off_h = ph - kh * dh
-            off_w = pw - kw * dw
+        if POINTWISE:  # 1x1 with no padding: a plain GEMM over the rows, no shift and no mask
+            a = x_desc.load([m0, kk * BLOCK_K])
+            b = w_desc.load([n0, kk * BLOCK_K])
         else:
-            off_d = kd * dd - pd
-            off_h = kh * dh - ph
-            off_w = kw * dw - pw
-        a = x_desc.load([m0 + (off_d * H + off_h) * W + off_w, c0])  # [positions, channels]: the tap's rows
-        id_ = od + off_d
-        ih = oh + off_h
-        iw = ow + off_w
-        ok = (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        a = fx.where(ok[:, None], a, fx.zeros_like(a))  # rows whose tap pixel is padding: another row's pixel
-        b = w_desc.load([n0, tap * C + c0])  # [output channels, channels]
+            tap, c0, kd, kh, kw = k_step(kk, c_blocks, khw, KW, BLOCK_K)
+            if TRANSPOSED:  # the input gradient reads position i + padding - k * dilation
+                off_d = pd - kd * dd
+                off_h = ph - kh * dh
+                off_w = pw - kw * dw
+            else:
+                off_d = kd * dd - pd
+                off_h = kh * dh - ph
+                off_w = kw * dw - pw
+            a = x_desc.load([m0 + (off_d * H + off_h) * W + off_w, c0])  # [positions, channels]: the tap's rows
+            id_ = od + off_d
+            ih = oh + off_h
+            iw = ow + off_w
+            ok = (id_ >= 0) & (id_ < D) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = fx.where(ok[:, None], a, fx.zeros_like(a))  # rows whose tap pixel is padding: another row's
+            b = w_desc.load([n0, tap * C + c0])  # [output channels, channels]
         acc = fx.dot(a, fx.trans(b), acc)
 
     co = n0 + fx.arange(0, BLOCK_N)
@@ -122,7 +126,7 @@ def launch_rows_gemm(x5, w2, y5, bias, geom, act: int, transposed: bool, cfg, x_
         x5, w2, y5, bias, x_scale, w_scale,
         m, n_out, c, d, h, w, kd, kh, kw, pd, ph, pw, dd, dh, dw, w2.stride(0), *y5.stride(),
         HAS_BIAS=bias is not None, ACT=act, TRANSPOSED=transposed, X_SCALE=x_scale is not None,
-        W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2,
+        W_SCALE=0 if w_scale is None else 1 if w_scale.numel() == 1 else 2, POINTWISE=geom_pointwise(geom),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
