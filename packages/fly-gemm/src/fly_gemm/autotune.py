@@ -405,20 +405,28 @@ TUNABLE = _make_tunable()
 _FAST: dict = {}  # (m bucket, n, k, dtypes, epilogue, device) -> config: one dict lookup a call
 
 
+def served_config(tunable: Tunable, memo: dict, fast_key, make_key, device, task=None):
+    """``tunable``'s config for a call (the family's three adopters serve theirs through it): ``memo[fast_key]``
+    once resolved (one dict lookup a call; ``fast_key`` holds the bucketed shape and the device), else
+    :meth:`~flydsl.autotune.Tunable.select` of ``make_key()`` on the device's arch (searched winner, shipped
+    artifact or default), memoized unless ``FLYDSL_AUTOTUNE=1`` asks for a search (with ``task()``)."""
+    search = bool(env.get("FLYDSL_AUTOTUNE"))
+    if not search:
+        cfg = memo.get(fast_key)
+        if cfg is not None:
+            return cfg
+    cfg = tunable.select(make_key(), flydsl.arch.name(device), task=task)
+    if not search:
+        memo[fast_key] = cfg
+    return cfg
+
+
 def config_for(m, n, k, in_dtype, out_dtype, epilogue: str, device, *, task=None) -> GemmConfig:
     """The launch config of a GEMM call: searched winner, shipped artifact or :func:`default_config`
     (``FLYDSL_AUTOTUNE=1`` searches with ``task()``)."""
     fast_key = (min(flyc.next_power_of_2(max(m, 1)), _M_CAP), n, k, in_dtype, out_dtype, epilogue, device)
-    search = bool(env.get("FLYDSL_AUTOTUNE"))
-    if not search:
-        cfg = _FAST.get(fast_key)
-        if cfg is not None:
-            return cfg
-    key = tuning_key(m, n, k, in_dtype, out_dtype, epilogue)
-    cfg = TUNABLE.select(key, flydsl.arch.name(device), task=task)
-    if not search:
-        _FAST[fast_key] = cfg
-    return cfg
+    return served_config(TUNABLE, _FAST, fast_key, lambda: tuning_key(m, n, k, in_dtype, out_dtype, epilogue),
+                         device, task)  # fmt: skip
 
 
 def clear_memo() -> None:

@@ -34,13 +34,13 @@ import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
-from flydsl import env
 from flydsl.autotune import SearchTask, Tunable
 from flydsl.checks import check_same_device, check_tensor, describe, dtype_name, parse_dtype
 from flydsl.errors import ArgumentError, DTypeError, ShapeError
 from flydsl.testing import tolerance
 
 from ._kernels.grouped_gemm import launch_group_table, launch_grouped_gemm, launch_grouped_wgrad
+from .autotune import served_config
 
 __all__ = [
     "grouped_gemm", "GroupedGemmConfig", "grouped_gemm_config_valid", "default_grouped_gemm_config",
@@ -245,16 +245,8 @@ def grouped_config_for(kind: str, m_total: int, groups: int, n: int, k: int, in_
     """The config of a grouped GEMM launch: searched winner, shipped artifact or the default (``FLYDSL_AUTOTUNE=1``
     searches once per key, on random operands of the key's shape)."""
     key = grouped_tuning_key(kind, m_total, groups, n, k, in_dtype)
-    search = bool(env.get("FLYDSL_AUTOTUNE"))
-    fast_key = (*key.values(), device)
-    if not search:
-        cfg = _FAST.get(fast_key)
-        if cfg is not None:
-            return cfg
-    cfg = GROUPED_TUNABLE.select(key, flydsl.arch.name(device), task=lambda: _grouped_make_task(key, device))
-    if not search:
-        _FAST[fast_key] = cfg
-    return cfg
+    return served_config(GROUPED_TUNABLE, _FAST, (*key.values(), device), lambda: key, device,
+                         lambda: _grouped_make_task(key, device))  # fmt: skip
 
 
 def clear_grouped_memo() -> None:

@@ -28,12 +28,13 @@ import torch
 
 import flydsl.arch
 import flydsl.compiler as flyc
-from flydsl import env
 from flydsl.autotune import SearchTask, Tunable
 from flydsl.autotune.timer import rotating_copies
 from flydsl.checks import dtype_name, parse_dtype
 from flydsl.errors import ArgumentError
 from flydsl.testing import tolerance
+
+from .autotune import served_config
 
 __all__ = [
     "MoeConfig", "moe_config_valid", "default_moe_config", "moe_smem_bytes", "MOE_TUNABLE", "moe_tuning_key",
@@ -371,16 +372,8 @@ def moe_config_for(tokens, num_experts, inter, hidden, topk, in_dtype, quant: st
     once per key with ``task()``, a :class:`~flydsl.autotune.SearchTask` of the call)."""
     bucket = 1 if tokens <= 1 else min(1 << (tokens - 1).bit_length(), _TOKENS_CAP)
     fast_key = (bucket, num_experts, inter, hidden, topk, in_dtype, quant, device)
-    search = bool(env.get("FLYDSL_AUTOTUNE"))
-    if not search:
-        cfg = _FAST.get(fast_key)
-        if cfg is not None:
-            return cfg
-    key = moe_tuning_key(tokens, num_experts, inter, hidden, topk, in_dtype, quant)
-    cfg = MOE_TUNABLE.select(key, flydsl.arch.name(device), task=task)
-    if not search:
-        _FAST[fast_key] = cfg
-    return cfg
+    return served_config(MOE_TUNABLE, _FAST, fast_key, lambda: moe_tuning_key(tokens, num_experts, inter, hidden,
+                         topk, in_dtype, quant), device, task)  # fmt: skip
 
 
 def clear_moe_memo() -> None:
