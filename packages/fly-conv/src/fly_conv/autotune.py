@@ -450,9 +450,9 @@ def _rows_candidates(p: ConvProblem) -> list[ConvConfig]:
     fp8 128) at the tiles the gathering kernel's searches chose most (128 x 128, 128 x 256, 64 x 128; columns
     up to the output channels), 3 and 4 stages (3 for 128 x 256: shared memory). None for other layers."""
     fp8 = p.dtype.itemsize == 1
-    if p.kind != "implicit" or p.groups != 1 or any(s != 1 for s in p.stride) or (fp8 and p.transposed):
+    if p.kind != "implicit" or p.groups != 1 or any(s != 1 for s in p.stride) or p.dtype.itemsize == 4:
         return []
-    if p.dtype.itemsize == 4:
+    if fp8 and p.transposed:
         return []
     n_cap = _pow2_in(p.n, 16, _MAX_TILE)
     bk = _pow2_in(p.cg, _DOT_MIN_K_8BIT, 128) if fp8 else _pow2_in(p.cg, 16, 64)

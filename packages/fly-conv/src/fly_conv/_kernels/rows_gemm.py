@@ -27,7 +27,7 @@ from flydsl_common.device import row_offset
 
 from .implicit_gemm import conv_epilogue, geom_pointwise, k_step, output_coords
 
-__all__ = ["launch_rows_gemm", "rows_gemm_applies"]
+__all__ = ["launch_rows_gemm", "rows_gemm_applies", "rows_layer", "tma_row_matrix"]
 
 _RUNTIME_SIZES = ["M", "D", "H", "W", "KD", "KH", "KW", "pd", "ph", "pw", "dd", "dh", "dw"]
 
@@ -87,23 +87,31 @@ def _conv_rows_kernel(
 
 
 _TMA_ALIGN = 16  # bytes: a descriptor's base address and every stride but the last
+_MAX_ROWS = 2**31 - 2**20  # a descriptor's dims and the kernels' row index are int32 (less a tap's shift)
+
+
+def rows_layer(x5, y5, geom, groups: int) -> bool:
+    """The layers the row-block kernels serve (this module's and the weight gradient's): stride 1, one group,
+    the output the input's size, so that a tap's input pixel of every position is one row shift away."""
+    return all(s == 1 for s in geom[1]) and groups == 1 and tuple(y5.shape[1:4]) == tuple(x5.shape[1:4])
+
+
+def tma_row_matrix(t5) -> bool:
+    """``t5`` ``[N, D, H, W, C]`` readable as the ``[positions, C]`` matrix of a tensor descriptor: dense
+    (rows of C, then positions), 16-byte rows and base (a misaligned descriptor reads wrong data without an
+    error), fewer than :data:`_MAX_ROWS` positions."""
+    return (t5.is_contiguous() and (t5.shape[4] * t5.element_size()) % _TMA_ALIGN == 0
+            and t5.data_ptr() % _TMA_ALIGN == 0 and t5.numel() // max(1, t5.shape[4]) < _MAX_ROWS)  # fmt: skip
 
 
 def rows_gemm_applies(x5, w2, y5, geom, groups: int, transposed: bool = False) -> bool:
-    """Whether :func:`launch_rows_gemm` serves this launch: stride 1, the output the input's size, one group, fewer
-    than 2^31 positions (less a margin for a tap's shift past the end), 16-bit operands or the fp8 forward's
-    (e4m3, not transposed), ``x5`` ``[N, D, H, W, C]`` dense (rows of C, then positions), the packed weight's
-    rows contiguous, channel counts and the weight's row stride multiples of 16 bytes, 16-byte aligned bases
-    (what a tensor descriptor needs: a misaligned one reads wrong data without an error)."""
-    (_, stride, _, _) = geom
+    """Whether :func:`launch_rows_gemm` serves this launch: a :func:`rows_layer`, ``x5`` a
+    :func:`tma_row_matrix` of 16-bit values (or the fp8 forward's e4m3), the packed weight of its dtype with
+    contiguous 16-byte rows and a 16-byte aligned base."""
     size = x5.element_size()
-    rows = x5.numel() // max(1, x5.shape[4])  # a descriptor's dims and the kernel's row index are int32
-    return (all(s == 1 for s in stride) and groups == 1 and tuple(y5.shape[1:4]) == tuple(x5.shape[1:4])
-            and rows < 2**31 - 2**20
-            and (size == 2 or (size == 1 and not transposed)) and w2.dtype == x5.dtype and x5.is_contiguous()
-            and w2.stride(1) == 1
-            and (x5.shape[4] * size) % _TMA_ALIGN == 0 and (w2.stride(0) * size) % _TMA_ALIGN == 0
-            and x5.data_ptr() % _TMA_ALIGN == 0 and w2.data_ptr() % _TMA_ALIGN == 0)  # fmt: skip
+    return (rows_layer(x5, y5, geom, groups) and tma_row_matrix(x5)
+            and (size == 2 or (size == 1 and not transposed)) and w2.dtype == x5.dtype and w2.stride(1) == 1
+            and (w2.stride(0) * size) % _TMA_ALIGN == 0 and w2.data_ptr() % _TMA_ALIGN == 0)  # fmt: skip
 
 
 @flyc.jit

@@ -26,6 +26,7 @@ from flydsl_common.device import row_offset
 
 from .direct import group_columns
 from .implicit_gemm import output_coords
+from .rows_gemm import rows_layer, tma_row_matrix
 
 __all__ = ["launch_wgrad", "launch_wgrad_rows", "launch_depthwise_wgrad", "rows_kernel_applies"]
 
@@ -227,17 +228,11 @@ def _conv_wgrad_rows_kernel(
 
 
 def rows_kernel_applies(dy5, x5, geom, groups: int) -> bool:
-    """Whether :func:`launch_wgrad_rows` serves this weight gradient: stride 1, the output the input's size,
-    fewer than 2^31 positions (less a margin for a tap's shift), one group, 16-bit operands, both ``[N, D, H,
-    W, C]`` views dense (rows of C, then positions), channel counts a multiple of 8 (a row 16-byte aligned, as
-    a tensor descriptor needs)."""
-    (_, stride, _, _) = geom
-    rows = x5.numel() // max(1, x5.shape[4])  # a descriptor's dims and the kernel's row index are int32
-    return (all(s == 1 for s in stride) and groups == 1 and tuple(dy5.shape[1:4]) == tuple(x5.shape[1:4])
-            and rows < 2**31 - 2**20
-            and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype and x5.is_contiguous() and dy5.is_contiguous()
-            and x5.shape[4] % 8 == 0 and dy5.shape[4] % 8 == 0
-            and x5.data_ptr() % 16 == 0 and dy5.data_ptr() % 16 == 0)  # fmt: skip
+    """Whether :func:`launch_wgrad_rows` serves this weight gradient: a row-block layer whose output gradient
+    and input are both 16-bit tensor-descriptor matrices of one dtype (:func:`.rows_gemm.rows_layer`,
+    :func:`.rows_gemm.tma_row_matrix`)."""
+    return (rows_layer(x5, dy5, geom, groups) and x5.dtype.itemsize == 2 and dy5.dtype == x5.dtype
+            and tma_row_matrix(x5) and tma_row_matrix(dy5))  # fmt: skip
 
 
 @flyc.jit
