@@ -17,7 +17,6 @@ from fly_gemm import grouped_gemm, grouped_gemm_ref
 from fly_gemm.grouped_gemm import (
     GROUPED_TUNABLE,
     GroupedGemmConfig,
-    clear_grouped_memo,
     grouped_candidates,
     grouped_config_for,
     grouped_tuning_key,
@@ -29,16 +28,6 @@ from flydsl.testing import assert_rel_close, default_device, tolerance
 DEV = default_device()
 BF16 = torch.bfloat16
 _mod = importlib.import_module("fly_gemm.grouped_gemm")
-
-
-@pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """An empty local tuning cache and no memoized answers (before and after)."""
-    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
-    clear_grouped_memo()
-    yield tmp_path
-    clear_grouped_memo()
 
 
 def test_key_buckets_rows_a_group_and_keeps_the_shape_exact():

@@ -22,7 +22,6 @@ from fly_gemm.moe_config import (
     MOE_TUNABLE,
     MOE_TUNE_TOKENS,
     MoeConfig,
-    clear_moe_memo,
     default_moe_config,
     moe_candidates,
     moe_config_for,
@@ -42,16 +41,6 @@ ARCHES = {"sm_90": flydsl.arch.SM90, "cpu": flydsl.arch.INTERPRETER}
 SCALED = [(FP8, "block128x128", 128), (FP8, "block64x64", 64), (FP8, "block1x32", 32), (torch.bfloat16, "w4g32", 32),
           (torch.float16, "w4g128", 128), (torch.bfloat16, "mxfp4", 32), (torch.bfloat16, "mxfp4g16", 16),
           (torch.int8, "channel", None), (FP8, "w4a8g64", 64), (FP8, "mxfp4a8", 32)]  # fmt: skip
-
-
-@pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """An empty local tuning cache and no memoized answers (before and after)."""
-    monkeypatch.setenv("FLYDSL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("FLYDSL_AUTOTUNE", raising=False)
-    clear_moe_memo()
-    yield tmp_path
-    clear_moe_memo()
 
 
 def test_key_buckets_tokens_and_keeps_the_shape_exact():

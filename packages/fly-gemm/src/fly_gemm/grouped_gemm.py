@@ -144,8 +144,13 @@ def grouped_tuning_key(kind: str, m_total: int, groups: int, n: int, k: int, in_
     launch's, see the comment above)."""
     if kind not in ("fwd", "dgrad", "wgrad"):
         raise ArgumentError(f"kind: expected 'fwd', 'dgrad' or 'wgrad', got {kind!r}")
-    rows = min(flyc.next_power_of_2(max(1, -(-m_total // max(1, groups)))), _ROWS_CAP)
-    return {"kind": kind, "rows": rows, "groups": groups, "n": n, "k": k, "dtype": dtype_name(in_dtype)}
+    return {"kind": kind, "rows": _rows_bucket(m_total, groups), "groups": groups, "n": n, "k": k,
+            "dtype": dtype_name(in_dtype)}  # fmt: skip
+
+
+def _rows_bucket(m_total: int, groups: int) -> int:
+    """The rows a group of the key: rounded up to a power of two, capped."""
+    return min(flyc.next_power_of_2(max(1, -(-m_total // max(1, groups)))), _ROWS_CAP)
 
 
 def _key_args(key) -> tuple[str, int, int, int, int, torch.dtype]:
@@ -244,9 +249,12 @@ def grouped_config_for(kind: str, m_total: int, groups: int, n: int, k: int, in_
                        device) -> GroupedGemmConfig:  # fmt: skip
     """The config of a grouped GEMM launch: searched winner, shipped artifact or the default (``FLYDSL_AUTOTUNE=1``
     searches once per key, on random operands of the key's shape)."""
-    key = grouped_tuning_key(kind, m_total, groups, n, k, in_dtype)
-    return served_config(GROUPED_TUNABLE, _FAST, (*key.values(), device), lambda: key, device,
-                         lambda: _grouped_make_task(key, device))  # fmt: skip
+    fast_key = (kind, _rows_bucket(m_total, groups), groups, n, k, in_dtype, device)  # the key, as a tuple
+
+    def key():
+        return grouped_tuning_key(kind, m_total, groups, n, k, in_dtype)
+
+    return served_config(GROUPED_TUNABLE, _FAST, fast_key, key, device, lambda: _grouped_make_task(key(), device))
 
 
 def clear_grouped_memo() -> None:
