@@ -289,6 +289,26 @@ def test_wrong_candidate_would_have_been_fastest(tmp_path, caplog):
     assert any("rejected" in r.getMessage() and "block=64" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 26])
+def test_check_in_chunks_matches_the_whole_output(monkeypatch, chunk):
+    """The candidate check widens to float64 a chunk at a time (a huge output would not fit the GPU twice
+    over): the relative error is the whole output's, and a NaN in any chunk, the last one too, rejects."""
+    from flydsl.autotune import tuner
+
+    monkeypatch.setattr(tuner, "_CHECK_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    ref = torch.randn(5, 31, generator=gen, dtype=torch.float64)
+    out = (ref + 1e-3 * torch.randn(5, 31, generator=gen, dtype=torch.float64)).t()  # strided, not contiguous
+    ref = ref.t()
+    err = float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+    assert tuner._mismatch(out, ref, err * 1.0001) is None
+    reason = tuner._mismatch(out, ref, err * 0.999)
+    assert reason is not None and f"{err:.3g}" in reason
+    out = out.clone()
+    out[-1, -1] = float("nan")
+    assert tuner._mismatch(out, ref, 1.0) == "output 0 has NaN or inf"
+
+
 def test_raising_candidate_is_dropped(tmp_path):
     tun = make_tunable(tmp_path)
     kernel = FakeKernel({DEFAULT: 10.0, Cfg(64): 9.0, Cfg(256): 9.5}, raising={Cfg(512)})

@@ -98,6 +98,11 @@ def _flatten(out: Any) -> list[Any]:
     return [out]
 
 
+# Elements a check widens to float64 at once: a whole 7.5e9-element output (a DeepSeek-V3 grouped weight
+# gradient, [256, 4096, 7168]) would take 56 GiB more at once; a chunk takes 512 MiB.
+_CHECK_CHUNK = 1 << 26
+
+
 def _mismatch(out: Any, ref: Any, rtol: float) -> str | None:
     """Why ``out`` does not match ``ref`` within ``rtol``, or None when it does."""
     import torch
@@ -115,12 +120,16 @@ def _mismatch(out: Any, ref: Any, rtol: float) -> str | None:
         if o.shape != r.shape:
             return f"output {i} has shape {tuple(o.shape)}, the reference {tuple(r.shape)}"
         wide = torch.complex128 if (o.is_complex() or r.is_complex()) else torch.float64
-        o64 = o.detach().to(dtype=wide)
-        r64 = r.detach().to(device=o64.device, dtype=wide)
-        if not bool(torch.isfinite(o64).all()):
-            return f"output {i} has NaN or inf"
-        diff = float(torch.linalg.vector_norm(o64 - r64))
-        norm = float(torch.linalg.vector_norm(r64))
+        o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1)
+        diff_sq = norm_sq = 0.0  # squared norms summed over the chunks, in Python's float64
+        for start in range(0, o_flat.numel(), _CHECK_CHUNK):
+            o64 = o_flat[start : start + _CHECK_CHUNK].to(dtype=wide)
+            r64 = r_flat[start : start + _CHECK_CHUNK].to(device=o64.device, dtype=wide)
+            if not bool(torch.isfinite(o64).all()):
+                return f"output {i} has NaN or inf"
+            diff_sq += float(torch.linalg.vector_norm(o64 - r64)) ** 2
+            norm_sq += float(torch.linalg.vector_norm(r64)) ** 2
+        diff, norm = math.sqrt(diff_sq), math.sqrt(norm_sq)
         # An all-zero reference leaves only the absolute error to judge.
         err = diff / norm if norm > 0 else diff
         if not err <= rtol:
