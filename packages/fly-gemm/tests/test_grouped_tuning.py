@@ -130,3 +130,16 @@ def test_autotune_searches_at_the_call_site(fresh, monkeypatch):
     assert_rel_close(grouped_gemm(a[:18], b, offsets.clamp(max=18)), grouped_gemm_ref(a[:18], b, offsets.clamp(max=18)),
                      tol=tolerance(BF16))  # fmt: skip
     assert seen == [("fwd", cfg)]
+
+
+def test_the_shipped_sm90_artifact_covers_the_tuning_set(fresh):
+    """Every key of the tuning set (the three models' training launches at 4096 and 16384 tokens) has an sm_90
+    entry in the shipped artifact, a config of the key's candidate space (a search on the H200 timed it
+    fastest), which is what an sm_90 launch is served."""
+    keys = list(GROUPED_TUNABLE.tune_keys("sm_90"))
+    assert keys
+    for key in keys:
+        cfg, source = GROUPED_TUNABLE.explain(key, "sm_90")
+        assert source == "artifact", key
+        assert GROUPED_TUNABLE.is_valid(cfg, key, "sm_90"), key
+        assert cfg in GROUPED_TUNABLE._candidate_list(key, "sm_90"), key
