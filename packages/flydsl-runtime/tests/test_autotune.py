@@ -32,6 +32,7 @@ from flydsl.autotune import (
     atomic_write_json,
     identity,
     key_string,
+    narrowed,
     precompile,
     tune_artifact,
     write_artifact,
@@ -598,6 +599,41 @@ def test_tune_artifact_writes_what_select_serves(tmp_path):
         assert {"arch", "device_name", "triton", "torch", "key", "config", "time_us", "default_time_us"} <= set(e)
     assert tun.explain(KEY, ARCH) == (Cfg(64), "artifact")
     assert not (tmp_path / "cache").exists()  # offline tuning does not touch the local cache
+
+
+def test_narrowed_searches_the_new_candidates_against_the_shipped_entry(tmp_path):
+    """``narrowed(t, {"warps": 8})``: a key with an artifact entry searches the default, that entry and the
+    candidates with 8 warps (a new part of the space), and keeps the entry when none beats it; a key without
+    an entry searches the whole space; the winner is merged into the artifact."""
+    space = [Cfg(64), Cfg(256), Cfg(512), Cfg(64, 8), Cfg(256, 8)]
+    timed = {}
+
+    def make_task(key, device):
+        times = {DEFAULT: 10.0, Cfg(64): 8.0, Cfg(256): 7.0, Cfg(512): 9.0, Cfg(64, 8): 7.5,
+                 Cfg(256, 8): 6.0 if key["n"] == 2048 else 7.2}
+        timed[key["n"]] = kernel = FakeKernel(times)
+        return kernel.task()
+
+    other = {**KEY, "n": 2048}
+    tun = make_tunable(tmp_path, candidates=space, make_task=make_task)
+    write_toy_artifact(tmp_path, {"block": 256, "warps": 4})
+    write_artifact(tmp_path / "artifacts" / "toy_fwd.json", "toy_fwd",
+                   [{"arch": ARCH, "key": other, "config": {"block": 256, "warps": 4}, "time_us": 7.0}])
+    third = {**KEY, "n": 4096}  # no entry: the whole space
+    tune_artifact(narrowed(tun, {"warps": 8}), [KEY, other, third], ARCH, "cpu", progress=False)
+    assert set(timed[1024].timed) == {DEFAULT, Cfg(256), Cfg(64, 8), Cfg(256, 8)}
+    assert set(timed[4096].timed) == {DEFAULT, *space}
+    fresh = make_tunable(tmp_path, candidates=space)
+    assert fresh.explain(KEY, ARCH) == (Cfg(256), "artifact")  # 7.0 held against 7.2 and 7.5
+    assert fresh.explain(other, ARCH) == (Cfg(256, 8), "artifact")  # the new candidate won: 6.0
+    assert fresh.explain(third, ARCH) == (Cfg(256), "artifact")  # the whole space's fastest
+
+
+@pytest.mark.parametrize("where, match", [({}, "non-empty"), ({"tiles": 2}, "tiles not a field of Cfg"),
+                                           ([1], "non-empty object")])
+def test_narrowed_names_a_bad_filter(tmp_path, where, match):
+    with pytest.raises(TuningError, match=match):
+        narrowed(make_tunable(tmp_path), where)
 
 
 def test_tune_artifact_needs_make_task(tmp_path):

@@ -166,3 +166,41 @@ def test_cli_tune_passes_jobs_and_the_selected_keys(monkeypatch, tmp_path):
                         lambda t, keys, arch, device, out_path=None, jobs=1: calls.append((keys, jobs)) or tmp_path)
     assert cli.main(["tune", "toy", "--jobs", "3", "--match", '{"n": 2}', "--allow-interpreter"]) == 0
     assert calls == [([{"n": 2}], 3)]
+
+
+def test_cli_tune_candidates_narrows_each_tunable(monkeypatch, tmp_path, capsys):
+    """``--candidates JSON`` hands tune_artifact the tunable narrowed to those candidates (against the artifact
+    being written); JSON that is not an object of config fields is refused naming the option."""
+    import dataclasses as dc
+
+    import flydsl.autotune
+    from flydsl.autotune import Tunable
+
+    @dc.dataclass(frozen=True)
+    class Cfg:
+        block: int
+        warps: int = 4
+
+    toy = Tunable("toy_fwd", Cfg, default=lambda key, arch: Cfg(128),
+                  candidates=lambda key, arch: [Cfg(64), Cfg(64, 8), Cfg(256, 8)], is_valid=lambda c, k, a: True,
+                  artifact_dir=tmp_path,
+                  tune_keys=lambda arch: [{"n": 1}])  # fmt: skip
+    seen = []
+    monkeypatch.setattr(cli, "discover", lambda: {"toy": Family("toy", "toy", "toy", "0", tunables=lambda: [toy])})
+    monkeypatch.setattr(flydsl.autotune, "tune_artifact",
+                        lambda t, keys, arch, device, out_path=None, jobs=1: seen.append(t) or tmp_path)
+    from flydsl.autotune import write_artifact
+
+    write_artifact(tmp_path / "toy_fwd.json", "toy_fwd",
+                   [{"arch": "cpu", "key": {"n": 1}, "config": {"block": 256, "warps": 4}, "time_us": 1.0}])
+    assert cli.main(["tune", "toy", "--candidates", '{"warps": 8}', "--allow-interpreter"]) == 0
+    assert seen[0] is not toy and seen[0].candidates({"n": 1}, "cpu") == [Cfg(256), Cfg(64, 8), Cfg(256, 8)]
+    assert seen[0].candidates({"n": 2}, "cpu") == [Cfg(64), Cfg(64, 8), Cfg(256, 8)]  # no entry: all
+    assert cli.main(["tune", "toy", "--candidates", '{"warps": 8}', "--out", str(tmp_path / "new"),
+                     "--allow-interpreter"]) == 0  # fmt: skip
+    assert seen[1].candidates({"n": 1}, "cpu") == [Cfg(64), Cfg(64, 8), Cfg(256, 8)]  # new file: no entry
+    assert cli.main(["tune", "toy", "--candidates", "warps=8", "--allow-interpreter"]) == 2
+    assert "--candidates: expected a JSON object" in capsys.readouterr().err
+    assert cli.main(["tune", "toy", "--candidates", '{"tiles": 2}', "--allow-interpreter"]) == 2
+    assert "tiles not a field of Cfg" in capsys.readouterr().err
+    assert len(seen) == 2

@@ -134,12 +134,18 @@ def _select_keys(keys, match, missing, tunable, arch_name, out):
 
 def cmd_tune(args) -> int:
     from . import arch
-    from .autotune import tune_artifact
+    from .autotune import TuningError, narrowed, tune_artifact
 
     fams = _pick(discover(), args.family)
     a = arch.current()
     if a.is_interpreter and not args.allow_interpreter:
         print("flydsl tune: no GPU visible; artifacts must be generated on the GPU they describe", file=sys.stderr)
+        return 2
+    try:
+        where = json.loads(args.candidates) if args.candidates else None
+    except json.JSONDecodeError as e:
+        print(f"flydsl tune: --candidates: expected a JSON object of config fields, got {args.candidates!r} ({e})",
+              file=sys.stderr)  # fmt: skip
         return 2
     total = 0
     for fam in fams:
@@ -153,6 +159,12 @@ def cmd_tune(args) -> int:
             keys = [json.loads(k) for k in args.key] if args.key else list(t.tune_keys(a.name))
             out = Path(args.out) / f"{t.name}.json" if args.out else None
             keys = _select_keys(keys, args.match, args.missing, t, a.name, out)
+            if where is not None:
+                try:
+                    t = narrowed(t, where, out)
+                except TuningError as e:
+                    print(f"flydsl tune: --candidates: {e}", file=sys.stderr)
+                    return 2
             if not keys:
                 print(f"{fam.name}/{t.name}: no tuning keys for {a.name}")
                 continue
@@ -283,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='only keys holding every item of this JSON object, e.g. \'{"dtype": "bf16"}\' '
                         "(repeatable: any of them)")
     s.add_argument("--missing", action="store_true", help="only keys the artifact being written has no entry for")
+    s.add_argument("--candidates", default=None, metavar="JSON",
+                   help='search only the candidates holding every item of this JSON object of config fields, '
+                        'e.g. \'{"tma": true}\', against the default and each key\'s entry in the artifact '
+                        "being written (keys without one: the whole space): what a change added to a space")
     s.add_argument("--out", default=None, help="folder for the artifacts (default: inside the family package)")
     s.add_argument("--jobs", type=int, default=1,
                    help="compile the candidates first in this many processes (each holds one key's operands on "

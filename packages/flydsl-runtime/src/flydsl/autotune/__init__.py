@@ -24,7 +24,7 @@ from .store import (
     write_artifact,
 )
 from .timer import Timing, bench, rotating_copies
-from .tuner import TIE_TOLERANCE, SearchResult, SearchTask, Tunable, precompile, tune_artifact
+from .tuner import TIE_TOLERANCE, SearchResult, SearchTask, Tunable, narrowed, precompile, tune_artifact
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -41,6 +41,7 @@ __all__ = [
     "bench",
     "identity",
     "key_string",
+    "narrowed",
     "rotating_copies",
     "precompile",
     "tune_artifact",

@@ -425,6 +425,38 @@ class Tunable:
         return result
 
 
+def narrowed(tunable: Tunable, where: Mapping[str, Any], artifact: Path | None = None) -> Tunable:
+    """``tunable`` whose search holds, for each key, only the candidates with every item of ``where`` (a
+    config field -> value) beside the key's entry in ``artifact`` (default: the tunable's own), which an
+    earlier search found over the rest of the space; a key without an entry keeps the whole space. The
+    default is searched as always. What a change added to a space is then searched against what it must
+    beat, in a fraction of a full search."""
+    fields = {f.name for f in dataclasses.fields(tunable.config_type)}
+    if not isinstance(where, Mapping) or not where:
+        raise TuningError(f"candidates: expected a non-empty object of {tunable.config_type.__name__} fields, "
+                          f"got {where!r}")  # fmt: skip
+    unknown = sorted(set(where) - fields)
+    if unknown:
+        raise TuningError(f"candidates: {', '.join(unknown)} not a field of {tunable.config_type.__name__} "
+                          f"(fields: {', '.join(sorted(fields))})")  # fmt: skip
+    if artifact is None:
+        if tunable.artifact_dir is None:
+            raise TuningError(f"{tunable.name} has no artifact_dir; pass the artifact")
+        artifact = Path(tunable.artifact_dir) / f"{tunable.name}.json"
+    shipped = ArtifactFile(Path(artifact), tunable.name)
+    space = tunable.candidates
+
+    def candidates(key: Mapping[str, Any], arch: str) -> list[Any]:
+        entry = shipped.lookup(arch, key)
+        if entry is None:
+            return list(space(key, arch))
+        held = tunable._restore(entry, key, arch, str(artifact))
+        new = [c for c in space(key, arch) if all(getattr(c, f) == v for f, v in where.items())]
+        return ([] if held is None else [held]) + new
+
+    return dataclasses.replace(tunable, candidates=candidates)
+
+
 def tune_artifact(
     tunable: Tunable,
     keys: Iterable[Mapping[str, Any]] | None,
