@@ -629,6 +629,13 @@ def test_narrowed_searches_the_new_candidates_against_the_shipped_entry(tmp_path
     assert fresh.explain(third, ARCH) == (Cfg(256), "artifact")  # the whole space's fastest
 
 
+def test_narrowed_lists_an_entry_that_holds_the_filter_once(tmp_path):
+    """The key's entry is searched once, also when it is one of the filtered candidates."""
+    write_toy_artifact(tmp_path, {"block": 256, "warps": 8})
+    tun = narrowed(make_tunable(tmp_path, candidates=[Cfg(64, 8), Cfg(256, 8), Cfg(512)]), {"warps": 8})
+    assert tun.candidates(KEY, ARCH) == [Cfg(256, 8), Cfg(64, 8)]
+
+
 @pytest.mark.parametrize("where, match", [({}, "non-empty"), ({"tiles": 2}, "tiles not a field of Cfg"),
                                            ([1], "non-empty object")])
 def test_narrowed_names_a_bad_filter(tmp_path, where, match):

@@ -125,8 +125,8 @@ def _select_keys(keys, match, missing, tunable, arch_name, out):
     if match:
         wanted = [json.loads(m) for m in match]
         keys = [k for k in keys if any(all(k.get(f) == v for f, v in w.items()) for w in wanted)]
-    if missing:
-        path = out if out is not None else Path(tunable.artifact_dir or ".") / f"{tunable.name}.json"
+    path = (out if out is not None else tunable.artifact_path) if missing else None
+    if path is not None:  # without an artifact every key is missing
         art = ArtifactFile(path, tunable.name)
         keys = [k for k in keys if art.lookup(arch_name, k) is None]
     return keys

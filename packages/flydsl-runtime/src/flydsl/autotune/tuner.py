@@ -261,14 +261,17 @@ class Tunable:
                 )
             return self.search(key, arch, task(), persist=True).config
 
+    @property
+    def artifact_path(self) -> Path | None:
+        """The shipped artifact's file: ``artifact_dir / f"{name}.json"`` (None without an artifact_dir)."""
+        return None if self.artifact_dir is None else Path(self.artifact_dir) / f"{self.name}.json"
+
     def _artifact(self) -> ArtifactFile | None:
-        if self.artifact_dir is None:
+        if self.artifact_path is None:
             return None
         art = self._state.get("artifact")
         if art is None:
-            art = self._state.setdefault(
-                "artifact", ArtifactFile(Path(self.artifact_dir) / f"{self.name}.json", self.name)
-            )
+            art = self._state.setdefault("artifact", ArtifactFile(self.artifact_path, self.name))
         return art
 
     def _restore(self, data: dict, key: Mapping[str, Any], arch: str, where: str) -> Any | None:
@@ -439,10 +442,9 @@ def narrowed(tunable: Tunable, where: Mapping[str, Any], artifact: Path | None =
     if unknown:
         raise TuningError(f"candidates: {', '.join(unknown)} not a field of {tunable.config_type.__name__} "
                           f"(fields: {', '.join(sorted(fields))})")  # fmt: skip
+    artifact = artifact if artifact is not None else tunable.artifact_path
     if artifact is None:
-        if tunable.artifact_dir is None:
-            raise TuningError(f"{tunable.name} has no artifact_dir; pass the artifact")
-        artifact = Path(tunable.artifact_dir) / f"{tunable.name}.json"
+        raise TuningError(f"{tunable.name} has no artifact_dir; pass the artifact")
     shipped = ArtifactFile(Path(artifact), tunable.name)
     space = tunable.candidates
 
@@ -451,8 +453,8 @@ def narrowed(tunable: Tunable, where: Mapping[str, Any], artifact: Path | None =
         if entry is None:
             return list(space(key, arch))
         held = tunable._restore(entry, key, arch, str(artifact))
-        new = [c for c in space(key, arch) if all(getattr(c, f) == v for f, v in where.items())]
-        return ([] if held is None else [held]) + new
+        new = [c for c in space(key, arch) if c != held and all(getattr(c, f) == v for f, v in where.items())]
+        return ([] if held is None else [held]) + new  # the entry once, though it may hold ``where`` too
 
     return dataclasses.replace(tunable, candidates=candidates)
 
@@ -484,10 +486,9 @@ def tune_artifact(
 
     if tunable.make_task is None:
         raise TuningError(f"{tunable.name} has no make_task, so it cannot be tuned offline")
+    out_path = out_path if out_path is not None else tunable.artifact_path
     if out_path is None:
-        if tunable.artifact_dir is None:
-            raise TuningError(f"{tunable.name} has no artifact_dir; pass out_path")
-        out_path = Path(tunable.artifact_dir) / f"{tunable.name}.json"
+        raise TuningError(f"{tunable.name} has no artifact_dir; pass out_path")
     keys = list(tunable.tune_keys(arch) if keys is None else keys)
     if not keys:
         raise TuningError(f"no keys to tune {tunable.name} for on {arch}")
